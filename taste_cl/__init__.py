@@ -1,0 +1,32 @@
+"""taste_cl: continual-learning personalization for PyTorch models on edge devices.
+
+The public API is flat; adapters (Avalanche, ONNX Runtime, Flower) live in
+``taste_cl.adapters`` and are never imported from here, so ``import taste_cl`` stays light.
+"""
+
+from taste_cl.drift import PageHinkley
+from taste_cl.exceptions import CheckpointError, InvalidBatchError, MissingDependencyError, TasteCLError
+from taste_cl.learner import ObserveStats, OnlineLearner
+from taste_cl.monitor import MonitorEvent, StabilityPlasticityMonitor
+from taste_cl.plugins import LearnerPlugin
+from taste_cl.replay import BufferStorage, ClassBalancedReplay, ReplayStrategy, ReservoirReplay
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BufferStorage",
+    "CheckpointError",
+    "ClassBalancedReplay",
+    "InvalidBatchError",
+    "LearnerPlugin",
+    "MissingDependencyError",
+    "MonitorEvent",
+    "ObserveStats",
+    "OnlineLearner",
+    "PageHinkley",
+    "ReplayStrategy",
+    "ReservoirReplay",
+    "StabilityPlasticityMonitor",
+    "TasteCLError",
+    "__version__",
+]

@@ -1,0 +1,43 @@
+"""Exceptions raised by taste_cl.
+
+Every error caused by bad user input is a :class:`ValueError` subclass, so callers
+that already catch ``ValueError`` keep working; the message names what was wrong,
+the rule and the value received.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "InvalidBatchError",
+    "MissingDependencyError",
+    "TasteCLError",
+]
+
+
+class TasteCLError(Exception):
+    """Base class of all taste_cl errors."""
+
+
+class InvalidBatchError(TasteCLError, ValueError):
+    """A batch given to ``observe``/``predict`` or a replay strategy is malformed.
+
+    Raised before any state is touched: the model, optimizer, buffer and monitor
+    are exactly as they were before the call.
+    """
+
+
+class CheckpointError(TasteCLError, ValueError):
+    """A checkpoint is missing, truncated, tampered with, or does not fit the learner."""
+
+
+class MissingDependencyError(TasteCLError, ImportError):
+    """An optional extra is needed; the message says which ``pip install`` fixes it."""
+
+    def __init__(self, package: str, extra: str) -> None:
+        super().__init__(
+            f"{package!r} is required for this feature but is not installed; "
+            f"install it with: pip install 'taste-cl[{extra}]'"
+        )
+        self.package = package
+        self.extra = extra
