@@ -1,0 +1,64 @@
+"""Stable keys for on-disk caches: what model, on what hardware, under what load.
+
+The batch-size tuner and the elastic profiler both cache measurements; a cached
+measurement is reusable only for the same model signature on the same hardware.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from collections.abc import Sequence
+
+import psutil
+import torch
+from torch import nn
+
+__all__ = ["hardware_fingerprint", "load_bucket", "model_signature"]
+
+
+def _digest(payload: object) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_signature(model: nn.Module, input_shape: Sequence[int], dtype: torch.dtype) -> str:
+    """Hash of the architecture (module tree), parameter names/shapes/trainability, input shape and dtype."""
+    payload = {
+        "modules": [f"{name}:{type(module).__name__}:{module.extra_repr()}" for name, module in model.named_modules()],
+        "parameters": [[name, list(p.shape), str(p.dtype)] for name, p in model.named_parameters()],
+        "input_shape": [int(d) for d in input_shape],
+        "dtype": str(dtype),
+    }
+    return _digest(payload)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_bucket(*, interval: float = 0.2) -> str:
+    """Coarse CPU load level of the machine now: ``idle``, ``busy`` or ``saturated``."""
+    percent = psutil.cpu_percent(interval=interval)
+    return "idle" if percent < 30 else "busy" if percent < 80 else "saturated"
+
+
+def hardware_fingerprint(*, load: str | None = None) -> str:
+    """Hash of CPU model, core and torch thread counts, torch version and (optionally) a load bucket."""
+    payload = {
+        "cpu": _cpu_model(),
+        "machine": platform.machine(),
+        "cores": psutil.cpu_count(logical=True),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load": load,
+    }
+    return _digest(payload)
