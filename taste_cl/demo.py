@@ -18,18 +18,25 @@ from taste_cl._report import format_table
 from taste_cl.datasets import make_mlp, split_digits
 from taste_cl.experiment import StreamResult, run_class_incremental
 from taste_cl.learner import OnlineLearner
-from taste_cl.replay import ReservoirReplay
+from taste_cl.replay import ReplayStrategy, ReservoirReplay
 
 __all__ = ["build_digits_learner", "main", "plot_result"]
 
 
-def build_digits_learner(*, replay_capacity: int = 200, lr: float = 0.1, seed: int = 0) -> OnlineLearner:
-    """The reference setup: 64-128-128-10 MLP, SGD, reservoir replay, 3 rehearsal steps per batch."""
+def build_digits_learner(
+    *, replay_capacity: int = 200, replay: ReplayStrategy | None = None, lr: float = 0.1, seed: int = 0
+) -> OnlineLearner:
+    """The reference setup: 64-128-128-10 MLP, SGD, replay, 3 rehearsal steps per batch.
+
+    ``replay`` overrides the default ``ReservoirReplay(replay_capacity)`` (0 = no replay).
+    """
     model = make_mlp(seed=seed)
+    if replay is None and replay_capacity:
+        replay = ReservoirReplay(replay_capacity, seed=seed)
     return OnlineLearner(
         model,
         optimizer=torch.optim.SGD(model.parameters(), lr=lr),
-        replay=ReservoirReplay(replay_capacity, seed=seed) if replay_capacity else None,
+        replay=replay,
         replay_batch_size=10,
         train_iterations=3,
     )

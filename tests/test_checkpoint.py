@@ -1,0 +1,176 @@
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from taste_cl import CheckpointError, ClassBalancedReplay, OnlineLearner
+from taste_cl.checkpoint import CHECKPOINT_FILE, write_checkpoint
+from helpers import batch, snapshot, tiny_learner
+
+TESTS = Path(__file__).parent
+
+
+def _params(learner: OnlineLearner) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in learner.model.parameters()]
+
+
+def _fresh_parts():
+    torch.manual_seed(123)  # different init: load must overwrite it
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_save_load_continue_equals_an_uninterrupted_run(tmp_path):
+    uninterrupted = tiny_learner()
+    for seed in range(20):
+        uninterrupted.observe(batch(seed=seed))
+
+    torch.manual_seed(7)
+    first_half = tiny_learner()
+    for seed in range(10):
+        first_half.observe(batch(seed=seed))
+    first_half.save(tmp_path)
+    torch.manual_seed(999)  # the process that resumes has another global RNG state
+    model, optimizer = _fresh_parts()
+    resumed = OnlineLearner.load(tmp_path, model=model, optimizer=optimizer)
+    for seed in range(10, 20):
+        resumed.observe(batch(seed=seed))
+    assert all(torch.equal(a, b) for a, b in zip(_params(uninterrupted), _params(resumed)))
+    assert resumed.monitor.report() == uninterrupted.monitor.report()
+    assert torch.equal(resumed.replay.sample(5)[0], uninterrupted.replay.sample(5)[0])
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(TESTS)!r})
+        from helpers import batch, tiny_learner
+        learner = tiny_learner()
+        for seed in range(10):
+            learner.observe(batch(seed=seed))
+        learner.save({str(tmp_path)!r})
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr.decode()
+    uninterrupted = tiny_learner()
+    for seed in range(20):
+        uninterrupted.observe(batch(seed=seed))
+    model, optimizer = _fresh_parts()
+    resumed = OnlineLearner.load(tmp_path, model=model, optimizer=optimizer)  # restores the global RNG too
+    for seed in range(10, 20):
+        resumed.observe(batch(seed=seed))
+    assert all(torch.equal(a, b) for a, b in zip(_params(uninterrupted), _params(resumed)))
+
+
+def test_class_balanced_buffer_and_counters_survive(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    learner = OnlineLearner(model, replay=ClassBalancedReplay(9, seed=1))
+    for seed in range(5):
+        learner.observe(batch(seed=seed))
+    learner.save(tmp_path)
+    loaded = OnlineLearner.load(tmp_path, model=nn.Linear(4, 3))
+    assert isinstance(loaded.replay, ClassBalancedReplay)
+    assert loaded.replay.class_counts() == learner.replay.class_counts()
+    assert (loaded.samples_seen, loaded.steps, loaded.input_shape) == (40, 5, (4,))
+    assert snapshot(loaded) == snapshot(learner)
+
+
+def _saved(tmp_path) -> Path:
+    learner = tiny_learner()
+    learner.observe(batch())
+    learner.save(tmp_path)
+    return tmp_path / CHECKPOINT_FILE
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: p.unlink(), "does not exist"),
+        (lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2]), "checksum mismatch"),
+        (lambda p: p.write_bytes(b""), "bad header"),
+        (lambda p: p.write_bytes(b"garbage" * 10), "bad header"),
+        (lambda p: p.write_bytes(p.read_bytes()[:-1] + bytes([p.read_bytes()[-1] ^ 1])), "checksum mismatch"),
+    ],
+)
+def test_damaged_checkpoints_give_clear_errors_and_leave_the_model_alone(tmp_path, damage, message):
+    path = _saved(tmp_path)
+    damage(path)
+    model, optimizer = _fresh_parts()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CheckpointError, match=message):
+        OnlineLearner.load(tmp_path, model=model, optimizer=optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def _torch_saved(obj) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("serialize", [lambda obj: pickle.dumps(obj, protocol=2), _torch_saved])
+def test_a_malicious_pickle_payload_is_refused_not_executed(tmp_path, monkeypatch, serialize):
+    monkeypatch.chdir(tmp_path)
+    # A well-formed, correctly checksummed file whose payload would run a command if unpickled.
+    import hashlib
+    from taste_cl import checkpoint
+
+    payload = serialize({"format": 1, "evil": _Payload()})
+    data = checkpoint._MAGIC + hashlib.sha256(payload).digest() + payload
+    (tmp_path / CHECKPOINT_FILE).write_bytes(data)
+    with pytest.raises(CheckpointError, match="could not be loaded safely"):
+        OnlineLearner.load(tmp_path, model=nn.Linear(4, 3))
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    learner = tiny_learner()
+    learner.observe(batch())
+    learner.save(tmp_path)
+    good = (tmp_path / CHECKPOINT_FILE).read_bytes()
+    learner.observe(batch(seed=1))
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        learner.save(tmp_path)
+    monkeypatch.undo()
+    assert (tmp_path / CHECKPOINT_FILE).read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_FILE]  # no temp file left
+
+
+def test_mismatched_model_or_optimizer_is_rejected_and_rolled_back(tmp_path):
+    _saved(tmp_path)
+    with pytest.raises(CheckpointError, match="does not fit"):
+        OnlineLearner.load(tmp_path, model=nn.Linear(4, 3))
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3))
+    with pytest.raises(CheckpointError, match="holds SGD state; got a Adam"):
+        OnlineLearner.load(tmp_path, model=model, optimizer=torch.optim.Adam(model.parameters()))
+
+
+def test_unknown_format_and_custom_replay_need_explicit_handling(tmp_path):
+    write_checkpoint(tmp_path, {"format": 99})
+    with pytest.raises(CheckpointError, match="format 99"):
+        OnlineLearner.load(tmp_path, model=nn.Linear(4, 3))

@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from taste_cl import PageHinkley, StabilityPlasticityMonitor
+from taste_cl.demo import build_digits_learner
+from taste_cl.experiment import run_class_incremental
+from helpers import batch, tiny_learner
+
+
+@pytest.fixture(scope="module")
+def digits_runs():
+    from taste_cl.datasets import split_digits
+
+    tasks = split_digits(5)
+    runs = {}
+    for capacity in (200, 0):
+        torch.manual_seed(0)
+        learner = build_digits_learner(replay_capacity=capacity)
+        events = []
+        learner.monitor.subscribe(events.append)
+        run_class_incremental(learner, tasks, batch_size=10)
+        runs[capacity] = (learner.monitor.report(), events)
+    return runs
+
+
+def test_replay_keeps_stability_and_no_replay_forgets(digits_runs):
+    with_replay, without = digits_runs[200][0], digits_runs[0][0]
+    assert with_replay["stability"] > 0.75 and without["stability"] < 0.35
+    assert without["forgetting"] > 0.6 and with_replay["forgetting"] < 0.25
+    # both learn the newest classes: plasticity is high either way
+    assert with_replay["plasticity"] > 0.6 and without["plasticity"] > 0.6
+    assert set(with_replay["per_class_accuracy"]) == set(range(10))
+
+
+def test_drift_is_detected_at_the_task_boundaries(digits_runs):
+    report, events = digits_runs[200]
+    drift_steps = [e.step for e in events if e.name == "drift_detected"]
+    boundaries = [27, 55, 82, 109]  # steps (batches of 10) where tasks 1..4 begin
+    assert len(drift_steps) == 4
+    assert all(0 <= d - b <= 5 for d, b in zip(drift_steps, boundaries)), drift_steps
+    assert report["drift"]["count"] == 4
+
+
+def test_forgetting_rising_fires_without_replay(digits_runs):
+    names = [e.name for e in digits_runs[0][1]]
+    assert "forgetting_rising" in names
+
+
+def test_subscribe_filters_and_unsubscribes():
+    monitor = StabilityPlasticityMonitor()
+    heard, all_events = [], []
+    stop = monitor.subscribe(heard.append, event="drift_detected")
+    monitor.subscribe(all_events.append)
+    monitor.emit("drift_detected", loss=1.0)
+    monitor.emit("numerical_fault")
+    monitor.dispatch()
+    stop()
+    monitor.emit("drift_detected")
+    monitor.dispatch()
+    assert [e.name for e in heard] == ["drift_detected"]
+    assert [e.name for e in all_events] == ["drift_detected", "numerical_fault", "drift_detected"]
+    with pytest.raises(ValueError, match="unknown event 'drfit'"):
+        monitor.subscribe(print, event="drfit")
+
+
+def test_history_is_bounded():
+    monitor = StabilityPlasticityMonitor(max_events=5, window=3)
+    for _ in range(20):
+        monitor.emit("numerical_fault")
+    monitor.dispatch()
+    assert len(monitor.events) == 5 and monitor.report()["events"]["numerical_fault"] == 20
+    learner = tiny_learner(monitor=monitor)
+    for seed in range(10):
+        learner.observe(batch(seed=seed))
+    assert len(monitor.state_dict()["recent"]) == 3
+
+
+def test_page_hinkley_detects_an_upward_shift_and_ignores_noise():
+    generator = torch.Generator().manual_seed(0)
+    detector = PageHinkley()
+    calm = [detector.update(0.5 + 0.1 * float(torch.randn(1, generator=generator))) for _ in range(500)]
+    assert not any(calm)
+    shifted = [detector.update(2.5 + 0.1 * float(torch.randn(1, generator=generator))) for _ in range(10)]
+    assert any(shifted[:3])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"min_instances": 0}, "min_instances"), ({"threshold": 0}, "threshold"), ({"alpha": 1.5}, "alpha")],
+)
+def test_page_hinkley_parameters_are_validated(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PageHinkley(**kwargs)
+    with pytest.raises(ValueError, match="non-finite"):
+        PageHinkley().update(float("nan"))
