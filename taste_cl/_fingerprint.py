@@ -15,7 +15,7 @@ import psutil
 import torch
 from torch import nn
 
-__all__ = ["hardware_fingerprint", "load_bucket", "model_signature"]
+__all__ = ["hardware_fingerprint", "model_signature"]
 
 
 def _digest(payload: object) -> str:
@@ -42,12 +42,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def load_bucket(*, interval: float = 0.2) -> str:
-    """Coarse CPU load level of the machine now: ``idle``, ``busy`` or ``saturated``."""
-    percent = psutil.cpu_percent(interval=interval)
-    return "idle" if percent < 30 else "busy" if percent < 80 else "saturated"
 
 
 def hardware_fingerprint(*, load: str | None = None) -> str:

@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -36,7 +36,7 @@ from taste_cl.monitor import StabilityPlasticityMonitor
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.replay import ClassBalancedReplay, ReplayStrategy, ReservoirReplay
 
-__all__ = ["ObserveStats", "OnlineLearner"]
+__all__ = ["BatchPlan", "ObserveStats", "OnlineLearner"]
 
 CHECKPOINT_FORMAT = 1
 _BUILTIN_REPLAY: dict[str, type[ReservoirReplay] | type[ClassBalancedReplay]] = {
@@ -47,13 +47,61 @@ _MONITOR_CONFIG = ("probe_capacity", "eval_every", "window", "forgetting_thresho
 
 
 @dataclass(frozen=True)
+class BatchPlan:
+    """How stream samples become optimizer steps (set by the batch-size tuner)."""
+
+    micro_batch_size: int
+    accumulation_steps: int = 1
+    lr_scale: float = 1.0
+
+
+@dataclass
+class _Totals:
+    """Running sums over the micro-batches of one ``observe`` call."""
+
+    losses: list[float] = field(default_factory=list)
+    batch_size: int = 0
+    replay_samples: int = 0
+    micro_batches: int = 0
+    steps: int = 0
+    skipped: bool = False
+    correct: int = 0
+    scored: int = 0
+
+    def add_micro(self, loss: float, size: int, n_replay: int) -> None:
+        self.losses.append(loss)
+        self.batch_size = max(self.batch_size, size)
+        self.replay_samples += n_replay
+        self.micro_batches += 1
+
+    def add_step(self, applied: bool | None) -> None:
+        self.steps += bool(applied)
+        self.skipped |= applied is False
+
+    def add_scored(self, correct: int, n: int) -> None:
+        self.correct += correct
+        self.scored += n
+
+    @property
+    def mean_loss(self) -> float:
+        return sum(self.losses) / len(self.losses) if self.losses else math.nan
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.scored if self.scored else math.nan
+
+
+@dataclass(frozen=True)
 class ObserveStats:
     """What one ``observe`` call did.
 
     ``loss`` is the mean training loss over stream and replay samples; ``accuracy`` is
     the prequential accuracy on the stream samples, scored before training on them.
-    ``skipped`` is true when a non-finite loss or gradient was detected and no update
-    was applied.
+    ``skipped`` is true when a non-finite loss or gradient was detected and an update
+    was not applied. ``batch_size`` is the largest micro-batch trained (stream plus
+    replay); ``micro_batches`` counts forward/backward passes, ``steps`` optimizer steps.
+    With a batch plan, samples may wait for a full micro-batch: then ``loss`` and
+    ``accuracy`` are NaN and ``micro_batches`` is 0.
     """
 
     loss: float
@@ -64,6 +112,7 @@ class ObserveStats:
     steps: int
     step_time_s: float
     skipped: bool = False
+    micro_batches: int = 1
 
 
 class OnlineLearner:
@@ -136,6 +185,12 @@ class OnlineLearner:
         self.plugins = list(plugins)
         self.samples_seen = 0
         self.steps = 0
+        self.batch_plan: BatchPlan | None = None
+        self._base_lrs: list[float] | None = None
+        self._stream_batch_size: int | None = None
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._accumulated = 0
+        self._window_finite = True
         self._lock = threading.RLock()
         for plugin in self.plugins:
             plugin.on_attach(self)
@@ -152,6 +207,29 @@ class OnlineLearner:
         return first.dtype if first is not None else torch.float32
 
     # -------------------------------------------------------------- learning
+    def set_batch_plan(self, micro_batch_size: int | None, *, accumulation_steps: int = 1, lr_scale: float = 1.0) -> None:
+        """Train in micro-batches of ``micro_batch_size`` samples (stream plus replay share),
+        ``accumulation_steps`` micro-batches per optimizer step, at ``lr_scale`` times the
+        learning rates the optimizer had when the first plan was set.
+
+        Stream samples are buffered until a micro-batch is full, whatever ``observe``
+        receives. ``None`` returns to one step per ``observe``. The batch-size tuner
+        calls this; an accumulation window in progress is applied first.
+        """
+        with self._lock:
+            if micro_batch_size is not None and micro_batch_size < 1:
+                raise ValueError(f"`micro_batch_size == {micro_batch_size}`, must be >= 1 or None")
+            if accumulation_steps < 1 or not lr_scale > 0:
+                raise ValueError(f"need accumulation_steps >= 1 and lr_scale > 0; got {accumulation_steps}, {lr_scale}")
+            self._apply_accumulated()
+            if self._base_lrs is None:
+                self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
+            plan = None if micro_batch_size is None else BatchPlan(micro_batch_size, accumulation_steps, lr_scale)
+            scale = 1.0 if plan is None else plan.lr_scale
+            for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+                group["lr"] = base * scale
+            self.batch_plan = plan
+
     def observe(self, batch: BatchLike) -> ObserveStats:
         """Test-then-train on one stream batch ``(x, y)`` or ``{"x": x, "y": y}``.
 
@@ -160,42 +238,72 @@ class OnlineLearner:
         """
         with self._lock:
             x, y = self._validate(batch)
-            first = self.steps == 0
-            if first:
+            if self._stream_batch_size is None:
+                self._stream_batch_size = x.shape[0]
                 for plugin in self.plugins:
                     plugin.on_first_batch(self, x)
             start = time.perf_counter()
-            n_replay = min(self.replay_batch_size, len(self.replay)) if self.replay is not None else 0
-            steps, losses = 0, []
-            for iteration in range(self.train_iterations):
-                train_x, train_y = self._with_replay(x, y, n_replay)
-                logits, loss, skipped = self.train_step(train_x, train_y)
-                if iteration == 0:
-                    stream_logits = logits[: x.shape[0]]  # scored before any update on this batch
-                steps += not skipped
-                losses.append(loss)
+            totals = _Totals()
+            for chunk_x, chunk_y, n_replay in self._chunks(x, y):
+                self._learn_chunk(chunk_x, chunk_y, n_replay, totals)
             elapsed = time.perf_counter() - start
-            self.monitor.record(x, y, stream_logits)
-            if self.replay is not None:
-                self.replay.add(x, y)
             self.samples_seen += x.shape[0]
             self.steps += 1
-            if self.monitor.due():
-                self.monitor.evaluate(self._logits)
             stats = ObserveStats(
-                loss=sum(losses) / len(losses),
-                accuracy=float((stream_logits.argmax(dim=1) == y).float().mean()),
+                loss=totals.mean_loss,
+                accuracy=totals.accuracy,
                 samples=x.shape[0],
-                replay_samples=n_replay,
-                batch_size=x.shape[0] + n_replay,
-                steps=steps,
+                replay_samples=totals.replay_samples,
+                batch_size=totals.batch_size,
+                steps=totals.steps,
                 step_time_s=elapsed,
-                skipped=steps < self.train_iterations,
+                skipped=totals.skipped,
+                micro_batches=totals.micro_batches,
             )
             for plugin in self.plugins:
                 plugin.after_observe(self, stats)
             self.monitor.dispatch()
             return stats
+
+    def _chunks(self, x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Split the stream into training chunks: the batch itself, or full micro-batches of the plan."""
+        stored = len(self.replay) if self.replay is not None else 0
+        if self.batch_plan is None:
+            return [(x, y, min(self.replay_batch_size, stored))]
+        micro = self.batch_plan.micro_batch_size
+        assert self._stream_batch_size is not None
+        share = self.replay_batch_size / (self._stream_batch_size + self.replay_batch_size) if self.replay else 0.0
+        replay_part = min(int(round(micro * share)), micro - 1)
+        stream_part = micro - replay_part
+        pending_x = x if self._pending is None else torch.cat([self._pending[0], x])
+        pending_y = y if self._pending is None else torch.cat([self._pending[1], y])
+        full = pending_x.shape[0] // stream_part * stream_part
+        self._pending = None if full == pending_x.shape[0] else (pending_x[full:], pending_y[full:])
+        return [
+            (pending_x[i : i + stream_part], pending_y[i : i + stream_part], min(replay_part, stored))
+            for i in range(0, full, stream_part)
+        ]
+
+    def _learn_chunk(self, x: torch.Tensor, y: torch.Tensor, n_replay: int, totals: _Totals) -> None:
+        """Score ``x`` (test), train ``train_iterations`` micro-batches on it with replay, then store it."""
+        for iteration in range(self.train_iterations):
+            train_x, train_y = self._with_replay(x, y, n_replay)
+            logits, loss = self._micro_step(train_x, train_y)
+            if iteration == 0:
+                stream_logits = logits[: x.shape[0]]  # scored before any update on this chunk
+            totals.add_micro(loss, train_x.shape[0], n_replay)
+            if self._accumulated == self._accumulation_steps:
+                totals.add_step(self._apply_accumulated())
+        totals.add_scored(int((stream_logits.argmax(dim=1) == y).sum()), y.shape[0])
+        self.monitor.record(x, y, stream_logits)
+        if self.replay is not None:
+            self.replay.add(x, y)
+        if self.monitor.due():
+            self.monitor.evaluate(self._logits)
+
+    @property
+    def _accumulation_steps(self) -> int:
+        return 1 if self.batch_plan is None else self.batch_plan.accumulation_steps
 
     def _with_replay(self, x: torch.Tensor, y: torch.Tensor, n_replay: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not n_replay:
@@ -204,28 +312,58 @@ class OnlineLearner:
         replay_x, replay_y = self.replay.sample(n_replay)
         return torch.cat([x, replay_x.to(self.device)]), torch.cat([y, replay_y.to(self.device)])
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
-        """One optimizer step on validated tensors; return (detached logits, loss, skipped).
-
-        A non-finite loss or gradient skips the update and emits ``numerical_fault``.
-        """
-        for plugin in self.plugins:
-            plugin.before_step(self)
+    def _micro_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Forward and backward one micro-batch, adding its share to the accumulated gradient."""
+        if self._accumulated == 0:
+            for plugin in self.plugins:
+                plugin.before_step(self)
         self.model.train()
         logits = self.model(x)
         loss = self.loss_fn(logits, y)
         loss_value = float(loss.detach())
-        skipped = not math.isfinite(loss_value)
-        if not skipped:
-            loss.backward()
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            skipped = bool(grads) and not math.isfinite(float(torch.nn.utils.get_total_norm(grads)))
-            if not skipped:
-                self.optimizer.step()
+        if math.isfinite(loss_value):
+            (loss / self._accumulation_steps).backward()
+        else:
+            self._window_finite = False
+        self._accumulated += 1
+        return logits.detach(), loss_value
+
+    def _apply_accumulated(self) -> bool | None:
+        """Apply the accumulated gradient; return True if applied, False if skipped, None if nothing was pending.
+
+        A non-finite loss or gradient in the window skips the update and emits ``numerical_fault``.
+        """
+        if self._accumulated == 0:
+            return None
+        if self._accumulated < self._accumulation_steps:  # partial window: make it a mean again
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(self._accumulation_steps / self._accumulated)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        applied = self._window_finite and not (grads and not math.isfinite(float(torch.nn.utils.get_total_norm(grads))))
+        if applied:
+            self.optimizer.step()
+        else:
+            self.monitor.emit("numerical_fault", micro_batches=self._accumulated)
         self.optimizer.zero_grad(set_to_none=True)
-        if skipped:
-            self.monitor.emit("numerical_fault", loss=loss_value)
-        return logits.detach(), loss_value, skipped
+        self._accumulated, self._window_finite = 0, True
+        return applied
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
+        """One optimizer step on validated tensors, outside the stream bookkeeping.
+
+        Returns (detached logits, loss, skipped). Any accumulation window in progress is
+        applied first.
+        """
+        with self._lock:
+            self._apply_accumulated()
+            saved_plan, self.batch_plan = self.batch_plan, None
+            try:
+                logits, loss = self._micro_step(x, y)
+                applied = self._apply_accumulated()
+            finally:
+                self.batch_plan = saved_plan
+            return logits, loss, not applied
 
     def predict(self, x: Any) -> torch.Tensor:
         """Logits for ``x`` in eval mode without gradients; changes no state."""
@@ -278,6 +416,15 @@ class OnlineLearner:
                     "optimizer_type": type(self.optimizer).__name__,
                 },
                 "counters": {"samples_seen": self.samples_seen, "steps": self.steps},
+                "training": {
+                    "batch_plan": None if self.batch_plan is None else vars(self.batch_plan).copy(),
+                    "base_lrs": self._base_lrs,
+                    "stream_batch_size": self._stream_batch_size,
+                    "pending": None if self._pending is None else list(self._pending),
+                    "accumulated": self._accumulated,
+                    "window_finite": self._window_finite,
+                    "grads": [None if p.grad is None else p.grad.clone() for p in self.model.parameters()],
+                },
                 "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "replay_type": None if self.replay is None else type(self.replay).__name__,
@@ -354,6 +501,16 @@ class OnlineLearner:
                 raise CheckpointError(f"checkpoint does not fit this learner: {error}") from error
             self.samples_seen = int(state["counters"]["samples_seen"])
             self.steps = int(state["counters"]["steps"])
+            training = state["training"]
+            plan = training["batch_plan"]
+            self.batch_plan = None if plan is None else BatchPlan(**plan)
+            self._base_lrs = training["base_lrs"]
+            self._stream_batch_size = training["stream_batch_size"]
+            self._pending = None if training["pending"] is None else tuple(training["pending"])
+            self._accumulated = int(training["accumulated"])
+            self._window_finite = bool(training["window_finite"])
+            for param, grad in zip(self.model.parameters(), training["grads"]):
+                param.grad = grad
             torch.set_rng_state(state["rng"]["torch"])
 
 

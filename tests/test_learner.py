@@ -55,7 +55,7 @@ def test_stats_report_replay_use_and_steps():
     first = learner.observe(batch(seed=0))
     second = learner.observe(batch(seed=1))
     assert (first.replay_samples, first.batch_size, first.steps) == (0, 8, 3)
-    assert (second.replay_samples, second.batch_size) == (4, 12)
+    assert (second.replay_samples, second.batch_size) == (12, 12)  # 4 replayed in each of 3 steps
     assert learner.samples_seen == 16 and learner.steps == 2
 
 
