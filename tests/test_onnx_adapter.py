@@ -26,6 +26,15 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models train several times faster on one thread than on two contended ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 4))
 
@@ -213,3 +222,11 @@ def test_cli_export_writes_a_loadable_folder(tmp_path: Path, capsys: pytest.Capt
     assert "training_model.onnx" in capsys.readouterr().out
     device = OrtOnlineLearner.from_artifacts(tmp_path / "art")
     assert device.trainable == ["4.weight", "4.bias"] and len(device.replay) == 200
+
+
+def test_missing_extra_names_the_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from taste_cl import MissingDependencyError
+
+    monkeypatch.setitem(__import__("sys").modules, "onnxruntime.training.api", None)
+    with pytest.raises(MissingDependencyError, match=r"'onnxruntime-training-cpu'.*taste-cl\[onnx\]"):
+        OrtOnlineLearner.from_artifacts(tmp_path)
