@@ -102,8 +102,13 @@ def _publish(staging: Path, target: Path) -> None:
         return
     backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
     os.replace(target, backup / target.name)
-    os.replace(staging, target)
-    shutil.rmtree(backup)
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        os.replace(backup / target.name, target)  # put the earlier folder back
+        raise
+    finally:
+        shutil.rmtree(backup)
 
 
 def _staging_dir(target: Path) -> Path:
