@@ -16,9 +16,11 @@ __all__ = ["BENCHMARKS", "main"]
 # benchmark name -> module with a ``main(argv) -> int``
 BENCHMARKS: dict[str, str] = {
     "online-digits": "taste_cl.benchmarks.online_digits",
+    "onnx": "taste_cl.benchmarks.onnx_training",
 }
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("taste_cl.demo", "online class-incremental stream on sklearn digits, with a plot"),
+    "export": ("taste_cl.export", "train the digits learner (or load a checkpoint), export ONNX Runtime artifacts"),
 }
 
 

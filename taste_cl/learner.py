@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -437,6 +438,12 @@ class OnlineLearner:
     def save(self, directory: str | os.PathLike[str]) -> None:
         """Atomically write a checkpoint into ``directory`` (created if needed)."""
         write_checkpoint(directory, self.state_dict())
+
+    def export_onnx(self, directory: str | os.PathLike[str], **kwargs: Any) -> Path:
+        """Write ONNX Runtime on-device training artifacts; see :func:`taste_cl.adapters.onnx.export`."""
+        from taste_cl.adapters.onnx import export  # lazy: the [onnx] extra is optional
+
+        return export(self, directory, **kwargs)
 
     @classmethod
     def load(

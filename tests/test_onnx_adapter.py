@@ -1,0 +1,232 @@
+"""ONNX Runtime adapter: torch/ORT training parity, round trip, tampering and bad input."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("onnxruntime.training")
+
+import onnxruntime  # noqa: E402
+
+from taste_cl import CheckpointError, OnlineLearner  # noqa: E402
+from taste_cl.adapters.onnx import OrtOnlineLearner, UnsupportedOperatorError, export  # noqa: E402
+from taste_cl.datasets import split_digits, stream  # noqa: E402
+from taste_cl.demo import build_digits_learner  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models train several times faster on one thread than on two contended ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 4 * 4, 4)
+    )
+
+
+MODELS = {"mlp": (_mlp, (12,)), "cnn": (_cnn, (1, 8, 8))}
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01),
+}
+
+
+def _learner(model: nn.Module, shape: tuple[int, ...], optimizer: str = "sgd") -> OnlineLearner:
+    return OnlineLearner(
+        model, optimizer=OPTIMIZERS[optimizer](model.parameters()), input_shape=shape, num_classes=4
+    )
+
+
+@pytest.fixture(scope="module")
+def digits_artifacts(tmp_path_factory: pytest.TempPathFactory) -> tuple[OnlineLearner, Path, list]:
+    """The reference digits learner after two tasks, and its exported artifacts."""
+    torch.manual_seed(0)
+    tasks = split_digits(5)
+    learner = build_digits_learner()
+    for _, x, y in stream(tasks[:2], 10):
+        learner.observe((x, y))
+    folder = export(learner, tmp_path_factory.mktemp("digits") / "artifacts", batch_size=10)
+    return learner, folder, tasks
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_torch_and_ort_training_agree(tmp_path: Path, kind: str, optimizer: str) -> None:
+    build, shape = MODELS[kind]
+    learner = _learner(build(), shape, optimizer)
+    device = OrtOnlineLearner.from_artifacts(export(learner, tmp_path / "art"))
+    for step, batch_size in enumerate([8, 3, 8, 5, 3, 8]):  # the batch axis is dynamic
+        x, y = torch.randn(batch_size, *shape), torch.randint(0, 4, (batch_size,))
+        torch_logits, torch_loss, _ = learner.train_step(x, y)
+        ort_logits, ort_loss, skipped = device.train_step(x.numpy(), y.numpy())
+        assert not skipped
+        assert ort_logits.shape == (batch_size, 4)
+        assert ort_loss == pytest.approx(torch_loss, rel=1e-4), f"step {step}"
+    ort_params = device.parameters()
+    for name, param in learner.model.named_parameters():
+        np.testing.assert_allclose(ort_params[name], param.detach().numpy(), rtol=0, atol=1e-4, err_msg=name)
+
+
+def test_round_trip_keeps_learning_and_inference_model_matches(digits_artifacts, tmp_path: Path) -> None:
+    learner, folder, tasks = digits_artifacts
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["input"] == {"name": "input", "shape": ["batch", 64], "dtype": "float32"}
+    assert manifest["batch_size"] == 10 and manifest["optimizer"] == {"type": "sgd", "lr": pytest.approx(0.1)}
+    device = OrtOnlineLearner.from_artifacts(folder)
+    assert (len(device.replay), device.replay.seen) == (len(learner.replay), learner.replay.seen)
+    new = tasks[2]
+    np.testing.assert_allclose(device.predict(new.x_test), learner.predict(new.x_test).numpy(), atol=1e-5)
+    before = float((device.predict(new.x_test).argmax(1) == new.y_test.numpy()).mean())
+    for _, x, y in stream([new], 10):
+        stats = device.observe((x.numpy(), y.numpy()))
+        assert stats.replay_samples == 10 and stats.steps == 3
+    after = float((device.predict(new.x_test).argmax(1) == new.y_test.numpy()).mean())
+    assert before == 0.0 and after > 0.8  # unseen classes, then learned on device
+    old = tasks[0]
+    assert float((device.predict(old.x_test).argmax(1) == old.y_test.numpy()).mean()) > 0.5  # replay kept task 0
+    session = onnxruntime.InferenceSession(str(device.export_inference_model(tmp_path / "model.onnx")))
+    (logits,) = session.run(None, {"input": new.x_test.numpy()})
+    np.testing.assert_allclose(logits, device.predict(new.x_test), atol=1e-5)
+
+
+def test_save_resumes_weights_buffer_and_optimizer_state(tmp_path: Path) -> None:
+    learner = _learner(_mlp(), (12,), "adamw")
+    learner.replay_batch_size = 0
+    device = OrtOnlineLearner.from_artifacts(export(learner, tmp_path / "art"))
+    batches = [(np.random.default_rng(i).normal(size=(6, 12)).astype(np.float32), np.arange(6) % 4) for i in range(4)]
+    for batch in batches[:2]:
+        device.observe(batch)
+    resumed = OrtOnlineLearner.from_artifacts(device.save(tmp_path / "saved"))
+    assert (resumed.samples_seen, resumed.steps) == (12, 2)
+    for batch in batches[2:]:
+        assert resumed.observe(batch).loss == pytest.approx(device.observe(batch).loss, rel=1e-6)
+    np.testing.assert_allclose(resumed.predict(batches[0][0]), device.predict(batches[0][0]), atol=1e-6)
+
+
+def test_requires_grad_selects_what_trains_on_device(tmp_path: Path) -> None:
+    model = _mlp()
+    model[0].requires_grad_(False)  # e.g. a last-layers-only personalisation
+    learner = _learner(model, (12,))
+    folder = learner.export_onnx(tmp_path / "art")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["trainable"] == ["2.weight", "2.bias"] and manifest["frozen"] == ["0.weight", "0.bias"]
+    device = OrtOnlineLearner.from_artifacts(folder)
+    start = device.parameters()
+    device.observe((torch.randn(8, 12), torch.randint(0, 4, (8,))))
+    end = device.parameters()
+    np.testing.assert_array_equal(end["0.weight"], start["0.weight"])
+    assert not np.allclose(end["2.weight"], start["2.weight"])
+
+
+def test_unsupported_op_is_named_and_nothing_is_left_behind(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(12, 8), nn.Hardswish(), nn.Linear(8, 4))
+    with pytest.raises(UnsupportedOperatorError, match="HardSwish"):
+        export(_learner(model, (12,)), tmp_path / "art")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda folder: (folder / "checkpoint").unlink(), "'checkpoint' is missing"),
+        (lambda folder: (folder / "training_model.onnx").write_bytes(b"tampered"), "'training_model.onnx'.*SHA-256"),
+        (lambda folder: (folder / "replay.npz").write_bytes(b"x"), "'replay.npz'.*modified"),
+        (lambda folder: (folder / "manifest.json").write_text("{"), "not valid JSON"),
+        (lambda folder: (folder / "manifest.json").unlink(), "no manifest.json"),
+    ],
+)
+def test_damaged_artifacts_are_refused_naming_the_file(digits_artifacts, tmp_path: Path, damage, match: str) -> None:
+    import shutil
+
+    folder = Path(shutil.copytree(digits_artifacts[1], tmp_path / "copy"))
+    damage(folder)
+    with pytest.raises(CheckpointError, match=match):
+        OrtOnlineLearner.from_artifacts(folder)
+
+
+@pytest.mark.parametrize(
+    ("learner", "kwargs", "error", "match"),
+    [
+        (lambda: _learner(_mlp(), (12,)), {"optimizer": "adam"}, ValueError, r"`optimizer == 'adam'`"),
+        (lambda: _learner(_mlp(), (12,)), {"lr": 0.0}, ValueError, r"`lr == 0.0`, must be a finite number > 0"),
+        (lambda: _learner(_mlp(), (12,)), {"trainable": ["9.weight"]}, ValueError, r"unknown parameters \['9.weight'\]"),
+        (lambda: _learner(_mlp(), (12,)), {"batch_size": 0}, ValueError, r"`batch_size == 0`"),
+        (lambda: OnlineLearner(_mlp()), {}, ValueError, "has not observed a batch"),
+        (
+            lambda: OnlineLearner(
+                (m := _mlp()), optimizer=torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), input_shape=(12,), num_classes=4
+            ),
+            {},
+            ValueError,
+            "ONNX Runtime's SGD is plain SGD",
+        ),
+        (
+            lambda: OnlineLearner((m := _mlp()), optimizer=torch.optim.Adam(m.parameters()), input_shape=(12,), num_classes=4),
+            {},
+            ValueError,
+            "learner uses Adam",
+        ),
+    ],
+)
+def test_bad_export_arguments(tmp_path: Path, learner, kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        export(learner(), tmp_path / "art", **kwargs)
+    assert not (tmp_path / "art").exists()
+
+
+def test_refuses_to_overwrite_a_folder_that_holds_other_files(tmp_path: Path) -> None:
+    (tmp_path / "art").mkdir()
+    (tmp_path / "art" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="non-empty folder without manifest.json"):
+        export(_learner(_mlp(), (12,)), tmp_path / "art")
+    assert (tmp_path / "art" / "notes.txt").read_text() == "mine"
+
+
+def test_bad_batch_on_device_changes_nothing(digits_artifacts) -> None:
+    device = OrtOnlineLearner.from_artifacts(digits_artifacts[1])
+    before = device.parameters()
+    with pytest.raises(ValueError, match="feature shape"):
+        device.observe((np.zeros((4, 63), np.float32), np.zeros(4, np.int64)))
+    with pytest.raises(ValueError, match="label 10 out of range"):
+        device.observe((np.zeros((4, 64), np.float32), np.full(4, 10)))
+    assert device.samples_seen == digits_artifacts[0].samples_seen
+    for name, value in device.parameters().items():
+        np.testing.assert_array_equal(value, before[name])
+
+
+def test_cli_export_writes_a_loadable_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from taste_cl.cli import main
+
+    assert main(["export", "--out", str(tmp_path / "art"), "--tasks", "1", "--last-layer-only"]) == 0
+    assert "training_model.onnx" in capsys.readouterr().out
+    device = OrtOnlineLearner.from_artifacts(tmp_path / "art")
+    assert device.trainable == ["4.weight", "4.bias"] and len(device.replay) == 200
+
+
+def test_missing_extra_names_the_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from taste_cl import MissingDependencyError
+
+    monkeypatch.setitem(__import__("sys").modules, "onnxruntime.training.api", None)
+    with pytest.raises(MissingDependencyError, match=r"'onnxruntime-training-cpu'.*taste-cl\[onnx\]"):
+        OrtOnlineLearner.from_artifacts(tmp_path)
