@@ -100,7 +100,7 @@ def test_round_trip_keeps_learning_and_inference_model_matches(digits_artifacts,
     before = float((device.predict(new.x_test).argmax(1) == new.y_test.numpy()).mean())
     for _, x, y in stream([new], 10):
         stats = device.observe((x.numpy(), y.numpy()))
-        assert stats.replay_samples == 10 and stats.steps == 3
+        assert stats.replay_samples == 30 and stats.steps == 3  # 10 replayed in each of 3 steps
     after = float((device.predict(new.x_test).argmax(1) == new.y_test.numpy()).mean())
     assert before == 0.0 and after > 0.8  # unseen classes, then learned on device
     old = tasks[0]
