@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["Task", "make_mlp", "split_digits", "stream"]
+__all__ = ["Task", "make_cnn", "make_mlp", "make_pattern_images", "split_digits", "stream"]
 
 
 @dataclass(frozen=True)
@@ -80,3 +80,29 @@ def make_mlp(in_features: int = 64, hidden: int = 128, n_classes: int = 10, *, s
         )
     finally:
         torch.set_rng_state(generator_state)
+
+
+def make_cnn(n_classes: int = 10, *, channels: int = 3, seed: int = 0) -> nn.Module:
+    """The 3-conv CNN used for throughput benchmarks (3x32x32 inputs by default)."""
+    generator_state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return nn.Sequential(
+            nn.Conv2d(channels, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(), nn.Linear(64, n_classes),
+        )
+    finally:
+        torch.set_rng_state(generator_state)
+
+
+def make_pattern_images(n: int, *, n_classes: int = 10, size: int = 32, noise: float = 0.6, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generated 3-channel images: each class is a fixed random low-frequency pattern plus noise."""
+    generator = torch.Generator().manual_seed(seed)
+    coarse = torch.randn(n_classes, 3, 4, 4, generator=generator)
+    patterns = nn.functional.interpolate(coarse, size=(size, size), mode="bilinear", align_corners=False)
+    y = torch.randint(0, n_classes, (n,), generator=generator)
+    x = patterns[y] + noise * torch.randn(n, 3, size, size, generator=generator)
+    return x, y
+

@@ -279,7 +279,7 @@ class OnlineLearner:
         pending_x = x if self._pending is None else torch.cat([self._pending[0], x])
         pending_y = y if self._pending is None else torch.cat([self._pending[1], y])
         full = pending_x.shape[0] // stream_part * stream_part
-        self._pending = None if full == pending_x.shape[0] else (pending_x[full:], pending_y[full:])
+        self._pending = None if full == pending_x.shape[0] else (pending_x[full:].clone(), pending_y[full:].clone())
         return [
             (pending_x[i : i + stream_part], pending_y[i : i + stream_part], min(replay_part, stored))
             for i in range(0, full, stream_part)

@@ -15,16 +15,17 @@ import torch
 from taste_cl.exceptions import InvalidBatchError
 from taste_cl.replay import ReplayStrategy
 
-__all__ = ["check_replay_strategy"]
+__all__ = ["check_replay_strategy", "states_equal"]
 
 
-def _states_equal(a: Any, b: Any) -> bool:
+def states_equal(a: Any, b: Any) -> bool:
+    """Whether two state dicts are equal: same keys and structure, bit-identical tensors."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_states_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_states_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b))
     return bool(a == b)
 
 
@@ -72,7 +73,7 @@ def check_replay_strategy(strategy: ReplayStrategy, *, n_features: int = 4, n_cl
     torch.save(state, buffer)
     buffer.seek(0)
     restored = torch.load(buffer, weights_only=True)
-    if not _states_equal(strategy.state_dict(), state):
+    if not states_equal(strategy.state_dict(), state):
         raise _fail(strategy, "sample() returned views into the store, or sampling changed stored data")
     first = strategy.sample(k)
     strategy.load_state_dict(restored)
@@ -87,5 +88,5 @@ def check_replay_strategy(strategy: ReplayStrategy, *, n_features: int = 4, n_cl
         pass
     else:
         raise _fail(strategy, "add() accepted x and y of different lengths; raise InvalidBatchError")
-    if not _states_equal(strategy.state_dict(), before):
+    if not states_equal(strategy.state_dict(), before):
         raise _fail(strategy, "a rejected add() changed the state")

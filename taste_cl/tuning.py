@@ -111,7 +111,7 @@ def measure_throughput(
     batch_size: int,
     *,
     min_time: float = 0.15,
-    warmup: int = 2,
+    warmup: int = 1,
     blocks: int = 3,
     dtype: torch.dtype = torch.float32,
 ) -> float:
@@ -225,7 +225,8 @@ class BatchSizeTuner(LearnerPlugin):
         Probes of a tune that starts from cached observations (bounded retune cost).
     effective_batch_size:
         Samples per optimizer step. ``None``: one micro-batch per step (the effective
-        batch follows the tuned one). Otherwise micro-batches are accumulated up to it.
+        batch follows the tuned one). Otherwise micro-batches are accumulated up to it
+        (rounded up to a whole number of micro-batches).
     scale_lr:
         Scale the learning rate linearly with the effective batch relative to the
         reference batch the optimizer was configured for (``reference_batch_size``,
@@ -298,6 +299,7 @@ class BatchSizeTuner(LearnerPlugin):
         self.history_: deque[dict[str, Any]] = deque(maxlen=100)  # (re)tunes: when, why, what
         self._load_meter = LoadMeter()
         self._rates: deque[float] = deque(maxlen=calibration_window)
+        self._foreign: deque[float] = deque(maxlen=calibration_window)
         self._shift = _LoadShiftState(baseline=None, bucket="idle")
         self._pending_reason: str | None = None
         self._observes = 0
@@ -340,34 +342,39 @@ class BatchSizeTuner(LearnerPlugin):
             acq_func="EI",
             random_state=self.seed,
             model_queue_size=1,
+            avoid_duplicates=False,
         )
         if cached:
             search.tell([[index[b]] for b, _ in cached], [-math.log(s) for _, s in cached])
         probes: list[tuple[int, float]] = []
+        measured = {b for b, _ in cached}
         for _ in range(min(calls, len(candidates))):
-            batch = candidates[int(search.ask()[0])]
+            suggested = int(search.ask()[0])
+            batch = candidates[suggested]
+            if batch in measured:
+                if len(probes) >= self.n_initial_points + 2:
+                    break  # the surrogate insists on a point it knows: converged
+                batch = min((b for b in candidates if b not in measured), key=lambda b: abs(index[b] - suggested))
+            measured.add(batch)
             rate = measure_throughput(
                 model, optimizer, loss_fn, input_shape, num_classes, batch, min_time=self.min_probe_time, dtype=dtype
             )
             probes.append((batch, rate))
             search.tell([index[batch]], -math.log(rate))
         observations = cached + probes
-        best, rate = self._best(search, observations, index)
+        best, rate = self._best(observations)
         self.cache.save(key, observations)
         result = TuningResult(best, rate, probes, time.perf_counter() - start, bool(cached), key, candidates)
         logger.info("tuned batch size %d (%.0f samples/s) with %d probes in %.2fs (warm=%s)", best, rate, len(probes), result.seconds, result.warm)
         return result
 
     @staticmethod
-    def _best(search: Any, observations: list[tuple[int, float]], index: dict[int, int]) -> tuple[int, float]:
-        """Among measured batch sizes, the one the surrogate rates fastest (smooths probe noise)."""
-        measured = sorted({b for b, _ in observations})
-        if search.models:
-            predicted = search.models[-1].predict(search.space.transform([[index[b]] for b in measured]))
-            best = measured[int(predicted.argmin())]
-            return best, math.exp(-float(predicted.min()))
-        best, rate = max(observations, key=lambda item: item[1])
-        return best, rate
+    def _best(observations: list[tuple[int, float]]) -> tuple[int, float]:
+        """The batch with the highest mean measured throughput (repeats average out noise)."""
+        by_batch: dict[int, list[float]] = {}
+        for batch, rate in observations:
+            by_batch.setdefault(batch, []).append(rate)
+        return max(((b, statistics.fmean(r)) for b, r in by_batch.items()), key=lambda item: item[1])
 
     # ------------------------------------------------------------ as a plugin
     def on_attach(self, learner: OnlineLearner, **kwargs: Any) -> None:
@@ -385,6 +392,7 @@ class BatchSizeTuner(LearnerPlugin):
         self._observes += 1
         if stats.micro_batches and stats.step_time_s > 0:
             self._rates.append(stats.micro_batches * stats.batch_size / stats.step_time_s)
+            self._foreign.append(self._load_meter.read())
         reason = self._pending_reason or self._load_shift_reason(learner)
         if reason is None and self.retune_every and self._observes % self.retune_every == 0:
             reason = f"schedule (every {self.retune_every} observes)"
@@ -401,7 +409,7 @@ class BatchSizeTuner(LearnerPlugin):
             self._shift = _LoadShiftState(baseline=rate, bucket=self._shift.bucket)
             return None
         ratio = rate / self._shift.baseline
-        bucket = load_bucket(self._load_meter.read())
+        bucket = load_bucket(statistics.median(self._foreign))
         reason = None
         if ratio < 1 / (1 + self.load_tolerance) or ratio > 1 + self.load_tolerance:
             reason = f"load shift: training rate {rate:.0f} samples/s vs baseline {self._shift.baseline:.0f} (x{ratio:.2f})"
@@ -421,12 +429,12 @@ class BatchSizeTuner(LearnerPlugin):
         self.result_ = result
         if self.reference_batch_size is None and reference is not None:
             self.reference_batch_size = reference
-        effective = self.effective_batch_size or result.batch_size
-        accumulation = max(1, math.ceil(effective / result.batch_size))
-        effective = accumulation * result.batch_size if self.effective_batch_size is None else effective
+        accumulation = max(1, math.ceil((self.effective_batch_size or result.batch_size) / result.batch_size))
+        effective = accumulation * result.batch_size  # the requested effective batch, rounded up to whole micro-batches
         lr_scale = effective / self.reference_batch_size if self.scale_lr and self.reference_batch_size else 1.0
         learner.set_batch_plan(result.batch_size, accumulation_steps=accumulation, lr_scale=lr_scale)
         self._rates.clear()
+        self._foreign.clear()
         self._shift = _LoadShiftState(baseline=None, bucket=load_bucket(foreign))
         entry = {
             "step": learner.steps,

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from taste_cl import OnlineLearner, ReservoirReplay
+from taste_cl.testing import states_equal
 
 
 def tiny_learner(*, replay_capacity: int = 20, lr: float = 0.1, momentum: float = 0.9, **kwargs: Any) -> OnlineLearner:
@@ -27,8 +28,18 @@ def batch(n: int = 8, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 4, generator=generator), torch.randint(0, 3, (n,), generator=generator)
 
 
-def snapshot(learner: OnlineLearner) -> bytes:
-    """Serialized learner state (model, optimizer, buffer, monitor, RNG): equal bytes = identical state."""
+class Snapshot:
+    """A deep copy of learner state (model, optimizer, buffer, monitor, RNG); == compares bit for bit."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Snapshot) and states_equal(self.state, other.state)
+
+
+def snapshot(learner: OnlineLearner) -> Snapshot:
     buffer = io.BytesIO()
-    torch.save(learner.state_dict(), buffer)
-    return buffer.getvalue()
+    torch.save(learner.state_dict(), buffer)  # a deep copy that shares no memory with the learner
+    buffer.seek(0)
+    return Snapshot(torch.load(buffer, weights_only=True))
