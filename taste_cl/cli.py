@@ -17,7 +17,9 @@ __all__ = ["BENCHMARKS", "main"]
 BENCHMARKS: dict[str, str] = {
     "batch-size": "taste_cl.benchmarks.batch_size",
     "online-digits": "taste_cl.benchmarks.online_digits",
+    "federated": "taste_cl.benchmarks.federated",
     "onnx": "taste_cl.benchmarks.onnx_training",
+    "vs-avalanche": "taste_cl.benchmarks.vs_avalanche",
 }
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("taste_cl.demo", "online class-incremental stream on sklearn digits, with a plot"),

@@ -1,0 +1,229 @@
+"""Avalanche adapter, both directions, on a tiny split-digits stream."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("avalanche")
+warnings.filterwarnings("ignore", module="qpsolvers")
+
+from avalanche.benchmarks.scenarios.online import split_online_stream  # noqa: E402
+from avalanche.training import Naive  # noqa: E402
+from avalanche.training.plugins import EvaluationPlugin, ReplayPlugin  # noqa: E402
+from avalanche.training.storage_policy import (  # noqa: E402
+    ClassBalancedBuffer,
+    ParametricBuffer,
+    ReservoirSamplingBuffer,
+)
+
+from taste_cl import InvalidBatchError, MissingDependencyError, OnlineLearner, StabilityPlasticityMonitor  # noqa: E402
+from taste_cl.adapters import avalanche as adapter  # noqa: E402
+from taste_cl.adapters.avalanche import (  # noqa: E402
+    AvalancheReplay,
+    avalanche_metrics,
+    benchmark_from_tasks,
+    run_on_avalanche_stream,
+)
+from taste_cl.datasets import Task, make_mlp, split_digits  # noqa: E402
+
+POLICIES = {
+    "reservoir": lambda: ReservoirSamplingBuffer(20),
+    "class_balanced": lambda: ClassBalancedBuffer(20),
+    "parametric_by_class": lambda: ParametricBuffer(20, groupby="class"),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: thread hand-off costs more than it saves on a shared machine
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)  # Avalanche's loaders and buffers draw from the global RNGs
+    random.seed(0)
+
+
+@pytest.fixture(scope="module")
+def tiny_tasks() -> list[Task]:
+    """5 tasks x 2 classes, 40 training and 30 test samples per task."""
+    return [Task(t.classes, t.x_train[:40], t.y_train[:40], t.x_test[:30], t.y_test[:30]) for t in split_digits(5)]
+
+
+def _batches(n: int = 8, size: int = 10, seed: int = 0, features: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, features, generator=generator), torch.randint(0, 4, (size,), generator=generator)) for _ in range(n)]
+
+
+def _learner(replay: AvalancheReplay | None = None) -> OnlineLearner:
+    model = make_mlp(seed=0)
+    return OnlineLearner(
+        model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), replay=replay, replay_batch_size=10, train_iterations=3
+    )
+
+
+# ------------------------------------------------------------ import hygiene
+def test_core_and_adapter_imports_do_not_import_avalanche():
+    code = (
+        "import sys, taste_cl, taste_cl.adapters.avalanche\n"
+        "assert not any(m == 'avalanche' or m.startswith('avalanche.') for m in sys.modules), 'avalanche imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_missing_avalanche_raises_install_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "avalanche.training.storage_policy", None)
+    with pytest.raises(MissingDependencyError, match=r"pip install 'taste-cl\[avalanche\]'"):
+        AvalancheReplay(ReservoirSamplingBuffer(5))
+
+
+# ------------------------------------------ direction 1: policies as replay
+@pytest.mark.parametrize("name", POLICIES)
+def test_replay_keeps_added_samples_within_capacity(name):
+    replay = AvalancheReplay(POLICIES[name](), seed=1)
+    rows = {}
+    for x, y in _batches():
+        replay.add(x, y)
+        rows.update({tuple(row.tolist()): int(label) for row, label in zip(x, y)})
+        assert len(replay) <= replay.capacity == 20
+    assert len(replay) == 20
+    x, y = replay.sample(7)
+    assert x.shape == (7, 4) and y.shape == (7,)
+    assert all(rows[tuple(row.tolist())] == int(label) for row, label in zip(x, y))  # real (x, y) pairs
+    x.zero_()
+    assert not bool((replay.sample(20)[0] == 0).all(dim=1).any())  # sample returned a copy
+
+
+def test_class_balanced_policy_balances_classes():
+    replay = AvalancheReplay(ClassBalancedBuffer(20))
+    replay.add(torch.randn(30, 4), torch.zeros(30, dtype=torch.long))
+    replay.add(torch.randn(30, 4), torch.ones(30, dtype=torch.long))
+    assert torch.bincount(replay.labels).tolist() == [10, 10]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_replay_is_seeded_and_leaves_global_rng_alone(name):
+    first, second = AvalancheReplay(POLICIES[name](), seed=3), AvalancheReplay(POLICIES[name](), seed=3)
+    before = torch.get_rng_state()
+    for x, y in _batches():
+        first.add(x, y)
+        second.add(x, y)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(first.sample(20)[0], second.sample(20)[0])
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_state_dict_round_trip_resumes_exactly(name):
+    batches = _batches(12)
+    original = AvalancheReplay(POLICIES[name](), seed=2)
+    for x, y in batches[:6]:
+        original.add(x, y)
+    restored = AvalancheReplay(POLICIES[name](), seed=99)
+    restored.load_state_dict(original.state_dict())
+    assert torch.equal(restored.sample(20)[0], original.sample(20)[0])
+    for x, y in batches[6:]:
+        original.add(x, y)
+        restored.add(x, y)
+    assert torch.equal(restored.sample(20)[0], original.sample(20)[0])
+    assert len(restored.policy.buffer) == len(original.policy.buffer) == 20
+
+
+def test_learner_checkpoint_with_avalanche_replay(tmp_path):
+    learner = _learner(AvalancheReplay(ReservoirSamplingBuffer(50)))
+    for x, y in _batches(5, seed=4, features=64):
+        learner.observe((x, y))
+    learner.save(tmp_path / "ckpt")
+    loaded = OnlineLearner.load(
+        tmp_path / "ckpt", model=make_mlp(seed=1), replay=AvalancheReplay(ReservoirSamplingBuffer(50))
+    )
+    assert torch.equal(loaded.replay.labels, learner.replay.labels)
+    probe = torch.randn(3, 64)
+    assert torch.allclose(loaded.predict(probe), learner.predict(probe))
+
+
+def test_load_rejects_other_policy_type():
+    original = AvalancheReplay(ReservoirSamplingBuffer(20))
+    original.add(torch.randn(5, 4), torch.arange(5))
+    with pytest.raises(ValueError, match="holds a ReservoirSamplingBuffer policy; .* wraps a ClassBalancedBuffer"):
+        AvalancheReplay(ClassBalancedBuffer(20)).load_state_dict(original.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: AvalancheReplay(object()), TypeError, "policy must be an avalanche.*ExemplarsBuffer; got object"),
+        (lambda: AvalancheReplay(ReservoirSamplingBuffer(0)), ValueError, r"`capacity == 0`, must be >= 1"),
+        (
+            lambda: AvalancheReplay(ReservoirSamplingBuffer(5)).add(torch.randn(3, 4), torch.zeros(2, dtype=torch.long)),
+            InvalidBatchError,
+            "same n",
+        ),
+        (lambda: adapter.TasteMonitorPlugin(batch_size=0), ValueError, r"`batch_size == 0`, must be an int >= 1"),
+    ],
+)
+def test_bad_arguments(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+# --------------------------------------------------------------- streams
+def test_online_learner_over_avalanche_online_stream(tiny_tasks):
+    benchmark = benchmark_from_tasks(tiny_tasks)
+    untrained = run_on_avalanche_stream(_learner(), [], test_stream=benchmark.test_stream)
+    learner = _learner(AvalancheReplay(ReservoirSamplingBuffer(50)))
+    online = split_online_stream(benchmark.train_stream, 10, shuffle=True, seed=0)
+    result = run_on_avalanche_stream(learner, online, test_stream=benchmark.test_stream)
+    assert result.samples == learner.samples_seen == 200
+    assert len(result.accuracy_matrix) == 5 and all(len(row) == 5 for row in result.accuracy_matrix)
+    assert result.accuracy_matrix[0][0] > 0.8  # learned task 0 before task 1 arrived
+    assert result.final_accuracy > untrained.final_accuracy + 0.2
+    metrics = avalanche_metrics(result)
+    assert metrics["Top1_Acc_Stream/eval_phase/test_stream/Task000"] == result.final_accuracy
+    assert metrics["StreamForgetting/eval_phase/test_stream"] == pytest.approx(result.forgetting)
+    assert metrics["Top1_Acc_Exp/eval_phase/test_stream/Task000/Exp004"] == result.accuracy_matrix[-1][4]
+
+
+def test_benchmark_streams_and_missing_test_stream(tiny_tasks):
+    benchmark = benchmark_from_tasks(tiny_tasks[:2])
+    result = run_on_avalanche_stream(_learner(), benchmark, batch_size=20)  # batch stream: one experience per task
+    assert result.samples == 80 and len(result.accuracy_matrix) == 2
+    with pytest.raises(ValueError, match="test_stream is required"):
+        run_on_avalanche_stream(_learner(), benchmark.train_stream)
+
+
+# ---------------------------------------- direction 2: taste_cl in Avalanche
+def test_monitor_plugin_in_naive_with_replay(tiny_tasks):
+    benchmark = benchmark_from_tasks(tiny_tasks[:2])
+    model = make_mlp(seed=0)
+    plugin = adapter.TasteMonitorPlugin(StabilityPlasticityMonitor(eval_every=4))
+    evaluator = EvaluationPlugin(collect_all=True)
+    strategy = Naive(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        train_mb_size=10,
+        train_epochs=3,
+        plugins=[ReplayPlugin(mem_size=20), plugin],
+        evaluator=evaluator,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for experience in split_online_stream(benchmark.train_stream, 10, shuffle=True, seed=0):
+            strategy.train(experience)
+    report = plugin.monitor.report()
+    assert report["samples_seen"] == 80 and report["steps"] == 8
+    assert report["stability"] is not None and 0.0 <= report["stability"] <= 1.0
+    assert report["plasticity"] > 0.2  # prequential accuracy above chance (0.1): it learned while streaming
+    assert report["forgetting"] > 0.1 and report["events"]["forgetting_rising"] == 1  # tiny replay: task 0 fades
+    metrics = evaluator.get_all_metrics()
+    for name in ("Taste/stability", "Taste/plasticity", "Taste/forgetting", "Taste/drift_count"):
+        assert name in metrics
+    assert metrics["Taste/plasticity"][1][-1] == report["plasticity"]
