@@ -16,6 +16,7 @@ __all__ = ["BENCHMARKS", "main"]
 # benchmark name -> module with a ``main(argv) -> int``
 BENCHMARKS: dict[str, str] = {
     "online-digits": "taste_cl.benchmarks.online_digits",
+    "federated": "taste_cl.benchmarks.federated",
 }
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("taste_cl.demo", "online class-incremental stream on sklearn digits, with a plot"),
