@@ -249,8 +249,8 @@ class BatchSizeTuner(LearnerPlugin):
         *,
         max_batch_size: int = 1024,
         memory_budget_bytes: float | None = None,
-        n_calls: int = 10,
-        n_initial_points: int = 4,
+        n_calls: int = 8,
+        n_initial_points: int = 3,
         warm_calls: int = 1,
         per_octave: int = 4,
         min_probe_time: float = 0.15,
@@ -343,13 +343,18 @@ class BatchSizeTuner(LearnerPlugin):
             random_state=self.seed,
             model_queue_size=1,
             avoid_duplicates=False,
+            acq_optimizer="sampling",  # the space is a few dozen points: 10,000 samples is waste
+            acq_optimizer_kwargs={"n_points": 8 * len(candidates)},
         )
         if cached:
             search.tell([[index[b]] for b, _ in cached], [-math.log(s) for _, s in cached])
         probes: list[tuple[int, float]] = []
         measured = {b for b, _ in cached}
-        for _ in range(min(calls, len(candidates))):
-            suggested = int(search.ask()[0])
+        budget = min(calls, len(candidates))
+        for call in range(budget):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The objective has been evaluated", category=UserWarning)
+                suggested = int(search.ask()[0])
             batch = candidates[suggested]
             if batch in measured:
                 if len(probes) >= self.n_initial_points + 2:
@@ -360,7 +365,7 @@ class BatchSizeTuner(LearnerPlugin):
                 model, optimizer, loss_fn, input_shape, num_classes, batch, min_time=self.min_probe_time, dtype=dtype
             )
             probes.append((batch, rate))
-            search.tell([index[batch]], -math.log(rate))
+            search.tell([index[batch]], -math.log(rate), fit=call < budget - 1)  # no refit after the last probe
         observations = cached + probes
         best, rate = self._best(observations)
         self.cache.save(key, observations)
@@ -405,11 +410,11 @@ class BatchSizeTuner(LearnerPlugin):
         if len(self._rates) < self.calibration_window:
             return None
         rate = statistics.median(self._rates)
-        if self._shift.baseline is None:
-            self._shift = _LoadShiftState(baseline=rate, bucket=self._shift.bucket)
+        bucket = load_bucket(statistics.median(self._foreign))
+        if self._shift.baseline is None:  # calibrate both signals over the first window after a tune
+            self._shift = _LoadShiftState(baseline=rate, bucket=bucket)
             return None
         ratio = rate / self._shift.baseline
-        bucket = load_bucket(statistics.median(self._foreign))
         reason = None
         if ratio < 1 / (1 + self.load_tolerance) or ratio > 1 + self.load_tolerance:
             reason = f"load shift: training rate {rate:.0f} samples/s vs baseline {self._shift.baseline:.0f} (x{ratio:.2f})"
