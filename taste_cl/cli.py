@@ -15,6 +15,7 @@ __all__ = ["BENCHMARKS", "main"]
 
 # benchmark name -> module with a ``main(argv) -> int``
 BENCHMARKS: dict[str, str] = {
+    "elastic": "taste_cl.benchmarks.elastic",
     "online-digits": "taste_cl.benchmarks.online_digits",
 }
 COMMANDS: dict[str, tuple[str, str]] = {
