@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("elastic", __doc__.splitlines()[0])
     parser.add_argument("--classes", type=int, default=10, help="classes in pretraining and in fine-tuning")
     parser.add_argument("--pretrain-steps", type=int, default=300)
-    parser.add_argument("--steps", type=int, default=200, help="fine-tuning steps per variant")
+    parser.add_argument("--steps", type=int, default=400, help="fine-tuning steps per variant")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--reselect-every", type=int, default=50)
