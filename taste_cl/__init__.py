@@ -5,6 +5,7 @@ The public API is flat; adapters (Avalanche, ONNX Runtime, Flower) live in
 """
 
 from taste_cl.drift import PageHinkley
+from taste_cl.elastic import ElasticTrainer
 from taste_cl.exceptions import CheckpointError, InvalidBatchError, MissingDependencyError, TasteCLError
 from taste_cl.learner import ObserveStats, OnlineLearner
 from taste_cl.monitor import MonitorEvent, StabilityPlasticityMonitor
@@ -17,6 +18,7 @@ __all__ = [
     "BufferStorage",
     "CheckpointError",
     "ClassBalancedReplay",
+    "ElasticTrainer",
     "InvalidBatchError",
     "LearnerPlugin",
     "MissingDependencyError",

@@ -16,8 +16,9 @@ __all__ = ["BENCHMARKS", "main"]
 # benchmark name -> module with a ``main(argv) -> int``
 BENCHMARKS: dict[str, str] = {
     "batch-size": "taste_cl.benchmarks.batch_size",
-    "online-digits": "taste_cl.benchmarks.online_digits",
+    "elastic": "taste_cl.benchmarks.elastic",
     "federated": "taste_cl.benchmarks.federated",
+    "online-digits": "taste_cl.benchmarks.online_digits",
     "onnx": "taste_cl.benchmarks.onnx_training",
     "vs-avalanche": "taste_cl.benchmarks.vs_avalanche",
 }
