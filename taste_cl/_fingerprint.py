@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 from collections.abc import Sequence
+from pathlib import Path
 
 import psutil
 import torch
 from torch import nn
 
-__all__ = ["hardware_fingerprint", "model_signature"]
+__all__ = ["default_cache_dir", "hardware_fingerprint", "model_signature"]
+
+
+def default_cache_dir() -> Path:
+    """``$TASTE_CL_CACHE_DIR`` if set (and not empty), else ``~/.cache/taste_cl``."""
+    return Path(os.environ.get("TASTE_CL_CACHE_DIR") or Path.home() / ".cache" / "taste_cl")
 
 
 def _digest(payload: object) -> str:
@@ -23,7 +30,10 @@ def _digest(payload: object) -> str:
 
 
 def model_signature(model: nn.Module, input_shape: Sequence[int], dtype: torch.dtype) -> str:
-    """Hash of the architecture (module tree), parameter names/shapes/trainability, input shape and dtype."""
+    """Hash of the architecture (module tree), parameter names, shapes and dtypes, input shape and dtype.
+
+    Trainability (``requires_grad``) is not part of it; callers whose measurements depend on it add it.
+    """
     payload = {
         "modules": [f"{name}:{type(module).__name__}:{module.extra_repr()}" for name, module in model.named_modules()],
         "parameters": [[name, list(p.shape), str(p.dtype)] for name, p in model.named_parameters()],

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from taste_cl._fingerprint import hardware_fingerprint, model_signature
+from taste_cl._fingerprint import default_cache_dir, hardware_fingerprint, model_signature
 from taste_cl.checkpoint import atomic_write_bytes
 from taste_cl.monitor import MonitorEvent
 from taste_cl.plugins import LearnerPlugin
@@ -61,7 +61,6 @@ __all__ = [
     "ElasticTrainer",
     "GradientImportance",
     "TensorProfile",
-    "default_cache_dir",
     "load_or_profile",
     "profile_tensors",
     "select_tensors",
@@ -70,10 +69,6 @@ __all__ = [
 CACHE_FILE = "elastic_profiles.json"
 _PROFILE_FORMAT = 1
 
-
-def default_cache_dir() -> Path:
-    """``$TASTE_CL_CACHE_DIR`` if set, else ``~/.cache/taste_cl``."""
-    return Path(os.environ.get("TASTE_CL_CACHE_DIR") or Path.home() / ".cache" / "taste_cl")
 
 
 def _check_int(name: str, value: int, minimum: int) -> None:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from taste_cl._fingerprint import hardware_fingerprint, model_signature
+from taste_cl._fingerprint import default_cache_dir, hardware_fingerprint, model_signature
 from taste_cl.checkpoint import atomic_write_bytes
 from taste_cl.load import LoadMeter, load_bucket
 from taste_cl.plugins import LearnerPlugin
@@ -49,7 +49,6 @@ __all__ = [
     "TunerCacheWarning",
     "TuningResult",
     "candidate_batch_sizes",
-    "default_cache_dir",
     "max_batch_for_memory",
     "measure_throughput",
 ]
@@ -61,10 +60,6 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class TunerCacheWarning(UserWarning):
     """A tuner cache file was unreadable and has been ignored (the tune ran cold)."""
 
-
-def default_cache_dir() -> Path:
-    """``$TASTE_CL_CACHE_DIR`` if set, else ``~/.cache/taste_cl``."""
-    return Path(os.environ.get("TASTE_CL_CACHE_DIR", Path.home() / ".cache" / "taste_cl"))
 
 
 def candidate_batch_sizes(max_batch_size: int, *, per_octave: int = 4, min_batch_size: int = 1) -> list[int]:
