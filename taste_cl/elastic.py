@@ -480,6 +480,7 @@ class ElasticTrainer(LearnerPlugin):
     def on_attach(self, learner: OnlineLearner, **kwargs: Any) -> None:
         self._learner = learner
         learner.monitor.subscribe(self._on_drift, event="drift_detected")
+        learner.monitor.subscribe(self._on_retuned, event="retuned")
 
     def on_first_batch(self, learner: OnlineLearner, x: Any, **kwargs: Any) -> None:
         self._example = x[:1].detach().clone()
@@ -500,6 +501,11 @@ class ElasticTrainer(LearnerPlugin):
 
     def after_observe(self, learner: OnlineLearner, stats: ObserveStats, **kwargs: Any) -> None:
         self._finish_probe()
+
+    def _on_retuned(self, event: MonitorEvent) -> None:
+        """The batch-size tuner picked a new micro-batch: step times changed, so reprofile and reselect."""
+        if self._example is not None:
+            self.reprofile(int(event.details["batch_size"]))
 
     def _on_drift(self, event: MonitorEvent) -> None:
         self._drift_left = self.drift_steps

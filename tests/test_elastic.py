@@ -242,3 +242,24 @@ def test_apply_selection_rejects_unknown_units(tmp_path):
     learner.observe(_batch())
     with pytest.raises(ValueError, match=r"unknown units \['9'\]"):
         elastic.apply_selection(["9"])
+
+
+def test_elastic_reprofiles_at_the_tuned_batch_after_each_retune(tmp_path, monkeypatch):
+    from taste_cl import tuning
+    from taste_cl.tuning import BatchSizeTuner
+
+    monkeypatch.setattr(tuning, "measure_throughput", lambda *a, **k: 1000.0 * a[5] / (a[5] + 8) / (1 + (a[5] / 40) ** 2))
+    elastic = ElasticTrainer(rho=0.5, cache_dir=tmp_path)
+    tuner = BatchSizeTuner(max_batch_size=128, cache_dir=tmp_path)
+    sizes = []
+    original = elastic.reprofile
+    monkeypatch.setattr(elastic, "reprofile", lambda batch_size=None, **k: sizes.append(batch_size) or original(batch_size, **k))
+    model = _mlp()
+    learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), plugins=[elastic, tuner])
+    learner.observe(_batch())
+    assert sizes[-1] == tuner.result_.batch_size == learner.batch_plan.micro_batch_size
+    learner.monitor.emit("drift_detected")
+    learner.monitor.dispatch()
+    for _ in range(3):
+        learner.observe(_batch())
+    assert len(tuner.history_) == 2 and sizes[-1] == tuner.history_[-1]["batch_size"]
