@@ -7,14 +7,17 @@ The public API is flat; adapters (Avalanche, ONNX Runtime, Flower) live in
 from taste_cl.drift import PageHinkley
 from taste_cl.elastic import ElasticTrainer
 from taste_cl.exceptions import CheckpointError, InvalidBatchError, MissingDependencyError, TasteCLError
-from taste_cl.learner import ObserveStats, OnlineLearner
+from taste_cl.learner import BatchPlan, ObserveStats, OnlineLearner
 from taste_cl.monitor import MonitorEvent, StabilityPlasticityMonitor
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.replay import BufferStorage, ClassBalancedReplay, ReplayStrategy, ReservoirReplay
+from taste_cl.tuning import BatchSizeTuner, TunerCacheWarning, TuningResult
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchPlan",
+    "BatchSizeTuner",
     "BufferStorage",
     "CheckpointError",
     "ClassBalancedReplay",
@@ -30,5 +33,7 @@ __all__ = [
     "ReservoirReplay",
     "StabilityPlasticityMonitor",
     "TasteCLError",
+    "TunerCacheWarning",
+    "TuningResult",
     "__version__",
 ]

@@ -329,44 +329,55 @@ class BatchSizeTuner(LearnerPlugin):
         cached = [(b, s) for b, s in self.cache.load(key) if b in candidates]
         index = {b: i for i, b in enumerate(candidates)}
         calls = self.warm_calls if cached else self.n_calls
-        search = Optimizer(
-            [Integer(0, len(candidates) - 1)],
-            base_estimator="GP",
-            n_initial_points=1 if cached else min(self.n_initial_points, len(candidates)),
-            initial_point_generator="random" if cached else "lhs",
-            acq_func="EI",
-            random_state=self.seed,
-            model_queue_size=1,
-            avoid_duplicates=False,
-            acq_optimizer="sampling",  # the space is a few dozen points: 10,000 samples is waste
-            acq_optimizer_kwargs={"n_points": 8 * len(candidates)},
-        )
-        if cached:
-            search.tell([[index[b]] for b, _ in cached], [-math.log(s) for _, s in cached])
         probes: list[tuple[int, float]] = []
         measured = {b for b, _ in cached}
+        search = None
         budget = min(calls, len(candidates))
         for call in range(budget):
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The objective has been evaluated", category=UserWarning)
-                suggested = int(search.ask()[0])
-            batch = candidates[suggested]
-            if batch in measured:
-                if len(probes) >= self.n_initial_points + 2:
-                    break  # the surrogate insists on a point it knows: converged
-                batch = min((b for b in candidates if b not in measured), key=lambda b: abs(index[b] - suggested))
+            if cached and call == 0:
+                batch = self._best(cached)[0]  # re-measure the incumbent first: has this machine changed?
+            else:
+                if search is None:
+                    search = self._surrogate(Optimizer, Integer, len(candidates), warm=bool(cached))
+                    if cached or probes:
+                        known = cached + probes
+                        search.tell([[index[b]] for b, _ in known], [-math.log(r) for _, r in known])
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="The objective has been evaluated", category=UserWarning)
+                    suggested = int(search.ask()[0])
+                batch = candidates[suggested]
+                if batch in measured and not cached:
+                    if len(probes) >= self.n_initial_points + 2:
+                        break  # the surrogate insists on a point it knows: converged
+                    batch = min((b for b in candidates if b not in measured), key=lambda b: abs(index[b] - suggested))
             measured.add(batch)
             rate = measure_throughput(
                 model, optimizer, loss_fn, input_shape, num_classes, batch, min_time=self.min_probe_time, dtype=dtype
             )
             probes.append((batch, rate))
-            search.tell([index[batch]], -math.log(rate), fit=call < budget - 1)  # no refit after the last probe
+            if search is not None:
+                search.tell([index[batch]], -math.log(rate), fit=call < budget - 1)  # no refit after the last probe
         observations = cached + probes
         best, rate = self._best(observations)
         self.cache.save(key, observations)
         result = TuningResult(best, rate, probes, time.perf_counter() - start, bool(cached), key, candidates)
         logger.info("tuned batch size %d (%.0f samples/s) with %d probes in %.2fs (warm=%s)", best, rate, len(probes), result.seconds, result.warm)
         return result
+
+    def _surrogate(self, optimizer_cls: Any, integer_cls: Any, n_candidates: int, *, warm: bool) -> Any:
+        """A GP ask/tell optimizer over candidate indices (log-spaced batch sizes)."""
+        return optimizer_cls(
+            [integer_cls(0, n_candidates - 1)],
+            base_estimator="GP",
+            n_initial_points=1 if warm else min(self.n_initial_points, n_candidates),
+            initial_point_generator="random" if warm else "lhs",
+            acq_func="EI",
+            random_state=self.seed,
+            model_queue_size=1,
+            avoid_duplicates=False,
+            acq_optimizer="sampling",  # the space is a few dozen points: 10,000 samples is waste
+            acq_optimizer_kwargs={"n_points": 8 * n_candidates},
+        )
 
     @staticmethod
     def _best(observations: list[tuple[int, float]]) -> tuple[int, float]:
