@@ -29,7 +29,7 @@ from torch import nn
 
 from taste_cl import OnlineLearner, ReservoirReplay
 from taste_cl._report import format_table
-from taste_cl.benchmarks._common import base_parser, save_result
+from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.datasets import make_cnn, make_pattern_images
 from taste_cl.evaluation import accuracy
 from taste_cl.tuning import BatchSizeTuner, candidate_batch_sizes, measure_throughput
@@ -113,12 +113,12 @@ def _load_shift_run(seed: int, cache_dir: str, hog_at: int, hog_observes: int, t
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = base_parser("batch-size", __doc__.splitlines()[0])
+    parser = base_parser("batch-size", __doc__.splitlines()[0], threads=0)
     parser.add_argument("--max-batch", type=int, default=1024)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--large-batch", type=int, default=1024, help="large batch of the accuracy comparison")
     parser.add_argument("--skip-load-shift", action="store_true")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     torch.manual_seed(args.seed)
     model = make_cnn(seed=args.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -26,7 +26,7 @@ from torch import nn
 
 from taste_cl import ElasticTrainer, OnlineLearner
 from taste_cl._report import format_table
-from taste_cl.benchmarks._common import base_parser, save_result
+from taste_cl.benchmarks._common import base_parser, parse, save_result
 
 _SIZE, _CELL = 32, 10
 _STROKES = 6  # horizontal, vertical, diagonal, anti-diagonal, ring, cross
@@ -158,10 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--target", type=float, default=0.95, help="fraction of full training's final accuracy")
     parser.add_argument("--width", type=int, default=16, help="channels of the first convs")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default); 1 is steadiest on a shared machine")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse(parser, argv)
     generator = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
     all_classes = arrangements(2 * args.classes, generator=generator)

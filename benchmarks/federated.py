@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from taste_cl._report import format_table
-from taste_cl.benchmarks._common import base_parser, save_result
+from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.datasets import split_digits
 from taste_cl.demo import build_digits_learner
 from taste_cl.evaluation import accuracy
@@ -108,13 +108,13 @@ def run_local(fleet: Fleet) -> dict[int, dict[str, float]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = base_parser("federated", __doc__.splitlines()[0])
+    parser = base_parser("federated", __doc__.splitlines()[0], threads=0)
     parser.add_argument("--devices", type=int, default=10, help="simulated devices (1-20)")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--personal", default="4.bias", help="comma-separated state_dict name prefixes kept on device")
     parser.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM server momentum (0 = FedAvg)")
     parser.add_argument("--client-cpus", type=float, default=1.0, help="CPU share of one simulated device")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if not 1 <= args.devices <= 20:
         parser.error(f"`--devices == {args.devices}`, must be in [1, 20]")
     from taste_cl.adapters.flower import require_flwr, run_fleet_simulation

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from taste_cl._report import format_table
-from taste_cl.benchmarks._common import base_parser, save_result
+from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.datasets import split_digits
 from taste_cl.demo import build_digits_learner
 from taste_cl.experiment import run_class_incremental
@@ -21,7 +21,7 @@ from taste_cl.experiment import run_class_incremental
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("online-digits", __doc__.splitlines()[0])
     parser.add_argument("--capacity", type=int, default=200)
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     tasks = split_digits(5, seed=args.seed)
     runs = {}
     for label, capacity in (("reservoir", args.capacity), ("no_replay", 0)):

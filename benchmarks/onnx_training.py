@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from taste_cl._report import format_table
-from taste_cl.benchmarks._common import base_parser, save_result
+from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.datasets import make_mlp
 from taste_cl.learner import OnlineLearner
 
@@ -53,15 +53,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[20, 64])
     parser.add_argument("--steps", type=int, default=50, help="steps per timed round")
     parser.add_argument("--repeats", type=int, default=5, help="alternating rounds per variant")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads for both (edge devices: 1-4)")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
 
     import onnxruntime
 
     from taste_cl.adapters.onnx import OrtOnlineLearner, export
 
-    threads = args.threads
-    torch.set_num_threads(threads)
+    threads = torch.get_num_threads()  # --threads applied by parse()
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
     rows: list[list[Any]] = []

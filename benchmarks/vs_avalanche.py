@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from taste_cl._report import format_table
-from taste_cl.benchmarks._common import base_parser, save_result
+from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.datasets import make_mlp, split_digits
 from taste_cl.demo import build_digits_learner
 from taste_cl.evaluation import accuracy, average_forgetting, backward_transfer
@@ -103,16 +103,13 @@ def _peak_bytes(run: Callable[[], StreamResult]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("vs-avalanche", __doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timing runs of each variant")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads for every run (0: torch's default)")
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if args.repeats < 1:
         parser.error(f"`--repeats == {args.repeats}`, must be >= 1")
     warnings.filterwarnings("ignore", message=".*deprecated.*")
     warnings.filterwarnings("ignore", module="qpsolvers")
     from taste_cl.adapters.avalanche import benchmark_from_tasks
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     tasks = split_digits(5, seed=args.seed)
     benchmark = benchmark_from_tasks(tasks)
     variants: dict[str, Callable[[], StreamResult]] = {
