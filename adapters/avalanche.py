@@ -6,6 +6,9 @@
 - :class:`TasteMonitorPlugin`: an Avalanche ``SupervisedPlugin`` that feeds a taste_cl
   :class:`~taste_cl.monitor.StabilityPlasticityMonitor` from any Avalanche strategy and
   publishes stability, plasticity, forgetting and drift as Avalanche metric values.
+- :class:`TasteBatchSizePlugin`: an Avalanche ``SupervisedPlugin`` that tunes the training
+  micro-batch with taste_cl's throughput-aware :class:`~taste_cl.tuning.BatchSizeTuner`
+  and trains each strategy mini-batch as micro-batches with gradient accumulation.
 - :func:`run_on_avalanche_stream`: run an ``OnlineLearner`` over an Avalanche benchmark
   or (online) stream in one call; :func:`avalanche_metrics` names the results the way
   Avalanche's evaluation plugin does.
@@ -32,11 +35,13 @@ from taste_cl.evaluation import accuracy, average_forgetting, backward_transfer
 from taste_cl.exceptions import MissingDependencyError
 from taste_cl.experiment import StreamResult
 from taste_cl.learner import OnlineLearner
-from taste_cl.monitor import StabilityPlasticityMonitor
+from taste_cl.monitor import MonitorEvent, StabilityPlasticityMonitor
 from taste_cl.replay import State, _SeededStrategy
+from taste_cl.tuning import BatchSizeTuner, TuningResult
 
 __all__ = [
     "AvalancheReplay",
+    "TasteBatchSizePlugin",
     "TasteMonitorPlugin",
     "avalanche_metrics",
     "benchmark_from_tasks",
@@ -296,11 +301,22 @@ def _tensors(experience: Any) -> tuple[torch.Tensor, torch.Tensor]:
 METRIC_NAMES = ("stability", "plasticity", "forgetting", "drift_count")
 
 
+def _eval_logits(strategy: Any, x: torch.Tensor, task_labels: torch.Tensor) -> torch.Tensor:
+    """The strategy model's logits for ``x`` in eval mode without gradients, on the CPU."""
+    model = strategy.model
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return _avalanche("models").avalanche_forward(model, x.to(strategy.device), task_labels.to(strategy.device)).cpu()
+    finally:
+        model.train(was_training)
+
+
 @functools.cache
 def _plugin_class() -> type:
     core = _avalanche("core")
     metric_results = _avalanche("evaluation.metric_results")
-    models = _avalanche("models")
 
     class TasteMonitorPlugin(core.SupervisedPlugin):  # type: ignore[misc, name-defined]
         """Feed a taste_cl stability-plasticity monitor from any Avalanche strategy.
@@ -324,14 +340,7 @@ def _plugin_class() -> type:
             self._evaluated_at = 0
 
         def _logits(self, strategy: Any, x: torch.Tensor, task_labels: torch.Tensor) -> torch.Tensor:
-            model = strategy.model
-            was_training = model.training
-            model.eval()
-            try:
-                with torch.no_grad():
-                    return models.avalanche_forward(model, x.to(strategy.device), task_labels.to(strategy.device)).cpu()
-            finally:
-                model.train(was_training)
+            return _eval_logits(strategy, x, task_labels)
 
         def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
             for x, y, t in _batches(strategy.experience.dataset, self.batch_size):
@@ -357,9 +366,180 @@ def _plugin_class() -> type:
     return TasteMonitorPlugin
 
 
+class _MicroBatches:
+    """A strategy's train loader whose mini-batches come out as micro-batches of at most ``size``.
+
+    While a micro-batch is being trained, ``weight`` is its share of its mini-batch's
+    samples and ``last`` says whether it closes the mini-batch (the accumulation window).
+    ``len`` counts mini-batches (optimizer steps), not micro-batches.
+    """
+
+    def __init__(self, loader: Iterable[Any], size: int) -> None:
+        self.loader = loader
+        self.size = size
+        self.weight = 1.0
+        self.last = True
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+        for mbatch in self.loader:
+            n = len(mbatch[0])
+            for start in range(0, n, self.size):
+                self.weight = min(self.size, n - start) / n
+                self.last = start + self.size >= n
+                yield [part[start : start + self.size] for part in mbatch]
+
+
+@functools.cache
+def _batch_plugin_class() -> type:
+    core = _avalanche("core")
+    metric_results = _avalanche("evaluation.metric_results")
+
+    class TasteBatchSizePlugin(core.SupervisedPlugin):  # type: ignore[misc, name-defined]
+        """Train any Avalanche strategy with the throughput-best micro-batch of this machine.
+
+        Before the first experience the plugin tunes the micro-batch with
+        :meth:`taste_cl.tuning.BatchSizeTuner.tune` (real training steps of the strategy's
+        model, optimizer and criterion at the shape of the experience's samples; a GP
+        surrogate cached on disk, so later tunes are warm and cost one probe). Every
+        mini-batch the strategy's loader yields (``train_mb_size`` samples, plus replay
+        with ``ReplayPlugin``) is then trained as micro-batches of at most the tuned size:
+        each micro-batch's gradient is weighted by its share of the mini-batch and
+        accumulated, and the optimizer steps once per mini-batch. The effective batch and
+        the learning rate stay what the strategy was configured with, so training
+        follows the same trajectory (up to float rounding; BatchNorm statistics are per
+        micro-batch); only the speed and the peak memory change. A mini-batch no larger
+        than the tuned size trains unchanged.
+
+        It retunes (warm) before the next experience when a :class:`TasteMonitorPlugin`
+        on the same strategy reports ``drift_detected`` (``retune_on_drift``) and every
+        ``retune_every`` experiences. ``strategy.clock.train_iterations`` counts
+        micro-batches; optimizer steps are skipped between them by setting the gradients
+        to ``None`` (torch optimizers leave such parameters and their state alone), so
+        plugins that act on every iteration's update (LR schedulers per iteration) see
+        micro-batches. The tuned size is published as ``Taste/micro_batch_size``.
+        Single-head models (the tuner calls ``model(x)``); place it after plugins that
+        change the gradients in ``after_backward``.
+
+        Parameters
+        ----------
+        tuner:
+            The :class:`~taste_cl.tuning.BatchSizeTuner` whose search settings
+            (``max_batch_size``, ``memory_budget_bytes``, ``n_calls``, ``warm_calls``,
+            ``cache_dir``, ...) are used; its learner-side settings (effective batch,
+            LR scaling, its own retune triggers) do not apply here. Default: ``BatchSizeTuner()``.
+        retune_every:
+            Also retune before every this many experiences (None: only on drift).
+        retune_on_drift:
+            Retune after the monitor of an attached :class:`TasteMonitorPlugin` reports drift.
+        """
+
+        def __init__(
+            self, tuner: BatchSizeTuner | None = None, *, retune_every: int | None = None, retune_on_drift: bool = True
+        ) -> None:
+            super().__init__()
+            if tuner is not None and not isinstance(tuner, BatchSizeTuner):
+                raise TypeError(f"tuner must be a taste_cl.tuning.BatchSizeTuner or None; got {type(tuner).__name__}")
+            bad = isinstance(retune_every, bool) or not isinstance(retune_every, int) or retune_every < 1
+            if retune_every is not None and bad:
+                raise ValueError(f"`retune_every == {retune_every!r}`, must be an int >= 1 or None")
+            self.tuner = tuner if tuner is not None else BatchSizeTuner()
+            self.retune_every = retune_every
+            self.retune_on_drift = retune_on_drift
+            self.result_: TuningResult | None = None
+            self.history_: list[dict[str, Any]] = []  # (re)tunes: when, why, what
+            self._experiences = 0
+            self._pending_reason: str | None = None
+            self._monitors: list[StabilityPlasticityMonitor] = []
+            self._loader: _MicroBatches | None = None
+            self._stash: list[torch.Tensor | None] | None = None
+
+        # ------------------------------------------------------------ tuning
+        def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+            if self.retune_on_drift:
+                self._subscribe(strategy)
+            reason = "first experience" if self.result_ is None else self._pending_reason
+            if reason is None and self.retune_every and self._experiences % self.retune_every == 0:
+                reason = f"schedule (every {self.retune_every} experiences)"
+            if reason is not None:
+                self._pending_reason = None
+                self._retune(strategy, reason)
+
+        def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+            self._experiences += 1
+
+        def _subscribe(self, strategy: Any) -> None:
+            for plugin in strategy.plugins:
+                if isinstance(plugin, _plugin_class()) and not any(m is plugin.monitor for m in self._monitors):
+                    plugin.monitor.subscribe(self._on_drift, event="drift_detected")
+                    self._monitors.append(plugin.monitor)
+
+        def _on_drift(self, event: MonitorEvent) -> None:
+            self._pending_reason = self._pending_reason or f"stream drift at monitor step {event.step}"
+
+        def _retune(self, strategy: Any, reason: str) -> None:
+            model = strategy.model
+            x = strategy.adapted_dataset[0][0]  # one training sample, train transforms applied
+            dtype = next(model.parameters()).dtype
+            logits = _eval_logits(strategy, torch.zeros((1, *x.shape), dtype=dtype), torch.zeros(1, dtype=torch.long))
+            result = self.tuner.tune(
+                model, strategy.optimizer, strategy._criterion, tuple(x.shape), int(logits.shape[1]), dtype=dtype
+            )
+            self.result_ = result
+            entry = {
+                "experience": self._experiences,
+                "reason": reason,
+                "batch_size": result.batch_size,
+                "samples_per_s": result.samples_per_s,
+                "probes": len(result.probes),
+                "seconds": result.seconds,
+                "warm": result.warm,
+            }
+            self.history_.append(entry)
+            evaluator = getattr(strategy, "evaluator", None)
+            if evaluator is not None:
+                evaluator.publish_metric_value(
+                    metric_results.MetricValue(self, "Taste/micro_batch_size", result.batch_size, strategy.clock.train_iterations)
+                )
+
+        # ------------------------------------------------------ accumulation
+        def before_training_epoch(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+            assert self.result_ is not None
+            if not isinstance(strategy.dataloader, _MicroBatches):  # after every before_training_exp (ReplayPlugin's loader)
+                strategy.dataloader = _MicroBatches(strategy.dataloader, self.result_.batch_size)
+            self._loader = strategy.dataloader
+            self._stash = None
+
+        def after_backward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+            if self._loader is None or (self._stash is None and self._loader.weight == 1.0):
+                return  # a whole mini-batch in one micro-batch: nothing to weight or add
+            stash = self._stash or [None] * len(list(strategy.model.parameters()))
+            for param, held in zip(strategy.model.parameters(), stash):
+                if param.grad is not None:
+                    param.grad.mul_(self._loader.weight)
+                if held is not None:
+                    param.grad = held if param.grad is None else param.grad.add_(held)
+            self._stash = None
+
+        def before_update(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+            if self._loader is None or self._loader.last:
+                return
+            params = list(strategy.model.parameters())
+            self._stash = [param.grad for param in params]
+            for param in params:
+                param.grad = None  # the optimizer skips them: no step until the window closes
+
+    return TasteBatchSizePlugin
+
+
+_PLUGIN_CLASSES = {"TasteMonitorPlugin": _plugin_class, "TasteBatchSizePlugin": _batch_plugin_class}
+
+
 def __getattr__(name: str) -> Any:
-    if name == "TasteMonitorPlugin":  # built on first use: subclassing SupervisedPlugin imports avalanche
-        return _plugin_class()
+    if name in _PLUGIN_CLASSES:  # built on first use: subclassing SupervisedPlugin imports avalanche
+        return _PLUGIN_CLASSES[name]()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -6,8 +6,11 @@ Avalanche: ``Naive`` + ``ReplayPlugin(mem_size=200)`` with a ``ReservoirSampling
 (its default, an experience-balanced buffer, is not reservoir replay), ``train_mb_size=10`` (10 replayed
 samples per step), once with ``train_epochs=1`` (the issue's setup) and once with
 ``train_epochs=3`` (as many SGD steps per batch as taste_cl's ``train_iterations=3``).
-taste_cl: ``taste_cl.demo.build_digits_learner()`` fed by ``run_on_avalanche_stream`` from
-the same Avalanche stream. All runs are evaluated by the same code on the same test sets.
+A third Avalanche run (1 epoch) adds ``TasteBatchSizePlugin``: the micro-batch tuned on
+this machine, with gradient accumulation up to the strategy's mini-batch (tuning time is
+counted; its surrogate cache lives in a temporary folder, so the first repeat tunes cold
+and later ones warm). taste_cl: ``taste_cl.demo.build_digits_learner()`` fed by
+``run_on_avalanche_stream`` from the same Avalanche stream. All runs are evaluated by the same code on the same test sets.
 Variants alternate over ``--repeats`` runs; samples/s is the median (training calls only),
 peak memory is the tracemalloc peak of the Python heap over one extra run of each.
 Run: ``taste-cl bench vs-avalanche``.
@@ -16,6 +19,7 @@ Run: ``taste-cl bench vs-avalanche``.
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 import tracemalloc
 import warnings
@@ -42,8 +46,8 @@ def _online_stream(benchmark: Any, seed: int) -> Any:
     return split_online_stream(benchmark.train_stream, BATCH, shuffle=True, seed=seed)
 
 
-def run_avalanche(benchmark: Any, tasks: Sequence[Any], *, seed: int, epochs: int) -> StreamResult:
-    """Avalanche Naive + ReplayPlugin(200) over the online stream; evaluated after each task."""
+def run_avalanche(benchmark: Any, tasks: Sequence[Any], *, seed: int, epochs: int, plugins: Sequence[Any] = ()) -> StreamResult:
+    """Avalanche Naive + ReplayPlugin(200) (and ``plugins``) over the online stream; evaluated after each task."""
     from avalanche.training import Naive
     from avalanche.training.plugins import EvaluationPlugin, ReplayPlugin
     from avalanche.training.storage_policy import ReservoirSamplingBuffer
@@ -57,7 +61,7 @@ def run_avalanche(benchmark: Any, tasks: Sequence[Any], *, seed: int, epochs: in
         train_mb_size=BATCH,
         train_epochs=epochs,
         eval_mb_size=256,
-        plugins=[ReplayPlugin(mem_size=CAPACITY, storage_policy=ReservoirSamplingBuffer(CAPACITY))],
+        plugins=[ReplayPlugin(mem_size=CAPACITY, storage_policy=ReservoirSamplingBuffer(CAPACITY)), *plugins],
         evaluator=EvaluationPlugin(),  # no metrics, no loggers: evaluation is ours, the same for all runs
     )
 
@@ -108,13 +112,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"`--repeats == {args.repeats}`, must be >= 1")
     warnings.filterwarnings("ignore", message=".*deprecated.*")
     warnings.filterwarnings("ignore", module="qpsolvers")
-    from taste_cl.adapters.avalanche import benchmark_from_tasks
+    from taste_cl.adapters.avalanche import TasteBatchSizePlugin, benchmark_from_tasks
+    from taste_cl.tuning import BatchSizeTuner
 
     tasks = split_digits(5, seed=args.seed)
     benchmark = benchmark_from_tasks(tasks)
+    cache = tempfile.TemporaryDirectory(prefix="taste-vs-avalanche-")
+    tuned: list[Any] = []
+
+    def run_tuned() -> StreamResult:
+        tuned.append(TasteBatchSizePlugin(BatchSizeTuner(cache_dir=cache.name, seed=args.seed)))
+        return run_avalanche(benchmark, tasks, seed=args.seed, epochs=1, plugins=[tuned[-1]])
+
     variants: dict[str, Callable[[], StreamResult]] = {
         "avalanche Naive+Replay, 1 epoch": lambda: run_avalanche(benchmark, tasks, seed=args.seed, epochs=1),
         "avalanche Naive+Replay, 3 epochs": lambda: run_avalanche(benchmark, tasks, seed=args.seed, epochs=3),
+        "avalanche Naive+Replay+TasteBatchSize, 1 epoch": run_tuned,
         "taste_cl OnlineLearner": lambda: run_taste(benchmark, tasks, seed=args.seed),
     }
     results: dict[str, list[StreamResult]] = {name: [] for name in variants}
@@ -122,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, run in variants.items():
             results[name].append(run())
     peaks = {name: _peak_bytes(run) for name, run in variants.items()}
+    cache.cleanup()
     runs = {}
     for name, found in results.items():
         last = found[-1]
@@ -141,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, r in runs.items()
     ]
     print(format_table(["run", "final acc", "forgetting", "samples/s", "x avalanche(1 ep)", "peak heap MiB"], rows))
+    runs["avalanche Naive+Replay+TasteBatchSize, 1 epoch"]["tunes"] = [plugin.history_ for plugin in tuned]
     config = {"lr": LR, "optimizer": "SGD", "replay_capacity": CAPACITY, "stream_batch": BATCH, "tasks": 5,
               "repeats": args.repeats, "threads": torch.get_num_threads(), "seed": args.seed}
     save_result(args.out, "vs_avalanche", {"config": config, "runs": runs})

@@ -14,6 +14,7 @@ pytest.importorskip("avalanche")
 warnings.filterwarnings("ignore", module="qpsolvers")
 
 from avalanche.benchmarks.scenarios.online import split_online_stream  # noqa: E402
+from avalanche.core import SupervisedPlugin  # noqa: E402
 from avalanche.training import Naive  # noqa: E402
 from avalanche.training.plugins import EvaluationPlugin, ReplayPlugin  # noqa: E402
 from avalanche.training.storage_policy import (  # noqa: E402
@@ -30,7 +31,9 @@ from taste_cl.adapters.avalanche import (  # noqa: E402
     benchmark_from_tasks,
     run_on_avalanche_stream,
 )
+from taste_cl import tuning  # noqa: E402
 from taste_cl.datasets import Task, make_mlp, split_digits  # noqa: E402
+from taste_cl.tuning import BatchSizeTuner  # noqa: E402
 
 POLICIES = {
     "reservoir": lambda: ReservoirSamplingBuffer(20),
@@ -168,6 +171,8 @@ def test_load_rejects_other_policy_type():
             "same n",
         ),
         (lambda: adapter.TasteMonitorPlugin(batch_size=0), ValueError, r"`batch_size == 0`, must be an int >= 1"),
+        (lambda: adapter.TasteBatchSizePlugin(object()), TypeError, "tuner must be a taste_cl.tuning.BatchSizeTuner.*got object"),
+        (lambda: adapter.TasteBatchSizePlugin(retune_every=0), ValueError, r"`retune_every == 0`, must be an int >= 1 or None"),
     ],
 )
 def test_bad_arguments(make, error, match):
@@ -227,3 +232,88 @@ def test_monitor_plugin_in_naive_with_replay(tiny_tasks):
     for name in ("Taste/stability", "Taste/plasticity", "Taste/forgetting", "Taste/drift_count"):
         assert name in metrics
     assert metrics["Taste/plasticity"][1][-1] == report["plasticity"]
+
+
+# ------------------------------------ direction 2: the batch-size tuner in Avalanche
+def _small_batch_curve(model, optimizer, loss_fn, input_shape, num_classes, batch_size, **kwargs) -> float:
+    """Synthetic hardware whose throughput peaks at batch 4 (smaller than the 20-sample mini-batches)."""
+    return 1000.0 * batch_size / (batch_size + 2) / (1 + (batch_size / 8) ** 2)
+
+
+@pytest.fixture
+def fake_hardware(monkeypatch):
+    probes = []
+
+    def measure(*args, **kwargs):
+        probes.append(args[5])
+        return _small_batch_curve(*args, **kwargs)
+
+    monkeypatch.setattr(tuning, "measure_throughput", measure)
+    monkeypatch.setattr(tuning.LoadMeter, "read", lambda self: 0.0)  # the cache key holds the load bucket: keep it fixed
+    return probes
+
+
+class _RecordSizes(SupervisedPlugin):
+    """Records the size of every mini-batch the strategy forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def before_forward(self, strategy, *args, **kwargs):
+        self.sizes.append(len(strategy.mb_x))
+
+
+def _train_naive(tasks, *plugins, epochs: int = 2):
+    torch.manual_seed(0)
+    model = make_mlp(seed=0)
+    strategy = Naive(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3),
+        train_mb_size=10,
+        train_epochs=epochs,
+        plugins=[ReplayPlugin(mem_size=20, storage_policy=ReservoirSamplingBuffer(20)), *plugins],
+        evaluator=EvaluationPlugin(collect_all=True),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for experience in split_online_stream(benchmark_from_tasks(tasks).train_stream, 10, shuffle=True, seed=0):
+            strategy.train(experience)
+    return strategy
+
+
+def test_batch_size_plugin_tunes_and_accumulates_to_the_same_parameters(tiny_tasks, tmp_path, fake_hardware):
+    plain_sizes, tuned_sizes = _RecordSizes(), _RecordSizes()
+    plain = _train_naive(tiny_tasks[:2], plain_sizes)
+    plugin = adapter.TasteBatchSizePlugin(BatchSizeTuner(cache_dir=tmp_path))
+    tuned = _train_naive(tiny_tasks[:2], plugin, tuned_sizes)
+    micro = plugin.result_.batch_size
+    assert micro == max(set(fake_hardware), key=lambda b: _small_batch_curve(None, None, None, None, None, b))
+    assert 3 <= micro <= 5 and len(plugin.history_) == 1 and not plugin.history_[0]["warm"]
+    assert max(plain_sizes.sizes) == 20  # 10 stream + 10 replayed samples per step
+    assert max(tuned_sizes.sizes) == micro and len(tuned_sizes.sizes) > 3 * len(plain_sizes.sizes)
+    assert sum(tuned_sizes.sizes) == sum(plain_sizes.sizes)  # the same samples, in micro-batches
+    for a, b in zip(plain.model.parameters(), tuned.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # accumulation == one large step (momentum, decay)
+    assert tuned.evaluator.get_all_metrics()["Taste/micro_batch_size"][1] == [micro]
+
+
+def test_batch_size_plugin_retunes_on_schedule_and_drift(tiny_tasks, tmp_path, fake_hardware):
+    monitor_plugin = adapter.TasteMonitorPlugin(StabilityPlasticityMonitor(eval_every=4))
+    plugin = adapter.TasteBatchSizePlugin(BatchSizeTuner(cache_dir=tmp_path), retune_every=3)
+    model = make_mlp(seed=0)
+    strategy = Naive(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), train_mb_size=10,
+        plugins=[ReplayPlugin(mem_size=20), monitor_plugin, plugin], evaluator=EvaluationPlugin(),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for index, experience in enumerate(split_online_stream(benchmark_from_tasks(tiny_tasks[:2]).train_stream, 10, seed=0)):
+            if index == 4:
+                monitor_plugin.monitor.emit("drift_detected")
+                monitor_plugin.monitor.dispatch()
+            strategy.train(experience)
+    reasons = [(entry["experience"], entry["reason"].split(" (")[0].split(" at")[0]) for entry in plugin.history_]
+    assert reasons == [(0, "first experience"), (3, "schedule"), (4, "stream drift"), (6, "schedule")]
+    assert all(entry["warm"] and entry["probes"] <= 1 for entry in plugin.history_[1:])  # cached surrogate: bounded retunes
+    assert monitor_plugin.monitor.report()["samples_seen"] == 80
