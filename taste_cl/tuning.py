@@ -119,8 +119,9 @@ def measure_throughput(
     twin = copy.deepcopy(model).train()
     twin_optimizer = type(optimizer)([p for p in twin.parameters() if p.requires_grad], **optimizer.defaults)
     generator = torch.Generator().manual_seed(batch_size)
-    x = torch.randn((batch_size, *input_shape), generator=generator).to(dtype)
-    y = torch.randint(0, num_classes, (batch_size,), generator=generator)
+    device = next(twin.parameters()).device
+    x = torch.randn((batch_size, *input_shape), generator=generator).to(device=device, dtype=dtype)
+    y = torch.randint(0, num_classes, (batch_size,), generator=generator).to(device)
 
     def step() -> None:
         loss = loss_fn(twin(x), y)
@@ -128,14 +129,17 @@ def measure_throughput(
         twin_optimizer.step()
         twin_optimizer.zero_grad(set_to_none=True)
 
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         step()
+    synchronize()
     rates = []
     for _ in range(blocks):
         steps, start = 0, time.perf_counter()
         while True:
             step()
             steps += 1
+            synchronize()
             elapsed = time.perf_counter() - start
             if elapsed >= min_time / blocks:
                 break

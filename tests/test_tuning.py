@@ -34,6 +34,7 @@ def fake_hardware(monkeypatch):
         return synthetic_throughput(*args, **kwargs)
 
     monkeypatch.setattr(tuning, "measure_throughput", measure)
+    monkeypatch.setattr(tuning.LoadMeter, "read", lambda self: 0.0)  # a quiet machine: the cache key stays put
     return calls
 
 
