@@ -24,23 +24,27 @@ SPECIALS = [0.0, np.nan, np.inf, -np.inf, 1e30, -1e30, 1e300, 3e38, 1e-45]
 
 
 @st.composite
-def arrays(draw, *, feature_shape: tuple[int, ...] = (4,)) -> np.ndarray:
-    """Mostly well-formed feature batches, with wrong shapes, dtypes and special values mixed in."""
-    n = draw(st.sampled_from([0] + list(range(1, 13)) * 3))
+def arrays(draw, *, clean: bool, feature_shape: tuple[int, ...] = (4,)) -> np.ndarray:
+    """Feature batches: valid ones when ``clean`` (any numeric dtype, huge finite values),
+    otherwise wrong shapes, dtypes, emptiness and NaN/inf mixed in."""
+    n = draw(st.integers(1, 12) if clean else st.sampled_from([0] + list(range(1, 13)) * 3))
     good = (n, *feature_shape)
-    shape = draw(st.sampled_from([good] * 8 + [(n,), (n, 5), (n, 2, 2), (n, 4, 1)]))
-    dtype = draw(st.sampled_from([np.float32] * 6 + DTYPES))
+    shape = good if clean else draw(st.sampled_from([good] * 8 + [(n,), (n, 5), (n, 2, 2), (n, 4, 1)]))
+    dtype = draw(st.sampled_from(DTYPES[:7] if clean else [np.float32] * 6 + DTYPES))
     values = np.random.default_rng(draw(st.integers(0, 2**16))).normal(size=shape) * draw(st.sampled_from([1.0, 1e3]))
     flat = values.reshape(-1)
     spoiled = flat.size and draw(st.integers(0, 3)) == 0
     for index in draw(st.lists(st.integers(0, flat.size - 1), min_size=1, max_size=3)) if spoiled else []:
-        flat[index] = draw(st.sampled_from(SPECIALS))
+        flat[index] = draw(st.sampled_from(SPECIALS[-3:] if clean and dtype == np.float64 else [0.0, 1e4] if clean else SPECIALS))
     with np.errstate(all="ignore"):
         return values.astype(dtype)
 
 
 @st.composite
-def labels(draw, n: int) -> np.ndarray:
+def labels(draw, n: int, *, clean: bool) -> np.ndarray:
+    if clean:
+        y = np.random.default_rng(draw(st.integers(0, 2**16))).integers(0, 3, size=n)
+        return y.astype(draw(st.sampled_from([np.int64, np.int32, np.int16, np.int8, np.uint8])))
     length = draw(st.sampled_from([n] * 6 + [max(n - 1, 0), n + 1]))
     low, high = draw(st.sampled_from([(0, 2)] * 6 + [(-1, 2), (0, 3), (-(2**40), 2**40)]))
     dtype = draw(st.sampled_from([np.int64] * 4 + [np.int32, np.uint8, np.float32, np.bool_]))
@@ -52,9 +56,10 @@ def labels(draw, n: int) -> np.ndarray:
 
 @st.composite
 def batches(draw):
-    """An ``(x, y)`` pair as numpy or torch, possibly non-contiguous, possibly a mapping."""
-    x = draw(arrays())
-    y = draw(labels(x.shape[0]))
+    """An ``(x, y)`` pair, valid or not, as numpy or torch, possibly non-contiguous, possibly a mapping."""
+    clean = draw(st.booleans())
+    x = draw(arrays(clean=clean))
+    y = draw(labels(x.shape[0], clean=clean))
     kind = draw(st.sampled_from(["numpy", "torch", "torch_noncontiguous", "mapping"]))
     if kind == "numpy":
         return x, y
