@@ -20,6 +20,8 @@ BENCHMARKS: dict[str, str] = {
     "federated": "taste_cl.benchmarks.federated",
     "online-digits": "taste_cl.benchmarks.online_digits",
     "onnx": "taste_cl.benchmarks.onnx_training",
+    "soak": "taste_cl.benchmarks.soak",
+    "update-guard": "taste_cl.benchmarks.update_guard",
     "vs-avalanche": "taste_cl.benchmarks.vs_avalanche",
 }
 COMMANDS: dict[str, tuple[str, str]] = {

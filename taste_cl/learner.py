@@ -44,6 +44,8 @@ _BUILTIN_REPLAY: dict[str, type[ReservoirReplay] | type[ClassBalancedReplay]] = 
     "ReservoirReplay": ReservoirReplay,
     "ClassBalancedReplay": ClassBalancedReplay,
 }
+_GUARD_MODES = ("auto", "always", "never")
+_GUARD_UPDATE_BOUND = 1e4  # far below float32 overflow (3e38), far above healthy steps
 _MONITOR_CONFIG = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed")
 
 
@@ -98,8 +100,8 @@ class ObserveStats:
 
     ``loss`` is the mean training loss over stream and replay samples; ``accuracy`` is
     the prequential accuracy on the stream samples, scored before training on them.
-    ``skipped`` is true when a non-finite loss or gradient was detected and an update
-    was not applied. ``batch_size`` is the largest micro-batch trained (stream plus
+    ``skipped`` is true when a non-finite loss or gradient was detected, or a step that
+    made a parameter non-finite was rolled back, so an update was not applied. ``batch_size`` is the largest micro-batch trained (stream plus
     replay); ``micro_batches`` counts forward/backward passes, ``steps`` optimizer steps.
     With a batch plan, samples may wait for a full micro-batch: then ``loss`` and
     ``accuracy`` are NaN and ``micro_batches`` is 0.
@@ -145,6 +147,12 @@ class OnlineLearner:
         The :class:`~taste_cl.monitor.StabilityPlasticityMonitor`; a default one if None.
     plugins:
         :class:`~taste_cl.plugins.LearnerPlugin` instances (batch-size tuner, elastic training).
+    guard_updates:
+        ``"auto"``: before a step whose size bound (largest learning rate times
+        ``max(1, gradient norm)``) exceeds 1e4, copy the parameters and optimizer state,
+        and restore them if the step leaves a parameter non-finite (a learning-rate
+        spike on a finite gradient). Ordinary steps pay nothing. ``"always"`` guards
+        every step (one copy per step), ``"never"`` none.
     """
 
     def __init__(
@@ -160,6 +168,7 @@ class OnlineLearner:
         input_shape: Sequence[int] | None = None,
         monitor: StabilityPlasticityMonitor | None = None,
         plugins: Sequence[LearnerPlugin] = (),
+        guard_updates: str = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -171,6 +180,8 @@ class OnlineLearner:
             raise ValueError(f"`train_iterations == {train_iterations!r}`, must be an int >= 1")
         if num_classes is not None and num_classes < 1:
             raise ValueError(f"`num_classes == {num_classes}`, must be >= 1")
+        if guard_updates not in _GUARD_MODES:
+            raise ValueError(f"`guard_updates == {guard_updates!r}`, must be one of {', '.join(map(repr, _GUARD_MODES))}")
         names = [plugin.name for plugin in plugins]
         if len(set(names)) != len(names):
             raise ValueError(f"plugin names must be unique (they key checkpoint state); got {names}")
@@ -184,6 +195,7 @@ class OnlineLearner:
         self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
         self.monitor = monitor if monitor is not None else StabilityPlasticityMonitor()
         self.plugins = list(plugins)
+        self.guard_updates = guard_updates
         self.samples_seen = 0
         self.steps = 0
         self.batch_plan: BatchPlan | None = None
@@ -332,7 +344,8 @@ class OnlineLearner:
     def _apply_accumulated(self) -> bool | None:
         """Apply the accumulated gradient; return True if applied, False if skipped, None if nothing was pending.
 
-        A non-finite loss or gradient in the window skips the update and emits ``numerical_fault``.
+        A non-finite loss or gradient in the window skips the update; with ``guard_updates``
+        a step that leaves a parameter non-finite is undone. Both emit ``numerical_fault``.
         """
         if self._accumulated == 0:
             return None
@@ -341,14 +354,42 @@ class OnlineLearner:
                 if p.grad is not None:
                     p.grad.mul_(self._accumulation_steps / self._accumulated)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        applied = self._window_finite and not (grads and not math.isfinite(float(torch.nn.utils.get_total_norm(grads))))
-        if applied:
-            self.optimizer.step()
+        grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        applied = self._window_finite and math.isfinite(grad_norm)
+        if not applied:
+            self.monitor.emit("numerical_fault", micro_batches=self._accumulated, cause="non-finite loss or gradient")
+        elif self._needs_guard(grad_norm):
+            applied = self._guarded_step()
         else:
-            self.monitor.emit("numerical_fault", micro_batches=self._accumulated)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._accumulated, self._window_finite = 0, True
         return applied
+
+    def _needs_guard(self, grad_norm: float) -> bool:
+        if self.guard_updates != "auto":
+            return self.guard_updates == "always"
+        largest_lr = max(float(group["lr"]) for group in self.optimizer.param_groups)
+        return largest_lr * max(1.0, grad_norm) > _GUARD_UPDATE_BOUND
+
+    def _guarded_step(self) -> bool:
+        """Step the optimizer; undo the step (parameters and optimizer state) if a parameter became non-finite."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        with torch.no_grad():
+            saved_params = torch._foreach_mul(params, 1.0)  # one fused copy
+        saved_state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()} for p in params if p in self.optimizer.state}
+        self.optimizer.step()
+        if math.isfinite(float(torch.nn.utils.get_total_norm(params, norm_type=math.inf))):  # max |p|: no overflow
+            return True
+        with torch.no_grad():
+            torch._foreach_copy_(params, saved_params)
+        for p in params:
+            if p in saved_state:
+                self.optimizer.state[p] = saved_state[p]
+            else:
+                self.optimizer.state.pop(p, None)
+        self.monitor.emit("numerical_fault", micro_batches=self._accumulated, cause="non-finite parameters after the step (rolled back)")
+        return False
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
         """One optimizer step on validated tensors, outside the stream bookkeeping.

@@ -353,7 +353,9 @@ class BatchSizeTuner(LearnerPlugin):
                 if batch in measured and not cached:
                     if len(probes) >= self.n_initial_points + 2:
                         break  # the surrogate insists on a point it knows: converged
-                    batch = min((b for b in candidates if b not in measured), key=lambda b: abs(index[b] - suggested))
+                    unmeasured = [b for b in candidates if b not in measured]
+                    if unmeasured:  # else re-measure the suggestion
+                        batch = min(unmeasured, key=lambda b: abs(index[b] - suggested))
             measured.add(batch)
             rate = measure_throughput(
                 model, optimizer, loss_fn, input_shape, num_classes, batch, min_time=self.min_probe_time, dtype=dtype

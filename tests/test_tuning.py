@@ -239,3 +239,12 @@ def test_tuner_state_survives_learner_checkpoints(tmp_path, fake_hardware):
 def test_bad_tuner_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         BatchSizeTuner(**kwargs)
+
+
+def test_warm_tune_with_every_candidate_cached_re_measures_instead_of_crashing(tmp_path, fake_hardware):
+    tuner = BatchSizeTuner(cache_dir=tmp_path, max_batch_size=8, per_octave=1, warm_calls=2)
+    cold = _tune(tuner)
+    assert sorted(b for b, _ in SurrogateCache(tmp_path).load(cold.key)) == [1, 2, 4, 8]  # all cached
+    fake_hardware.clear()
+    warm = _tune(tuner)  # found by the soak: every suggestion was cached and min() got an empty list
+    assert warm.warm and len(fake_hardware) == 2 and warm.batch_size == cold.batch_size

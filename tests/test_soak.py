@@ -1,0 +1,39 @@
+"""Bounded soak: a 20k-sample stream keeps memory and every history flat (long form: ``taste-cl bench soak``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from taste_cl.benchmarks.soak import run_soak
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """A tiny model on a shared 2-core machine runs ~10x faster on one intra-op thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _check(result: dict, samples: int) -> None:
+    assert result["samples"] == samples
+    assert result["rss_growth_mb"] < 30, result["rss_mb"]
+    assert result["replay_len"] == result["replay_capacity"]
+    assert result["monitor_events"] <= result["max_events"]
+    assert result["state_bytes_final"] < 1.1 * result["state_bytes_warm"]  # checkpoints do not grow with the stream
+    assert result["loss_last_tenth"] < 1.0  # and it is still learning the drifting clusters
+
+
+def test_bounded_soak_keeps_memory_and_histories_flat():
+    result = run_soak(samples=20_000, batch_size=40, drift_every=2_000, max_events=3)
+    _check(result, 20_000)
+    assert sum(result["event_counts"].values()) > result["max_events"]  # more events fired than are kept
+
+
+@pytest.mark.slow
+def test_long_soak_with_the_tuner(tmp_path):
+    result = run_soak(samples=200_000, tuner_cache_dir=tmp_path)
+    _check(result, 200_000)
+    assert result["tuner_history"] <= result["tuner_history_max"]
