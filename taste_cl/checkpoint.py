@@ -41,6 +41,8 @@ def atomic_write_bytes(target: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
+    for stale in target.parent.glob(f".{target.name}.*.tmp"):  # left by a writer killed mid-write
+        stale.unlink(missing_ok=True)
     dir_fd = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

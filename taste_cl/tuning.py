@@ -260,6 +260,7 @@ class BatchSizeTuner(LearnerPlugin):
         retune_on_drift: bool = True,
         load_tolerance: float = 0.5,
         calibration_window: int = 8,
+        min_retune_interval: int = 100,
         cache_dir: str | os.PathLike[str] | None = None,
         seed: int = 0,
     ) -> None:
@@ -270,6 +271,7 @@ class BatchSizeTuner(LearnerPlugin):
             ("warm_calls", warm_calls, 0),
             ("per_octave", per_octave, 1),
             ("calibration_window", calibration_window, 2),
+            ("min_retune_interval", min_retune_interval, 0),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`{label} == {value!r}`, must be an int >= {low}")
@@ -291,6 +293,7 @@ class BatchSizeTuner(LearnerPlugin):
         self.retune_on_drift = retune_on_drift
         self.load_tolerance = load_tolerance
         self.calibration_window = calibration_window
+        self.min_retune_interval = min_retune_interval
         self.cache_dir = cache_dir
         self.seed = seed
         self.cache = SurrogateCache(cache_dir)
@@ -302,6 +305,7 @@ class BatchSizeTuner(LearnerPlugin):
         self._shift = _LoadShiftState(baseline=None, bucket="idle")
         self._pending_reason: str | None = None
         self._observes = 0
+        self._last_retune = 0
 
     # ------------------------------------------------------------ standalone
     def tune(
@@ -421,6 +425,8 @@ class BatchSizeTuner(LearnerPlugin):
         """Compare the recent training rate with its calibrated baseline, and the foreign load bucket."""
         if len(self._rates) < self.calibration_window:
             return None
+        if self._shift.baseline is not None and self._observes - self._last_retune < self.min_retune_interval:
+            return None
         rate = statistics.median(self._rates)
         bucket = load_bucket(statistics.median(self._foreign))
         if self._shift.baseline is None:  # calibrate both signals over the first window after a tune
@@ -444,6 +450,7 @@ class BatchSizeTuner(LearnerPlugin):
             dtype=learner.dtype, foreign_load=foreign,
         )
         self.result_ = result
+        self._last_retune = self._observes
         if self.reference_batch_size is None and reference is not None:
             self.reference_batch_size = reference
         accumulation = max(1, math.ceil((self.effective_batch_size or result.batch_size) / result.batch_size))

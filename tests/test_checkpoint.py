@@ -174,3 +174,12 @@ def test_unknown_format_and_custom_replay_need_explicit_handling(tmp_path):
     write_checkpoint(tmp_path, {"format": 99})
     with pytest.raises(CheckpointError, match="format 99"):
         OnlineLearner.load(tmp_path, model=nn.Linear(4, 3))
+
+
+def test_a_save_removes_temp_files_left_by_a_killed_writer(tmp_path):
+    learner = tiny_learner()
+    learner.observe(batch())
+    stale = tmp_path / f".{CHECKPOINT_FILE}.abc123.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    learner.save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_FILE]

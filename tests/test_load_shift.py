@@ -28,7 +28,7 @@ def one_thread():
 def test_learner_keeps_learning_and_retunes_when_cpu_hogs_start(tmp_path, one_thread):
     tuner = BatchSizeTuner(
         max_batch_size=32, n_calls=3, n_initial_points=2, warm_calls=1, min_probe_time=0.02,
-        calibration_window=6, load_tolerance=0.3, retune_on_drift=False, cache_dir=tmp_path,
+        calibration_window=6, load_tolerance=0.3, retune_on_drift=False, min_retune_interval=20, cache_dir=tmp_path,
     )
     learner = tiny_learner(replay_capacity=50, plugins=[tuner])
     losses = [learner.observe(batch(seed=i)).loss for i in range(60)]  # tune, then calibrate the baseline

@@ -198,7 +198,7 @@ def test_plugin_tunes_on_the_first_batch_and_retunes_on_drift(tmp_path, fake_har
 
 
 def test_plugin_detects_a_load_shift_from_step_times(tmp_path, fake_hardware, monkeypatch):
-    tuner = BatchSizeTuner(cache_dir=tmp_path, max_batch_size=64, calibration_window=4, retune_on_drift=False)
+    tuner = BatchSizeTuner(cache_dir=tmp_path, max_batch_size=64, calibration_window=4, retune_on_drift=False, min_retune_interval=0)
     learner = OnlineLearner(_mlp(), replay=None, plugins=[tuner])
     monkeypatch.setattr(tuner._load_meter, "read", lambda: 0.0)
     learner.observe(batch(10, seed=0))
@@ -248,3 +248,22 @@ def test_warm_tune_with_every_candidate_cached_re_measures_instead_of_crashing(t
     fake_hardware.clear()
     warm = _tune(tuner)  # found by the soak: every suggestion was cached and min() got an empty list
     assert warm.warm and len(fake_hardware) == 2 and warm.batch_size == cold.batch_size
+
+
+def test_load_shift_retunes_are_spaced_by_min_retune_interval(tmp_path, fake_hardware, monkeypatch):
+    tuner = BatchSizeTuner(cache_dir=tmp_path, max_batch_size=64, calibration_window=4, retune_on_drift=False, min_retune_interval=30)
+    learner = OnlineLearner(_mlp(), replay=None, plugins=[tuner])
+    learner.observe(batch(10, seed=0))
+    micro = learner.batch_plan.micro_batch_size
+
+    from taste_cl.learner import ObserveStats
+
+    def feed(seconds: float, times: int) -> None:
+        for _ in range(times):
+            tuner.after_observe(learner, ObserveStats(0.1, 1.0, micro, 0, micro, 1, seconds))
+
+    feed(0.01, 4)  # baseline
+    feed(0.03, 10)  # a shift, but inside the interval after the first tune: no retune yet
+    assert len(tuner.history_) == 1
+    feed(0.03, 20)  # the interval has passed: now it retunes, once
+    assert len(tuner.history_) == 2 and tuner.history_[-1]["reason"].startswith("load shift")
