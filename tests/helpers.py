@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,3 +44,24 @@ def snapshot(learner: OnlineLearner) -> Snapshot:
     torch.save(learner.state_dict(), buffer)  # a deep copy that shares no memory with the learner
     buffer.seek(0)
     return Snapshot(torch.load(buffer, weights_only=True))
+
+
+def fake_hardware(monkeypatch: Any, curve: Callable[[int], float]) -> list[int]:
+    """Replace the tuner's throughput measurement by ``curve(batch_size)`` on a quiet machine.
+
+    Returns the list the probed batch sizes are appended to. The foreign-load reading is
+    pinned to 0, since the cache key holds the load bucket and a busy test machine would
+    otherwise change it between tunes.
+    """
+    from taste_cl import tuning
+
+    probes: list[int] = []
+
+    def measure(*args: Any, **kwargs: Any) -> float:
+        probes.append(args[5])
+        return curve(args[5])
+
+    monkeypatch.setattr(tuning, "measure_throughput", measure)
+    monkeypatch.setattr(tuning.LoadMeter, "read", lambda self: 0.0)
+    return probes
+

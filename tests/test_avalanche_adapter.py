@@ -31,7 +31,7 @@ from taste_cl.adapters.avalanche import (  # noqa: E402
     benchmark_from_tasks,
     run_on_avalanche_stream,
 )
-from taste_cl import tuning  # noqa: E402
+from helpers import fake_hardware as install_fake_hardware  # noqa: E402
 from taste_cl.datasets import Task, make_mlp, split_digits  # noqa: E402
 from taste_cl.tuning import BatchSizeTuner  # noqa: E402
 
@@ -235,22 +235,14 @@ def test_monitor_plugin_in_naive_with_replay(tiny_tasks):
 
 
 # ------------------------------------ direction 2: the batch-size tuner in Avalanche
-def _small_batch_curve(model, optimizer, loss_fn, input_shape, num_classes, batch_size, **kwargs) -> float:
+def _small_batch_curve(batch_size: int) -> float:
     """Synthetic hardware whose throughput peaks at batch 4 (smaller than the 20-sample mini-batches)."""
     return 1000.0 * batch_size / (batch_size + 2) / (1 + (batch_size / 8) ** 2)
 
 
 @pytest.fixture
 def fake_hardware(monkeypatch):
-    probes = []
-
-    def measure(*args, **kwargs):
-        probes.append(args[5])
-        return _small_batch_curve(*args, **kwargs)
-
-    monkeypatch.setattr(tuning, "measure_throughput", measure)
-    monkeypatch.setattr(tuning.LoadMeter, "read", lambda self: 0.0)  # the cache key holds the load bucket: keep it fixed
-    return probes
+    return install_fake_hardware(monkeypatch, _small_batch_curve)
 
 
 class _RecordSizes(SupervisedPlugin):
@@ -288,7 +280,7 @@ def test_batch_size_plugin_tunes_and_accumulates_to_the_same_parameters(tiny_tas
     plugin = adapter.TasteBatchSizePlugin(BatchSizeTuner(cache_dir=tmp_path))
     tuned = _train_naive(tiny_tasks[:2], plugin, tuned_sizes)
     micro = plugin.result_.batch_size
-    assert micro == max(set(fake_hardware), key=lambda b: _small_batch_curve(None, None, None, None, None, b))
+    assert micro == max(set(fake_hardware), key=_small_batch_curve)
     assert 3 <= micro <= 5 and len(plugin.history_) == 1 and not plugin.history_[0]["warm"]
     assert max(plain_sizes.sizes) == 20  # 10 stream + 10 replayed samples per step
     assert max(tuned_sizes.sizes) == micro and len(tuned_sizes.sizes) > 3 * len(plain_sizes.sizes)

@@ -245,10 +245,10 @@ def test_apply_selection_rejects_unknown_units(tmp_path):
 
 
 def test_elastic_reprofiles_at_the_tuned_batch_after_each_retune(tmp_path, monkeypatch):
-    from taste_cl import tuning
+    from helpers import fake_hardware
     from taste_cl.tuning import BatchSizeTuner
 
-    monkeypatch.setattr(tuning, "measure_throughput", lambda *a, **k: 1000.0 * a[5] / (a[5] + 8) / (1 + (a[5] / 40) ** 2))
+    fake_hardware(monkeypatch, lambda b: 1000.0 * b / (b + 8) / (1 + (b / 40) ** 2))
     elastic = ElasticTrainer(rho=0.5, cache_dir=tmp_path)
     tuner = BatchSizeTuner(max_batch_size=128, cache_dir=tmp_path)
     sizes = []

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from taste_cl import OnlineLearner, ReservoirReplay
-from taste_cl import tuning
 from taste_cl.tuning import (
     BatchSizeTuner,
     SurrogateCache,
@@ -18,24 +17,17 @@ from taste_cl.tuning import (
     measure_throughput,
 )
 from helpers import batch, snapshot
+from helpers import fake_hardware as install_fake_hardware
 
 
-def synthetic_throughput(model, optimizer, loss_fn, input_shape, num_classes, batch_size, **kwargs) -> float:
+def synthetic_throughput(batch_size: int) -> float:
     """A TASTE-shaped curve: rises to a ceiling near batch 90, then falls (no noise)."""
     return 2000.0 * batch_size / (batch_size + 8) / (1 + (batch_size / 300) ** 2)
 
 
 @pytest.fixture
 def fake_hardware(monkeypatch):
-    calls = []
-
-    def measure(*args, **kwargs):
-        calls.append(args[5])
-        return synthetic_throughput(*args, **kwargs)
-
-    monkeypatch.setattr(tuning, "measure_throughput", measure)
-    monkeypatch.setattr(tuning.LoadMeter, "read", lambda self: 0.0)  # a quiet machine: the cache key stays put
-    return calls
+    return install_fake_hardware(monkeypatch, synthetic_throughput)
 
 
 def _mlp() -> nn.Module:
@@ -60,10 +52,10 @@ def test_candidates_are_log_spaced_distinct_and_bounded():
 def test_cold_tune_finds_the_peak_with_few_probes(tmp_path, fake_hardware):
     result = _tune(BatchSizeTuner(cache_dir=tmp_path))
     sizes = candidate_batch_sizes(1024)
-    oracle = max(sizes, key=lambda b: synthetic_throughput(None, None, None, None, None, b))
+    oracle = max(sizes, key=synthetic_throughput)
     assert 3 <= len(result.probes) <= 8 < len(sizes) / 3
-    best = synthetic_throughput(None, None, None, None, None, oracle)
-    assert synthetic_throughput(None, None, None, None, None, result.batch_size) >= 0.95 * best
+    best = synthetic_throughput(oracle)
+    assert synthetic_throughput(result.batch_size) >= 0.95 * best
     assert not result.warm and result.seconds > 0
 
 
