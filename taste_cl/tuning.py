@@ -204,8 +204,10 @@ class TuningResult:
 
 
 @dataclass(frozen=True)
-class _LoadShiftState:
-    baseline: float | None
+class _LoadBaseline:
+    """Training rate and foreign-load bucket calibrated after a (re)tune."""
+
+    rate: float
     bucket: str
 
 
@@ -302,7 +304,7 @@ class BatchSizeTuner(LearnerPlugin):
         self._load_meter = LoadMeter()
         self._rates: deque[float] = deque(maxlen=calibration_window)
         self._foreign: deque[float] = deque(maxlen=calibration_window)
-        self._shift = _LoadShiftState(baseline=None, bucket="idle")
+        self._baseline: _LoadBaseline | None = None  # None until calibrated after a tune
         self._pending_reason: str | None = None
         self._observes = 0
         self._last_retune = 0
@@ -425,29 +427,27 @@ class BatchSizeTuner(LearnerPlugin):
         """Compare the recent training rate with its calibrated baseline, and the foreign load bucket."""
         if len(self._rates) < self.calibration_window:
             return None
-        if self._shift.baseline is not None and self._observes - self._last_retune < self.min_retune_interval:
+        if self._baseline is not None and self._observes - self._last_retune < self.min_retune_interval:
             return None
         rate = statistics.median(self._rates)
         bucket = load_bucket(statistics.median(self._foreign))
-        if self._shift.baseline is None:  # calibrate both signals over the first window after a tune
-            self._shift = _LoadShiftState(baseline=rate, bucket=bucket)
+        if self._baseline is None:  # calibrate both signals over the first window after a tune
+            self._baseline = _LoadBaseline(rate, bucket)
             return None
-        ratio = rate / self._shift.baseline
+        ratio = rate / self._baseline.rate
         reason = None
         if ratio < 1 / (1 + self.load_tolerance) or ratio > 1 + self.load_tolerance:
-            reason = f"load shift: training rate {rate:.0f} samples/s vs baseline {self._shift.baseline:.0f} (x{ratio:.2f})"
-        elif bucket != self._shift.bucket:
-            reason = f"load shift: foreign CPU load went from {self._shift.bucket} to {bucket}"
+            reason = f"load shift: training rate {rate:.0f} samples/s vs baseline {self._baseline.rate:.0f} (x{ratio:.2f})"
+        elif bucket != self._baseline.bucket:
+            reason = f"load shift: foreign CPU load went from {self._baseline.bucket} to {bucket}"
         if reason is not None:
             learner.monitor.emit("load_shift", ratio=ratio, bucket=bucket)
         return reason
 
     def _retune(self, learner: OnlineLearner, reason: str, *, reference: int | None = None) -> None:
         assert learner.input_shape is not None and learner.num_classes is not None
-        foreign = self._load_meter.read()
         result = self.tune(
-            learner.model, learner.optimizer, learner.loss_fn, learner.input_shape, learner.num_classes,
-            dtype=learner.dtype, foreign_load=foreign,
+            learner.model, learner.optimizer, learner.loss_fn, learner.input_shape, learner.num_classes, dtype=learner.dtype
         )
         self.result_ = result
         self._last_retune = self._observes
@@ -459,7 +459,7 @@ class BatchSizeTuner(LearnerPlugin):
         learner.set_batch_plan(result.batch_size, accumulation_steps=accumulation, lr_scale=lr_scale)
         self._rates.clear()
         self._foreign.clear()
-        self._shift = _LoadShiftState(baseline=None, bucket=load_bucket(foreign))
+        self._baseline = None
         entry = {
             "step": learner.steps,
             "reason": reason,
