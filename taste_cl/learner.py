@@ -349,17 +349,17 @@ class OnlineLearner:
         """
         if self._accumulated == 0:
             return None
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
         if self._accumulated < self._accumulation_steps:  # partial window: make it a mean again
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(self._accumulation_steps / self._accumulated)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            for grad in grads:
+                grad.mul_(self._accumulation_steps / self._accumulated)
         grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
         applied = self._window_finite and math.isfinite(grad_norm)
         if not applied:
             self.monitor.emit("numerical_fault", micro_batches=self._accumulated, cause="non-finite loss or gradient")
         elif self._needs_guard(grad_norm):
-            applied = self._guarded_step()
+            applied = self._guarded_step(params)
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -372,9 +372,9 @@ class OnlineLearner:
         largest_lr = max(float(group["lr"]) for group in self.optimizer.param_groups)
         return largest_lr * max(1.0, grad_norm) > _GUARD_UPDATE_BOUND
 
-    def _guarded_step(self) -> bool:
-        """Step the optimizer; undo the step (parameters and optimizer state) if a parameter became non-finite."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+    def _guarded_step(self, params: list[nn.Parameter]) -> bool:
+        """Step the optimizer; undo the step on ``params`` (the ones with gradients) and their
+        optimizer state if a parameter became non-finite."""
         with torch.no_grad():
             saved_params = torch._foreach_mul(params, 1.0)  # one fused copy
         saved_state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()} for p in params if p in self.optimizer.state}
