@@ -139,8 +139,7 @@ class AvalancheReplay(_SeededStrategy):
         clock = SimpleNamespace(train_exp_counter=self._adds)
         return SimpleNamespace(experience=experience, device=device, eval_mb_size=256, clock=clock)
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self._storage.check_batch(x, y)
+    def add_validated(self, x: torch.Tensor, y: torch.Tensor) -> None:
         ids = torch.arange(self.seen, self.seen + x.shape[0])
         experience = SimpleNamespace(dataset=self._dataset(x.detach().cpu(), y.cpu(), ids), current_experience=self._adds)
         with self._private_rng():

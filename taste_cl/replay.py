@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from taste_cl._batch import count_nonfinite
 from taste_cl.exceptions import InvalidBatchError
 
 __all__ = ["BufferStorage", "ClassBalancedReplay", "ReplayStrategy", "ReservoirReplay"]
@@ -51,6 +52,12 @@ class ReplayStrategy(ABC):
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Offer a batch ``x`` of shape ``(n, *features)`` with labels ``y`` of shape ``(n,)``."""
 
+    def add_validated(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Offer a batch the learner has already validated (finite ``x`` of the learner's
+        feature shape and dtype, int64 ``y`` in range). The learner calls this instead of
+        :meth:`add`; override it to skip checks ``add`` makes. Default: ``add``."""
+        self.add(x, y)
+
     @abstractmethod
     def sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Return up to ``n`` stored samples as fresh tensors (never views of the store)."""
@@ -75,8 +82,10 @@ class ReplayStrategy(ABC):
 class BufferStorage:
     """Fixed-capacity tensor store with contiguous slots ``0 .. len-1``.
 
-    Memory is allocated once, on the first append, from the first sample's shape and
-    dtype; every later write must match it.
+    Memory is allocated once, on the first append, from the first sample's shape, dtype
+    and device. Later batches must have the same feature shape (and be floating point
+    if the first was); they are converted to the stored dtype and device, so a model
+    moved to another dtype or device mid-stream keeps its buffer.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -111,9 +120,11 @@ class BufferStorage:
             )
         if y.dtype != torch.long:
             raise InvalidBatchError(f"y must have dtype torch.int64; got {y.dtype}")
-        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        if count_nonfinite(x):
             raise InvalidBatchError("x contains non-finite values (NaN or inf)")
-        if self._x is not None and (tuple(x.shape[1:]) != self.feature_shape or x.dtype != self._x.dtype):
+        if self._x is not None and (
+            tuple(x.shape[1:]) != self.feature_shape or x.is_floating_point() != self._x.is_floating_point()
+        ):
             raise InvalidBatchError(
                 f"x has feature shape {tuple(x.shape[1:])} and dtype {x.dtype}; "
                 f"this buffer stores {self.feature_shape} and {self._x.dtype}"
@@ -138,24 +149,25 @@ class BufferStorage:
     def write(self, slots: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
         """Overwrite the given (distinct, filled) slots."""
         assert self._x is not None and self._y is not None
-        self._x[slots] = x
-        self._y[slots] = y
+        slots = slots.to(self._x.device)
+        self._x.index_copy_(0, slots, x.to(self._x))
+        self._y.index_copy_(0, slots, y.to(self._y.device))
 
-    def remove(self, slot: int) -> int | None:
-        """Free ``slot`` by moving the last sample into it; return the moved sample's old slot."""
+    def keep(self, slots: torch.Tensor) -> None:
+        """Keep only the samples at ``slots`` (distinct, filled), packed into slots
+        ``0 .. len(slots) - 1`` in that order; the rest are dropped."""
         assert self._x is not None and self._y is not None
-        last = self._size - 1
-        self._size = last
-        if slot == last:
-            return None
-        self._x[slot] = self._x[last]
-        self._y[slot] = self._y[last]
-        return last
+        n = slots.shape[0]
+        slots = slots.to(self._x.device)
+        self._x[:n] = self._x.index_select(0, slots)  # a copy first, so overlapping slots are safe
+        self._y[:n] = self._y.index_select(0, slots)
+        self._size = n
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return copies of the samples at ``slots``."""
         assert self._x is not None and self._y is not None
-        return self._x[slots].clone(), self._y[slots].clone()
+        slots = slots.to(self._x.device)
+        return self._x.index_select(0, slots), self._y.index_select(0, slots)
 
     def state_dict(self) -> State:
         if self._x is None or self._y is None:
@@ -192,6 +204,13 @@ class _SeededStrategy(ReplayStrategy):
 
     def __len__(self) -> int:
         return len(self._storage)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self._storage.check_batch(x, y)
+        self.add_validated(x, y)
+
+    @abstractmethod
+    def add_validated(self, x: torch.Tensor, y: torch.Tensor) -> None: ...
 
     @property
     def labels(self) -> torch.Tensor:
@@ -236,8 +255,7 @@ class ReservoirReplay(_SeededStrategy):
         super().__init__(capacity, seed)
         self.seen = 0
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self._storage.check_batch(x, y)
+    def add_validated(self, x: torch.Tensor, y: torch.Tensor) -> None:
         n = x.shape[0]
         free = min(n, self.capacity - len(self._storage))
         if free:
@@ -245,17 +263,17 @@ class ReservoirReplay(_SeededStrategy):
         rest = n - free
         if rest:
             # Sample i of the rest is the (seen + free + i + 1)-th of the stream: keep it
-            # iff a uniform draw over that many positions lands inside the reservoir.
-            positions = torch.arange(self.seen + free + 1, self.seen + n + 1, dtype=torch.float64)
-            slots = (self._uniform(rest) * positions).floor().long()
+            # iff a uniform draw over that many positions lands inside the reservoir
+            # (Python floats are the same doubles torch would multiply).
+            draws = self._uniform(rest).tolist()
             winner: dict[int, int] = {}
-            for i, slot in enumerate(slots.tolist()):
+            for i, draw in enumerate(draws):
+                slot = int(draw * (self.seen + free + i + 1))
                 if slot < self.capacity:
                     winner[slot] = free + i  # a later sample overwrites an earlier one
             if winner:
-                targets = torch.tensor(list(winner), dtype=torch.long)
-                sources = torch.tensor(list(winner.values()), dtype=torch.long)
-                self._storage.write(targets, x[sources], y[sources])
+                slots, rows = torch.tensor([list(winner), list(winner.values())], device=x.device)
+                self._storage.write(slots, x.index_select(0, rows), y.index_select(0, rows))
         self.seen += n
 
     def state_dict(self) -> State:
@@ -279,6 +297,7 @@ class ClassBalancedReplay(_SeededStrategy):
         self._classes: list[int] = []  # arrival order decides who gets the remainder
         self._seen: dict[int, int] = {}
         self._slots: dict[int, list[int]] = {}
+        self._quotas: dict[int, int] = {}
 
     @property
     def classes(self) -> list[int]:
@@ -287,48 +306,70 @@ class ClassBalancedReplay(_SeededStrategy):
 
     def quota(self, label: int) -> int:
         """Number of slots class ``label`` may hold now."""
+        return self._quotas[label]
+
+    def _set_quotas(self) -> None:
         k = len(self._classes)
-        rank = self._classes.index(label)
-        return self.capacity // k + (1 if rank < self.capacity % k else 0)
+        self._quotas = {label: self.capacity // k + (rank < self.capacity % k) for rank, label in enumerate(self._classes)}
 
     def class_counts(self) -> dict[int, int]:
         """Stored samples per class."""
         return {label: len(self._slots[label]) for label in self._classes}
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self._storage.check_batch(x, y)
+    def add_validated(self, x: torch.Tensor, y: torch.Tensor) -> None:
         draws = self._uniform(x.shape[0]).tolist()
+        appends: list[int] = []  # batch rows going to the next free slots, in order
+        writes: dict[int, int] = {}  # slot -> batch row replacing it (the last one wins)
         for i, label in enumerate(y.tolist()):
             if label not in self._seen:
+                self._flush(x, y, appends, writes)  # registering may evict and move slots
                 self._register(label)
             self._seen[label] += 1
             slots = self._slots[label]
-            if len(slots) < self.quota(label):
-                slots.append(len(self._storage))
-                self._storage.append(x[i : i + 1], y[i : i + 1])
+            if len(slots) < self._quotas[label]:
+                slots.append(len(self._storage) + len(appends))
+                appends.append(i)
                 continue
             j = int(draws[i] * self._seen[label])
             if j < len(slots):
-                self._storage.write(torch.tensor([slots[j]]), x[i : i + 1], y[i : i + 1])
+                writes[slots[j]] = i
+        self._flush(x, y, appends, writes)
+
+    def _flush(self, x: torch.Tensor, y: torch.Tensor, appends: list[int], writes: dict[int, int]) -> None:
+        """Apply the decisions made so far, appends first (a write may target a slot just appended)."""
+        if appends:
+            first, last = appends[0], appends[-1]
+            if last - first + 1 == len(appends):  # the usual case: a run of rows, a view is enough
+                self._storage.append(x[first : last + 1], y[first : last + 1])
+            else:
+                rows = torch.tensor(appends, device=x.device)
+                self._storage.append(x.index_select(0, rows), y.index_select(0, rows))
+            appends.clear()
+        if writes:
+            slots, rows = torch.tensor([list(writes), list(writes.values())], device=x.device)
+            self._storage.write(slots, x.index_select(0, rows), y.index_select(0, rows))
+            writes.clear()
 
     def _register(self, label: int) -> None:
+        """Give ``label`` a quota: older classes drop uniformly random samples down to theirs."""
         self._classes.append(label)
         self._seen[label] = 0
         self._slots[label] = []
+        self._set_quotas()
+        dropped: set[int] = set()
         for other in self._classes:
-            while len(self._slots[other]) > self.quota(other):
-                victim = int(torch.randint(len(self._slots[other]), (1,), generator=self._generator))
-                self._evict(other, victim)
-
-    def _evict(self, label: int, position: int) -> None:
-        slots = self._slots[label]
-        slot = slots[position]
-        slots[position] = slots[-1]
-        slots.pop()
-        moved_from = self._storage.remove(slot)
-        if moved_from is not None:
-            owner = self._slots[int(self._storage.labels[slot])]
-            owner[owner.index(moved_from)] = slot
+            slots = self._slots[other]
+            excess = len(slots) - self._quotas[other]
+            if excess > 0:
+                victims = set(torch.randperm(len(slots), generator=self._generator)[:excess].tolist())
+                dropped.update(slots[position] for position in victims)
+                self._slots[other] = [slot for position, slot in enumerate(slots) if position not in victims]
+        if dropped:  # one compaction for all classes
+            kept = [slot for slot in range(len(self._storage)) if slot not in dropped]
+            self._storage.keep(torch.tensor(kept, dtype=torch.long))
+            new_slot = {old: new for new, old in enumerate(kept)}
+            for other in self._classes:
+                self._slots[other] = [new_slot[slot] for slot in self._slots[other]]
 
     def state_dict(self) -> State:
         return {
@@ -343,3 +384,4 @@ class ClassBalancedReplay(_SeededStrategy):
         self._classes = [int(c) for c in state["classes"]]
         self._seen = {c: int(s) for c, s in zip(self._classes, state["seen"])}
         self._slots = {c: [int(s) for s in slots] for c, slots in zip(self._classes, state["slots"])}
+        self._set_quotas()

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from taste_cl import BufferStorage, ClassBalancedReplay, InvalidBatchError, ReservoirReplay
+from taste_cl import BufferStorage, ClassBalancedReplay, InvalidBatchError, OnlineLearner, ReplayStrategy, ReservoirReplay
 from taste_cl.testing import check_replay_strategy
 
 
@@ -116,9 +116,56 @@ def test_sampling_an_empty_buffer_says_so():
         ReservoirReplay(3).sample(1)
 
 
-def test_storage_remove_keeps_slots_contiguous():
-    storage = BufferStorage(4)
-    storage.append(torch.arange(4.0).unsqueeze(1), torch.arange(4))
-    assert storage.remove(1) == 3
-    assert len(storage) == 3 and storage.labels.tolist() == [0, 3, 2]
-    assert storage.remove(2) is None
+def test_storage_keep_packs_the_kept_slots_in_order():
+    storage = BufferStorage(5)
+    storage.append(torch.arange(5.0).unsqueeze(1), torch.arange(5))
+    storage.keep(torch.tensor([4, 1, 3]))
+    assert len(storage) == 3 and storage.labels.tolist() == [4, 1, 3]
+    assert storage.gather(torch.arange(3))[0].flatten().tolist() == [4.0, 1.0, 3.0]
+    storage.append(torch.tensor([[9.0]]), torch.tensor([9]))  # the freed slots are reused
+    assert storage.labels.tolist() == [4, 1, 3, 9]
+
+
+def test_storage_converts_later_float_batches_to_the_stored_dtype_but_rejects_integer_features():
+    buffer = ReservoirReplay(4)
+    buffer.add(torch.randn(4, 2), torch.zeros(4, dtype=torch.long))  # full: later adds overwrite
+    buffer.add(torch.full((50, 2), 7.0, dtype=torch.float64), torch.ones(50, dtype=torch.long))
+    x, y = buffer.sample(4)
+    assert x.dtype == torch.float32 and (x == 7.0).any() and (y == 1).any()
+    with pytest.raises(InvalidBatchError, match="dtype torch.int64"):
+        buffer.add(torch.ones(2, 2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("make", [lambda: ReservoirReplay(8, seed=5), lambda: ClassBalancedReplay(8, seed=5)])
+def test_add_validated_stores_exactly_what_add_stores(make):
+    checked, trusted = make(), make()
+    for start in range(0, 60, 6):
+        x, y = torch.randn(6, 3, generator=torch.Generator().manual_seed(start)), torch.arange(start, start + 6) % 4
+        checked.add(x, y)
+        trusted.add_validated(x, y)
+    assert len(checked) == len(trusted) == 8
+    assert all(torch.equal(a, b) for a, b in zip(checked.sample(8), trusted.sample(8)))
+
+
+def test_a_strategy_with_only_add_gets_the_learners_batches_through_the_default_add_validated():
+    class KeepAll(ReplayStrategy):  # implements add, not add_validated
+        def __init__(self) -> None:
+            self.offered: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+            self.offered.append((x.clone(), y.clone()))
+
+        def sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            x, y = torch.cat([x for x, _ in self.offered]), torch.cat([y for _, y in self.offered])
+            return x[:n].clone(), y[:n].clone()
+
+        def __len__(self) -> int:
+            return sum(y.shape[0] for _, y in self.offered)
+
+    replay = KeepAll()
+    learner = OnlineLearner(torch.nn.Linear(3, 2), replay=replay, replay_batch_size=4)
+    batches = [(torch.randn(5, 3), torch.randint(0, 2, (5,))) for _ in range(3)]
+    for batch in batches:
+        learner.observe(batch)
+    assert len(replay.offered) == 3
+    assert all(torch.equal(x, bx) and torch.equal(y, by) for (x, y), (bx, by) in zip(replay.offered, batches))
