@@ -211,13 +211,20 @@ class OnlineLearner:
     # ------------------------------------------------------------ properties
     @property
     def device(self) -> torch.device:
-        first = next(self.model.parameters(), None)
-        return first.device if first is not None else torch.device("cpu")
+        return self._placement()[0]
 
     @property
     def dtype(self) -> torch.dtype:
-        first = next(self.model.parameters(), None)
-        return first.dtype if first is not None else torch.float32
+        return self._placement()[1]
+
+    def _placement(self) -> tuple[torch.device, torch.dtype]:
+        """Device and dtype of the parameters the optimizer trains (where inputs must go).
+
+        Read from the optimizer: walking ``model.parameters()`` costs more than a small
+        model's forward pass of one layer.
+        """
+        first = self.optimizer.param_groups[0]["params"][0]
+        return first.device, first.dtype
 
     # -------------------------------------------------------------- learning
     def set_batch_plan(self, micro_batch_size: int | None, *, accumulation_steps: int = 1, lr_scale: float = 1.0) -> None:
@@ -291,7 +298,8 @@ class OnlineLearner:
         pending_x = x if self._pending is None else torch.cat([self._pending[0], x])
         pending_y = y if self._pending is None else torch.cat([self._pending[1], y])
         full = pending_x.shape[0] // stream_part * stream_part
-        self._pending = None if full == pending_x.shape[0] else (pending_x[full:].clone(), pending_y[full:].clone())
+        # Views are safe: both tensors are the learner's own copies, never the caller's memory.
+        self._pending = None if full == pending_x.shape[0] else (pending_x[full:], pending_y[full:])
         return [
             (pending_x[i : i + stream_part], pending_y[i : i + stream_part], min(replay_part, stored))
             for i in range(0, full, stream_part)
@@ -307,12 +315,11 @@ class OnlineLearner:
             totals.add_micro(loss, train_x.shape[0], n_replay)
             if self._accumulated == self._accumulation_steps:
                 totals.add_step(self._apply_accumulated())
-        totals.add_scored(int((stream_logits.argmax(dim=1) == y).sum()), y.shape[0])
-        self.monitor.record(x, y, stream_logits)
+        totals.add_scored(self.monitor.record(x, y, stream_logits, validated=True), y.shape[0])
         if self.replay is not None:
-            self.replay.add(x, y)
+            self.replay.add_validated(x, y)
         if self.monitor.due():
-            self.monitor.evaluate(self._logits)
+            self.monitor.evaluate(lambda probe_x: self._logits(probe_x.to(x)))  # x: the model's device and dtype
 
     @property
     def _accumulation_steps(self) -> int:
@@ -323,19 +330,21 @@ class OnlineLearner:
             return x, y
         assert self.replay is not None
         replay_x, replay_y = self.replay.sample(n_replay)
-        return torch.cat([x, replay_x.to(self.device)]), torch.cat([y, replay_y.to(self.device)])
+        return torch.cat([x, replay_x.to(x)]), torch.cat([y, replay_y.to(y.device)])
 
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Forward and backward one micro-batch, adding its share to the accumulated gradient."""
         if self._accumulated == 0:
             for plugin in self.plugins:
                 plugin.before_step(self)
-        self.model.train()
+        if not self.model.training:  # train() walks every module: only when needed
+            self.model.train()
         logits = self.model(x)
         loss = self.loss_fn(logits, y)
         loss_value = float(loss.detach())
         if math.isfinite(loss_value):
-            (loss / self._accumulation_steps).backward()
+            steps = self._accumulation_steps
+            (loss if steps == 1 else loss / steps).backward()
         else:
             self._window_finite = False
         self._accumulated += 1
@@ -349,12 +358,12 @@ class OnlineLearner:
         """
         if self._accumulated == 0:
             return None
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         grads = [p.grad for p in params]
         if self._accumulated < self._accumulation_steps:  # partial window: make it a mean again
             for grad in grads:
                 grad.mul_(self._accumulation_steps / self._accumulated)
-        grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        grad_norm = _total_norm(grads)
         applied = self._window_finite and math.isfinite(grad_norm)
         if not applied:
             self.monitor.emit("numerical_fault", micro_batches=self._accumulated, cause="non-finite loss or gradient")
@@ -410,7 +419,8 @@ class OnlineLearner:
     def predict(self, x: Any) -> torch.Tensor:
         """Logits for ``x`` in eval mode without gradients; changes no state."""
         with self._lock:
-            features = to_features(x, feature_shape=self.input_shape, dtype=self.dtype, device=self.device)
+            device, dtype = self._placement()
+            features = to_features(x, feature_shape=self.input_shape, dtype=dtype, device=device)
             return self._logits(features)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -424,9 +434,10 @@ class OnlineLearner:
 
     def _validate(self, batch: BatchLike) -> tuple[torch.Tensor, torch.Tensor]:
         raw_x, raw_y = split_batch(batch)
-        x = to_features(raw_x, feature_shape=self.input_shape, dtype=self.dtype, device=self.device)
+        device, dtype = self._placement()
+        x = to_features(raw_x, feature_shape=self.input_shape, dtype=dtype, device=device)
         num_classes = self.num_classes if self.input_shape is not None else self._probe_output(x)
-        y = to_labels(raw_y, n=x.shape[0], num_classes=num_classes, device=self.device)
+        y = to_labels(raw_y, n=x.shape[0], num_classes=num_classes, device=device)
         self.input_shape = tuple(x.shape[1:])
         self.num_classes = num_classes
         return x, y
@@ -560,6 +571,18 @@ class OnlineLearner:
             for param, grad in zip(self.model.parameters(), training["grads"]):
                 param.grad = grad
             torch.set_rng_state(state["rng"]["torch"])
+
+
+def _total_norm(tensors: list[torch.Tensor]) -> float:
+    """L2 norm of all ``tensors`` together (NaN or inf if any entry is)."""
+    if not tensors:
+        return 0.0
+    first = tensors[0]
+    if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
+        # The fused kernel torch's own get_total_norm ends in, without its per-call
+        # regrouping by device and dtype (half the cost of a small model's step).
+        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
+    return float(torch.nn.utils.get_total_norm(tensors))
 
 
 def _rebuild_replay(state: dict[str, Any], replay: ReplayStrategy | None) -> ReplayStrategy | None:

@@ -135,8 +135,12 @@ class StabilityPlasticityMonitor:
         return list(self._events)
 
     # ----------------------------------------------------------- measurements
-    def record(self, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> None:
-        """Score a stream batch with logits computed *before* training on it, then store it in the probe."""
+    def record(self, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, *, validated: bool = False) -> int:
+        """Score a stream batch with logits computed *before* training on it, then store it in the probe.
+
+        Returns the number of samples the logits classified correctly. ``validated=True``
+        (the learner's own calls) skips the probe's input checks.
+        """
         with torch.no_grad():
             loss = float(torch.nn.functional.cross_entropy(logits.float(), y))
             correct = int((logits.argmax(dim=1) == y).sum())
@@ -146,7 +150,11 @@ class StabilityPlasticityMonitor:
         if math.isfinite(loss) and self.drift_detector.update(loss):
             self._last_drift_step = self.steps
             self.emit("drift_detected", loss=loss)
-        self._probe.add(x, y)
+        if validated:
+            self._probe.add_validated(x, y)
+        else:
+            self._probe.add(x, y)
+        return correct
 
     def due(self) -> bool:
         """Whether the probe should be evaluated after this step."""
@@ -158,10 +166,13 @@ class StabilityPlasticityMonitor:
         with torch.no_grad():
             hits = predict(x).argmax(dim=1) == y
         self._stability = float(hits.float().mean())
-        for label in y.unique().tolist():
-            accuracy = float(hits[y == label].float().mean())
-            self._class_accuracy[label] = accuracy
-            self._best_class_accuracy[label] = max(self._best_class_accuracy.get(label, 0.0), accuracy)
+        totals = torch.bincount(y).tolist()
+        correct = torch.bincount(y, weights=hits.double()).tolist()
+        for label, (n, right) in enumerate(zip(totals, correct)):
+            if n:
+                accuracy = right / n
+                self._class_accuracy[label] = accuracy
+                self._best_class_accuracy[label] = max(self._best_class_accuracy.get(label, 0.0), accuracy)
         drops = [self._best_class_accuracy[c] - a for c, a in self._class_accuracy.items()]
         previous, self._forgetting = self._forgetting, sum(drops) / len(drops)
         if previous <= self.forgetting_threshold < self._forgetting:

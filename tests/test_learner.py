@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from taste_cl import ObserveStats, OnlineLearner
+from taste_cl import ObserveStats, OnlineLearner, StabilityPlasticityMonitor
 from taste_cl.demo import build_digits_learner
 from taste_cl.experiment import run_class_incremental
 from helpers import batch, snapshot, tiny_learner
@@ -101,3 +101,25 @@ def test_learner_without_optimizer_uses_sgd():
     learner = OnlineLearner(model)
     assert isinstance(learner.optimizer, torch.optim.SGD)
     learner.observe(batch())
+
+
+def test_a_model_moved_to_float64_mid_stream_keeps_learning_with_its_buffers():
+    learner = tiny_learner(replay_capacity=8, monitor=StabilityPlasticityMonitor(probe_capacity=8, eval_every=1))
+    for seed in range(4):  # both buffers full: later batches overwrite slots
+        learner.observe(batch(seed=seed))
+    learner.model.double()
+    assert learner.dtype == torch.float64
+    for seed in range(4, 8):
+        stats = learner.observe(batch(seed=seed))
+        assert np.isfinite(stats.loss) and stats.replay_samples == 4
+    assert learner.predict(batch()[0]).dtype == torch.float64
+    assert learner.monitor.stability is not None
+
+
+def test_the_stream_accuracy_in_stats_counts_predictions_made_before_training():
+    torch.manual_seed(0)
+    learner = OnlineLearner(torch.nn.Linear(4, 3))  # no dropout: training-mode logits equal predict's
+    for seed in range(5):
+        x, y = batch(seed=seed)
+        expected = float((learner.predict(x).argmax(1) == y).float().mean())
+        assert learner.observe((x, y)).accuracy == pytest.approx(expected)
