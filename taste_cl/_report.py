@@ -15,12 +15,17 @@ __all__ = ["format_table", "write_json"]
 
 def _cell(value: Any) -> str:
     if isinstance(value, float):
-        return "nan" if math.isnan(value) else f"{value:.4g}" if abs(value) >= 1000 else f"{value:.3f}"
+        if math.isnan(value):
+            return "nan"
+        if abs(value) >= 1e7:
+            return f"{value:.4g}"
+        return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3f}"
     return str(value)
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Align ``rows`` under ``headers`` in columns; floats get three decimals."""
+    """Align ``rows`` under ``headers`` in columns; floats get three decimals
+    (whole numbers from 100 on, four significant digits from 1e7)."""
     cells = [[_cell(v) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
