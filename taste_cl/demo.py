@@ -24,11 +24,19 @@ __all__ = ["build_digits_learner", "main", "plot_result"]
 
 
 def build_digits_learner(
-    *, replay_capacity: int = 200, replay: ReplayStrategy | None = None, lr: float = 0.1, seed: int = 0
+    *,
+    replay_capacity: int = 200,
+    replay: ReplayStrategy | None = None,
+    lr: float = 0.1,
+    seed: int = 0,
+    replay_batch_size: int = 10,
+    train_iterations: int = 3,
 ) -> OnlineLearner:
     """The reference setup: 64-128-128-10 MLP, SGD, replay, 3 rehearsal steps per batch.
 
-    ``replay`` overrides the default ``ReservoirReplay(replay_capacity)`` (0 = no replay).
+    Each stream batch is trained ``train_iterations`` times, each time with
+    ``replay_batch_size`` replayed samples. ``replay`` overrides the default
+    ``ReservoirReplay(replay_capacity)`` (0 = no replay).
     """
     model = make_mlp(seed=seed)
     if replay is None and replay_capacity:
@@ -37,8 +45,8 @@ def build_digits_learner(
         model,
         optimizer=torch.optim.SGD(model.parameters(), lr=lr),
         replay=replay,
-        replay_batch_size=10,
-        train_iterations=3,
+        replay_batch_size=replay_batch_size,
+        train_iterations=train_iterations,
     )
 
 

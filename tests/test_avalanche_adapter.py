@@ -309,3 +309,16 @@ def test_batch_size_plugin_retunes_on_schedule_and_drift(tiny_tasks, tmp_path, f
     assert reasons == [(0, "first experience"), (3, "schedule"), (4, "stream drift"), (6, "schedule")]
     assert all(entry["warm"] and entry["probes"] <= 1 for entry in plugin.history_[1:])  # cached surrogate: bounded retunes
     assert monitor_plugin.monitor.report()["samples_seen"] == 80
+
+
+def test_benchmark_learners_match_or_beat_avalanche_accuracy_on_the_benchmark_stream():
+    """The accuracy half of ``taste-cl bench vs-avalanche`` (deterministic: seeded stream and models)."""
+    from taste_cl.benchmarks import vs_avalanche
+
+    tasks = split_digits(5, seed=0)
+    benchmark = benchmark_from_tasks(tasks)
+    avalanche_run = vs_avalanche.run_avalanche(benchmark, tasks, seed=0, epochs=1)
+    throughput_run = vs_avalanche.run_taste(benchmark, tasks, seed=0, throughput=True)
+    assert avalanche_run.samples == throughput_run.samples == sum(t.x_train.shape[0] for t in tasks)
+    assert throughput_run.final_accuracy >= avalanche_run.final_accuracy
+    assert throughput_run.forgetting <= avalanche_run.forgetting
