@@ -305,7 +305,9 @@ class ClassBalancedReplay(_SeededStrategy):
         return list(self._classes)
 
     def quota(self, label: int) -> int:
-        """Number of slots class ``label`` may hold now."""
+        """Number of slots class ``label`` may hold now (KeyError for a class not seen yet)."""
+        if label not in self._quotas:
+            raise KeyError(f"class {label!r} has not been seen; seen classes: {self._classes}")
         return self._quotas[label]
 
     def _set_quotas(self) -> None:

@@ -58,7 +58,10 @@ def test_class_balanced_splits_capacity_evenly_across_seen_classes():
         assert sum(counts.values()) == min(10, 50 * (label + 1))
         assert max(counts.values()) - min(counts.values()) <= 1
     assert buffer.class_counts() == {0: 4, 1: 3, 2: 3}
+    assert [buffer.quota(label) for label in range(3)] == [4, 3, 3]
     assert sorted(buffer.labels.tolist()) == [0] * 4 + [1] * 3 + [2] * 3
+    with pytest.raises(KeyError, match="class 7 has not been seen"):
+        buffer.quota(7)
 
 
 def test_class_balanced_is_uniform_within_a_class_even_after_quota_shrinks():
