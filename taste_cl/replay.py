@@ -153,6 +153,11 @@ class BufferStorage:
         self._x.index_copy_(0, slots, x.to(self._x))
         self._y.index_copy_(0, slots, y.to(self._y.device))
 
+    def write_rows(self, x: torch.Tensor, y: torch.Tensor, rows_by_slot: dict[int, int]) -> None:
+        """Overwrite each (filled) slot with row ``rows_by_slot[slot]`` of the batch ``x``/``y``."""
+        slots, rows = torch.tensor([list(rows_by_slot), list(rows_by_slot.values())], device=x.device)
+        self.write(slots, x.index_select(0, rows), y.index_select(0, rows))
+
     def keep(self, slots: torch.Tensor) -> None:
         """Keep only the samples at ``slots`` (distinct, filled), packed into slots
         ``0 .. len(slots) - 1`` in that order; the rest are dropped."""
@@ -272,8 +277,7 @@ class ReservoirReplay(_SeededStrategy):
                 if slot < self.capacity:
                     winner[slot] = free + i  # a later sample overwrites an earlier one
             if winner:
-                slots, rows = torch.tensor([list(winner), list(winner.values())], device=x.device)
-                self._storage.write(slots, x.index_select(0, rows), y.index_select(0, rows))
+                self._storage.write_rows(x, y, winner)
         self.seen += n
 
     def state_dict(self) -> State:
@@ -348,8 +352,7 @@ class ClassBalancedReplay(_SeededStrategy):
                 self._storage.append(x.index_select(0, rows), y.index_select(0, rows))
             appends.clear()
         if writes:
-            slots, rows = torch.tensor([list(writes), list(writes.values())], device=x.device)
-            self._storage.write(slots, x.index_select(0, rows), y.index_select(0, rows))
+            self._storage.write_rows(x, y, writes)
             writes.clear()
 
     def _register(self, label: int) -> None:
