@@ -22,31 +22,45 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from taste_cl._batch import BatchLike, split_batch, to_features, to_labels
+from taste_cl._batch import (
+    BatchLike,
+    Inputs,
+    Spec,
+    as_tensor,
+    batch_len,
+    call_model,
+    cat_batches,
+    index_batch,
+    leaves,
+    map_leaves,
+    split_batch,
+    to_inputs,
+)
 from taste_cl.checkpoint import read_checkpoint, write_checkpoint
 from taste_cl.exceptions import CheckpointError, InvalidBatchError
 from taste_cl.monitor import StabilityPlasticityMonitor
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.replay import ClassBalancedReplay, ReplayStrategy, ReservoirReplay
+from taste_cl.tasks import Classification, Task, infer_task, resolve_task
 
 __all__ = ["BatchPlan", "ObserveStats", "OnlineLearner"]
 
 CHECKPOINT_FORMAT = 1
-_BUILTIN_REPLAY: dict[str, type[ReservoirReplay] | type[ClassBalancedReplay]] = {
+_BUILTIN_REPLAY: dict[str, type[ReservoirReplay | ClassBalancedReplay]] = {
     "ReservoirReplay": ReservoirReplay,
     "ClassBalancedReplay": ClassBalancedReplay,
 }
 _GUARD_MODES = ("auto", "always", "never")
 _GUARD_UPDATE_BOUND = 1e4  # far below float32 overflow (3e38), far above healthy steps
-_MONITOR_CONFIG = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed")
+_MONITOR_CONFIG = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed", "prequential")
 
 
 @dataclass(frozen=True)
@@ -68,8 +82,7 @@ class _Totals:
     micro_batches: int = 0
     steps: int = 0
     skipped: bool = False
-    correct: int = 0
-    scored: int = 0
+    scores: list[float] = field(default_factory=list)  # the task's summed batch statistics
 
     def add_micro(self, loss: float, size: int, n_replay: int) -> None:
         self.losses.append(loss)
@@ -81,25 +94,24 @@ class _Totals:
         self.steps += bool(applied)
         self.skipped |= applied is False
 
-    def add_scored(self, correct: int, n: int) -> None:
-        self.correct += correct
-        self.scored += n
+    def add_scored(self, stats: tuple[float, ...]) -> None:
+        self.scores = [a + b for a, b in zip(self.scores, stats)] if self.scores else list(stats)
 
     @property
     def mean_loss(self) -> float:
         return sum(self.losses) / len(self.losses) if self.losses else math.nan
 
-    @property
-    def accuracy(self) -> float:
-        return self.correct / self.scored if self.scored else math.nan
+    def metrics(self, task: Task | None) -> dict[str, float]:
+        return task.metrics(self.scores) if self.scores and task is not None else {}
 
 
 @dataclass(frozen=True)
 class ObserveStats:
     """What one ``observe`` call did.
 
-    ``loss`` is the mean training loss over stream and replay samples; ``accuracy`` is
-    the prequential accuracy on the stream samples, scored before training on them.
+    ``loss`` is the mean training loss over stream and replay samples; ``metrics`` are the
+    task's prequential metrics on the stream samples, scored before training on them
+    (``accuracy`` repeats the accuracy of class tasks; NaN for others).
     ``skipped`` is true when a non-finite loss or gradient was detected, or a step that
     made a parameter non-finite was rolled back, so an update was not applied. ``batch_size`` is the largest micro-batch trained (stream plus
     replay); ``micro_batches`` counts forward/backward passes, ``steps`` optimizer steps.
@@ -116,10 +128,16 @@ class ObserveStats:
     step_time_s: float
     skipped: bool = False
     micro_batches: int = 1
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class OnlineLearner:
-    """Wrap a classifier so it keeps adapting to a stream of labelled batches.
+    """Wrap a model so it keeps adapting to a stream of labelled batches.
+
+    Inputs ``x`` are a tensor or a dict / tuple / list of tensors, passed as ``model(x)``,
+    ``model(**x)`` or ``model(*x)``; floating leaves follow the model's dtype and device,
+    integer and bool leaves keep their dtype. Targets follow the ``task``: class labels,
+    0/1 multi-label targets, real values or per-token tags (see :mod:`taste_cl.tasks`).
 
     Each :meth:`observe` scores the incoming batch (test-then-train), trains one step on
     it mixed with ``replay_batch_size`` samples from the replay buffer, and offers the
@@ -129,11 +147,19 @@ class OnlineLearner:
     Parameters
     ----------
     model:
-        A module mapping ``(n, *input_shape)`` features to ``(n, num_classes)`` logits.
+        A module mapping inputs to one output tensor ``(n, ...)``: ``(n, num_classes)``
+        logits for classification.
     loss_fn:
-        Training loss taking ``(logits, labels)``; default cross-entropy.
+        Training loss taking ``(outputs, targets)`` and returning a scalar; default cross-entropy.
     optimizer:
-        Optimizer over ``model``'s parameters; default SGD with lr 0.01.
+        Optimizer over ``model``'s parameters; default SGD with lr 0.01. It must hold every
+        trainable parameter of the model (``ValueError`` naming those it misses).
+    task:
+        A :class:`~taste_cl.tasks.Task` or its name; default inferred from ``loss_fn``
+        (:func:`~taste_cl.tasks.infer_task`): cross-entropy/NLL -> classification (token
+        classification for ``(n, C, t)`` outputs), MSE/L1/SmoothL1/Huber -> regression,
+        BCE -> multi-label. For another loss, integer targets mean classification and
+        float targets need ``task=``.
     replay:
         A :class:`~taste_cl.replay.ReplayStrategy`, or None to train on the stream only.
     replay_batch_size:
@@ -142,7 +168,8 @@ class OnlineLearner:
         Optimizer steps per stream batch, each with a fresh replay sample (repeated
         rehearsal; 2-3 help a lot when the stream is short).
     num_classes, input_shape:
-        Inferred from the first batch and the model's output when not given.
+        Inferred from the first batch and the model's output when not given
+        (``input_shape`` is for a single-tensor ``x``; a structured ``x`` is described by ``input_spec``).
     monitor:
         The :class:`~taste_cl.monitor.StabilityPlasticityMonitor`; a default one if None.
     plugins:
@@ -169,6 +196,7 @@ class OnlineLearner:
         monitor: StabilityPlasticityMonitor | None = None,
         plugins: Sequence[LearnerPlugin] = (),
         guard_updates: str = "auto",
+        task: Task | str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -188,11 +216,18 @@ class OnlineLearner:
         self.model = model
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
         self.optimizer = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=0.01)
+        _check_optimizer_covers(model, self.optimizer)
+        self.task: Task | None = resolve_task(task) if task is not None else infer_task(self.loss_fn)
+        _check_replay_fits(replay, self.task)
         self.replay = replay
         self.replay_batch_size = replay_batch_size
         self.train_iterations = train_iterations
         self.num_classes = num_classes
         self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
+        self.input_spec: Spec | None = None if input_shape is None else Spec("tensor", "float", "", self.input_shape)
+        self.output_shape: tuple[int, ...] | None = None
+        self._task_given = task is not None
+        self._score_eval = False  # prequential score from an eval-mode forward (decided on the first batch)
         self.monitor = monitor if monitor is not None else StabilityPlasticityMonitor()
         self.plugins = list(plugins)
         self.guard_updates = guard_updates
@@ -201,7 +236,7 @@ class OnlineLearner:
         self.batch_plan: BatchPlan | None = None
         self._base_lrs: list[float] | None = None
         self._stream_batch_size: int | None = None
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pending: tuple[Inputs, torch.Tensor] | None = None
         self._accumulated = 0
         self._window_finite = True
         self._lock = threading.RLock()
@@ -253,13 +288,16 @@ class OnlineLearner:
     def observe(self, batch: BatchLike) -> ObserveStats:
         """Test-then-train on one stream batch ``(x, y)`` or ``{"x": x, "y": y}``.
 
+        ``x`` is a tensor or array, or a dict / tuple / list of them (see the class doc).
+
         Raises :class:`~taste_cl.exceptions.InvalidBatchError` (a ``ValueError``) on a
         malformed batch, before anything is changed.
         """
         with self._lock:
             x, y = self._validate(batch)
+            n = y.shape[0]
             if self._stream_batch_size is None:
-                self._stream_batch_size = x.shape[0]
+                self._stream_batch_size = n
                 for plugin in self.plugins:
                     plugin.on_first_batch(self, x)
             start = time.perf_counter()
@@ -267,25 +305,27 @@ class OnlineLearner:
             for chunk_x, chunk_y, n_replay in self._chunks(x, y):
                 self._learn_chunk(chunk_x, chunk_y, n_replay, totals)
             elapsed = time.perf_counter() - start
-            self.samples_seen += x.shape[0]
+            self.samples_seen += n
             self.steps += 1
+            metrics = totals.metrics(self.task)
             stats = ObserveStats(
                 loss=totals.mean_loss,
-                accuracy=totals.accuracy,
-                samples=x.shape[0],
+                accuracy=metrics.get("accuracy", math.nan),
+                samples=n,
                 replay_samples=totals.replay_samples,
                 batch_size=totals.batch_size,
                 steps=totals.steps,
                 step_time_s=elapsed,
                 skipped=totals.skipped,
                 micro_batches=totals.micro_batches,
+                metrics=metrics,
             )
             for plugin in self.plugins:
                 plugin.after_observe(self, stats)
             self.monitor.dispatch()
             return stats
 
-    def _chunks(self, x: torch.Tensor, y: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    def _chunks(self, x: Inputs, y: torch.Tensor) -> list[tuple[Inputs, torch.Tensor, int]]:
         """Split the stream into training chunks: the batch itself, or full micro-batches of the plan."""
         stored = len(self.replay) if self.replay is not None else 0
         if self.batch_plan is None:
@@ -295,51 +335,66 @@ class OnlineLearner:
         share = self.replay_batch_size / (self._stream_batch_size + self.replay_batch_size) if self.replay else 0.0
         replay_part = min(int(round(micro * share)), micro - 1)
         stream_part = micro - replay_part
-        pending_x = x if self._pending is None else torch.cat([self._pending[0], x])
+        pending_x = x if self._pending is None else cat_batches([self._pending[0], x])
         pending_y = y if self._pending is None else torch.cat([self._pending[1], y])
-        full = pending_x.shape[0] // stream_part * stream_part
-        # Views are safe: both tensors are the learner's own copies, never the caller's memory.
-        self._pending = None if full == pending_x.shape[0] else (pending_x[full:], pending_y[full:])
+        total = pending_y.shape[0]
+        full = total // stream_part * stream_part
+        # Views are safe: both are the learner's own copies, never the caller's memory.
+        self._pending = None if full == total else (index_batch(pending_x, slice(full, None)), pending_y[full:])
         return [
-            (pending_x[i : i + stream_part], pending_y[i : i + stream_part], min(replay_part, stored))
+            (index_batch(pending_x, slice(i, i + stream_part)), pending_y[i : i + stream_part], min(replay_part, stored))
             for i in range(0, full, stream_part)
         ]
 
-    def _learn_chunk(self, x: torch.Tensor, y: torch.Tensor, n_replay: int, totals: _Totals) -> None:
-        """Score ``x`` (test), train ``train_iterations`` micro-batches on it with replay, then store it."""
+    def _learn_chunk(self, x: Inputs, y: torch.Tensor, n_replay: int, totals: _Totals) -> None:
+        """Score ``x`` (test), train ``train_iterations`` micro-batches on it with replay, then store it.
+
+        The score comes from an eval-mode forward (what :meth:`predict` returns) when the
+        model's output depends on the train/eval mode, else from the first training forward.
+        """
+        n = y.shape[0]
+        stream_outputs = self._logits(x) if self._score_eval else None
         for iteration in range(self.train_iterations):
             train_x, train_y = self._with_replay(x, y, n_replay)
-            logits, loss = self._micro_step(train_x, train_y)
-            if iteration == 0:
-                stream_logits = logits[: x.shape[0]]  # scored before any update on this chunk
-            totals.add_micro(loss, train_x.shape[0], n_replay)
+            outputs, loss = self._micro_step(train_x, train_y)
+            if stream_outputs is None:
+                stream_outputs = outputs[:n]  # scored before any update on this chunk
+            totals.add_micro(loss, train_y.shape[0], n_replay)
             if self._accumulated == self._accumulation_steps:
                 totals.add_step(self._apply_accumulated())
-        totals.add_scored(self.monitor.record(x, y, stream_logits, validated=True), y.shape[0])
+        assert stream_outputs is not None
+        totals.add_scored(self.monitor.record(x, y, stream_outputs, validated=True))
         if self.replay is not None:
             self.replay.add_validated(x, y)
         if self.monitor.due():
-            self.monitor.evaluate(lambda probe_x: self._logits(probe_x.to(x)))  # x: the model's device and dtype
+            self.monitor.evaluate(lambda probe_x: self._logits(self._place(probe_x)))
 
     @property
     def _accumulation_steps(self) -> int:
         return 1 if self.batch_plan is None else self.batch_plan.accumulation_steps
 
-    def _with_replay(self, x: torch.Tensor, y: torch.Tensor, n_replay: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _with_replay(self, x: Inputs, y: torch.Tensor, n_replay: int) -> tuple[Inputs, torch.Tensor]:
         if not n_replay:
             return x, y
         assert self.replay is not None
         replay_x, replay_y = self.replay.sample(n_replay)
-        return torch.cat([x, replay_x.to(x)]), torch.cat([y, replay_y.to(y.device)])
+        if isinstance(x, torch.Tensor):  # the common case, without the pytree walk
+            return torch.cat([x, replay_x.to(x)]), torch.cat([y, replay_y.to(y)])
+        return cat_batches([x, self._place(replay_x)]), torch.cat([y, replay_y.to(y)])
 
-    def _micro_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def _place(self, x: Inputs) -> Inputs:
+        """Stored samples moved to the model: floating leaves to its dtype, all to its device."""
+        device, dtype = self._placement()
+        return map_leaves(lambda t: t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device), x)
+
+    def _micro_step(self, x: Inputs, y: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Forward and backward one micro-batch, adding its share to the accumulated gradient."""
         if self._accumulated == 0:
             for plugin in self.plugins:
                 plugin.before_step(self)
         if not self.model.training:  # train() walks every module: only when needed
             self.model.train()
-        logits = self.model(x)
+        logits = call_model(self.model, x)
         loss = self.loss_fn(logits, y)
         loss_value = float(loss.detach())
         if math.isfinite(loss_value):
@@ -417,42 +472,65 @@ class OnlineLearner:
             return logits, loss, not applied
 
     def predict(self, x: Any) -> torch.Tensor:
-        """Logits for ``x`` in eval mode without gradients; changes no state."""
+        """Model outputs (logits for classification) for ``x`` in eval mode without gradients;
+        changes no state. ``x`` is validated like :meth:`observe`'s."""
         with self._lock:
             device, dtype = self._placement()
-            features = to_features(x, feature_shape=self.input_shape, dtype=dtype, device=device)
-            return self._logits(features)
+            inputs, _ = to_inputs(x, spec=self.input_spec, dtype=dtype, device=device)
+            return self._logits(inputs)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x: Inputs) -> torch.Tensor:
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                return self.model(x)
+                return call_model(self.model, x)
         finally:
             self.model.train(was_training)
 
-    def _validate(self, batch: BatchLike) -> tuple[torch.Tensor, torch.Tensor]:
+    def _validate(self, batch: BatchLike) -> tuple[Inputs, torch.Tensor]:
         raw_x, raw_y = split_batch(batch)
         device, dtype = self._placement()
-        x = to_features(raw_x, feature_shape=self.input_shape, dtype=dtype, device=device)
-        num_classes = self.num_classes if self.input_shape is not None else self._probe_output(x)
-        y = to_labels(raw_y, n=x.shape[0], num_classes=num_classes, device=device)
-        self.input_shape = tuple(x.shape[1:])
-        self.num_classes = num_classes
-        return x, y
+        x, spec = to_inputs(raw_x, spec=self.input_spec, dtype=dtype, device=device)
+        if self.output_shape is None:
+            return x, self._first_batch(x, spec, raw_y)
+        assert self.task is not None
+        return x, self.task.to_targets(raw_y, n=batch_len(x), output_shape=self.output_shape, dtype=dtype, device=device)
 
-    def _probe_output(self, x: torch.Tensor) -> int:
-        """Check on the first batch that the model accepts ``x``; return its number of classes."""
+    def _first_batch(self, x: Inputs, spec: Spec, raw_y: Any) -> torch.Tensor:
+        """On the first batch: check that the model takes ``x`` and returns one tensor, settle
+        the task, validate the targets, check that the loss is a scalar, and decide how the
+        prequential score is computed. Commits the learned shapes only if all of it passes."""
+        device, dtype = self._placement()
+        n = batch_len(x)
         try:
-            out = self._logits(x[:1])
+            out = self._logits(index_batch(x, slice(0, 1)))
         except Exception as error:
-            raise InvalidBatchError(f"model cannot take x of shape {tuple(x.shape)}: {error}") from error
-        if out.dim() != 2:
-            raise InvalidBatchError(f"model must output (batch, num_classes) logits; got shape {tuple(out.shape)}")
-        if self.num_classes is not None and out.shape[1] != self.num_classes:
-            raise ValueError(f"model outputs {out.shape[1]} logits but num_classes={self.num_classes}")
-        return int(out.shape[1])
+            raise InvalidBatchError(f"model cannot take x of {_shapes(x)}: {error}{_integer_hint(x)}") from error
+        if not isinstance(out, torch.Tensor) or out.dim() < 1 or out.shape[0] != 1:
+            got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise InvalidBatchError(f"model must return one tensor of shape (batch, ...); got {got} for a batch of 1")
+        output_shape = tuple(out.shape[1:])
+        task = self.task if self._task_given else infer_task(self.loss_fn, output_shape)
+        if task is None:
+            task = _task_from_targets(raw_y, self.loss_fn)
+        task.check_outputs(output_shape)
+        num_classes = task.num_classes(output_shape)
+        if self.num_classes is not None and num_classes != self.num_classes:
+            raise ValueError(f"model outputs {num_classes} logits but num_classes={self.num_classes}")
+        y = task.to_targets(raw_y, n=n, output_shape=output_shape, dtype=dtype, device=device)
+        _check_replay_fits(self.replay, task)
+        _check_scalar_loss(self.loss_fn, out, y[:1])
+        if task != self.monitor.task and (self.monitor.steps or self.monitor.samples_seen):
+            raise ValueError(f"the monitor already scored {self.monitor.task!r}; this learner's task is {task!r}")
+        mode = self.monitor.prequential
+        score_eval = mode == "eval" or (mode == "auto" and _output_depends_on_mode(self.model, x))
+        self.monitor.set_task(task)
+        self.task, self.input_spec, self.output_shape = task, spec, output_shape
+        self.input_shape = spec.shape if spec.is_tensor else None
+        self.num_classes = num_classes
+        self._score_eval = score_eval
+        return y
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -465,6 +543,10 @@ class OnlineLearner:
                     "train_iterations": self.train_iterations,
                     "num_classes": self.num_classes,
                     "input_shape": None if self.input_shape is None else list(self.input_shape),
+                    "input_spec": None if self.input_spec is None else self.input_spec.to_json(),
+                    "output_shape": None if self.output_shape is None else list(self.output_shape),
+                    "task": None if self.task is None else self.task.config(),
+                    "score_eval": self._score_eval,
                     "monitor": {key: getattr(self.monitor, key) for key in _MONITOR_CONFIG},
                     "optimizer_type": type(self.optimizer).__name__,
                 },
@@ -473,7 +555,7 @@ class OnlineLearner:
                     "batch_plan": None if self.batch_plan is None else vars(self.batch_plan).copy(),
                     "base_lrs": self._base_lrs,
                     "stream_batch_size": self._stream_batch_size,
-                    "pending": None if self._pending is None else list(self._pending),
+                    "pending": None if self._pending is None else [*leaves(self._pending[0]), self._pending[1]],
                     "accumulated": self._accumulated,
                     "window_finite": self._window_finite,
                     "grads": [None if p.grad is None else p.grad.clone() for p in self.model.parameters()],
@@ -512,7 +594,8 @@ class OnlineLearner:
         """Rebuild a learner from :meth:`save` output around a freshly built ``model``.
 
         Built-in replay strategies are rebuilt from the checkpoint; pass ``replay`` for a
-        custom one. On any error, ``model`` and ``optimizer`` are left as they were.
+        custom one. The task, input structure and output shape come from the checkpoint.
+        On any error, ``model`` and ``optimizer`` are left as they were.
         """
         state = read_checkpoint(directory)
         if state.get("format") != CHECKPOINT_FORMAT:
@@ -536,6 +619,7 @@ class OnlineLearner:
             input_shape=config["input_shape"],
             monitor=monitor,
             plugins=plugins,
+            task=config.get("task"),
         )
         learner.load_state_dict(state)
         return learner
@@ -543,6 +627,10 @@ class OnlineLearner:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; all or nothing for model and optimizer."""
         with self._lock:
+            try:
+                settled = _settled_shapes(state["config"], self.task)
+            except (KeyError, ValueError, TypeError) as error:
+                raise CheckpointError(f"checkpoint config is malformed: {error}") from error
             model_backup = copy.deepcopy(self.model.state_dict())
             optimizer_backup = copy.deepcopy(self.optimizer.state_dict())
             try:
@@ -558,6 +646,7 @@ class OnlineLearner:
                 self.model.load_state_dict(model_backup)
                 self.optimizer.load_state_dict(optimizer_backup)
                 raise CheckpointError(f"checkpoint does not fit this learner: {error}") from error
+            vars(self).update(settled)
             self.samples_seen = int(state["counters"]["samples_seen"])
             self.steps = int(state["counters"]["steps"])
             training = state["training"]
@@ -565,12 +654,111 @@ class OnlineLearner:
             self.batch_plan = None if plan is None else BatchPlan(**plan)
             self._base_lrs = training["base_lrs"]
             self._stream_batch_size = training["stream_batch_size"]
-            self._pending = None if training["pending"] is None else tuple(training["pending"])
+            pending = training["pending"]
+            self._pending = None if pending is None else (unflatten(self.input_spec, pending[:-1]), pending[-1])
             self._accumulated = int(training["accumulated"])
             self._window_finite = bool(training["window_finite"])
             for param, grad in zip(self.model.parameters(), training["grads"]):
                 param.grad = grad
             torch.set_rng_state(state["rng"]["torch"])
+
+
+def _settled_shapes(config: dict[str, Any], task: Task | None) -> dict[str, Any]:
+    """What the first batch settled, parsed from a checkpoint's config: learner attributes."""
+    input_shape = None if config["input_shape"] is None else tuple(int(d) for d in config["input_shape"])
+    spec = config.get("input_spec")
+    output_shape = config.get("output_shape")
+    return {
+        "input_shape": input_shape,
+        "input_spec": Spec.from_json(spec) if spec is not None else None if input_shape is None else Spec("tensor", "float", "", input_shape),
+        "num_classes": config["num_classes"],
+        "output_shape": None if output_shape is None else tuple(int(d) for d in output_shape),
+        "task": resolve_task(config["task"]) if config.get("task") is not None else task,
+        "_score_eval": bool(config.get("score_eval", False)),
+    }
+
+
+def _shapes(x: Inputs) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"shape {tuple(x.shape)}"
+    return "leaf shapes " + ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in leaves(x))
+
+
+def _integer_hint(x: Inputs) -> str:
+    if any(not t.is_floating_point() for t in leaves(x)):
+        return " (integer and bool inputs are passed to the model unchanged, for embeddings; convert float features with .float())"
+    return ""
+
+
+def _task_from_targets(raw_y: Any, loss_fn: Any) -> Task:
+    """The task for a loss taste_cl does not know: classification for integer targets only."""
+    y = as_tensor(raw_y, "y")
+    if y.is_floating_point() or y.dtype == torch.bool or y.dim() != 1:
+        raise InvalidBatchError(
+            f"cannot infer the task from loss_fn={type(loss_fn).__name__} and targets of dtype {y.dtype}, shape "
+            f"{tuple(y.shape)}: pass task='regression', 'multilabel', 'classification' or 'token_classification' "
+            "(or a taste_cl.tasks.Task) to OnlineLearner(task=...)"
+        )
+    return Classification()
+
+
+def _check_scalar_loss(loss_fn: Callable[..., Any], outputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """The loss of one sample must be a scalar tensor (a mean or a sum), or the step would fail mid-way."""
+    try:
+        with torch.no_grad():
+            loss = loss_fn(outputs, targets)
+    except Exception as error:
+        raise InvalidBatchError(
+            f"loss_fn cannot take model outputs of shape {tuple(outputs.shape)} and targets of shape "
+            f"{tuple(targets.shape)}, dtype {targets.dtype}: {error}"
+        ) from error
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise InvalidBatchError(f"loss_fn must return a scalar tensor (use reduction='mean' or 'sum'); got {got}")
+
+
+def _output_depends_on_mode(model: nn.Module, x: Inputs) -> bool:
+    """Whether train mode changes the model's output on ``x`` (batch statistics, dropout, ...).
+
+    Checked on a copy, with the RNG restored afterwards, so neither the model's buffers nor
+    the random stream change. Any failure counts as mode-dependent (scoring in eval mode is
+    always right, only slower).
+    """
+    try:
+        twin = copy.deepcopy(model)
+        devices = sorted({t.device.index or 0 for t in leaves(x) if t.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            eval_out = call_model(twin.eval(), x)
+            train_out = call_model(twin.train(), x)
+        return not torch.allclose(train_out.float(), eval_out.float(), rtol=1e-4, atol=1e-5)
+    except Exception:
+        return True
+
+
+def _check_optimizer_covers(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer must train the model: hold some of its parameters and every trainable one."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    named = list(model.named_parameters())
+    if named and not any(id(p) in held for _, p in named):
+        raise ValueError(
+            "optimizer holds none of the model's parameters (was it built for another model or a copy?); "
+            "build it from model.parameters()"
+        )
+    missing = [name for name, p in named if p.requires_grad and id(p) not in held]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(
+            f"{len(missing)} trainable parameter(s) are in no optimizer group: {shown}; "
+            "add them to the optimizer or set requires_grad=False"
+        )
+
+
+def _check_replay_fits(replay: ReplayStrategy | None, task: Task | None) -> None:
+    if isinstance(replay, ClassBalancedReplay) and task is not None and not task.balances_classes:
+        raise ValueError(
+            f"ClassBalancedReplay balances on one class label per sample; the {task.name} task has none. "
+            "Use ReservoirReplay"
+        )
 
 
 def _total_norm(tensors: list[torch.Tensor]) -> float:

@@ -1,13 +1,24 @@
 """Stability-plasticity monitor: does the model keep old knowledge while learning new data?
 
-- **plasticity**: prequential (test-then-train) accuracy on each incoming stream batch,
+- **plasticity**: prequential (test-then-train) score on each incoming stream batch,
   measured with the parameters *before* the model trains on that batch, over a
   sliding window of recent batches;
-- **stability**: accuracy on a class-balanced *probe* of past stream samples, kept by
-  the monitor apart from the replay buffer and re-evaluated every ``eval_every`` steps;
-- **forgetting**: per class, best probe accuracy so far minus current probe accuracy,
-  averaged over classes (the class-wise analogue of Chaudhry et al.'s forgetting);
+- **stability**: score on a *probe* of past stream samples (class-balanced when the task
+  has one class per sample, a reservoir otherwise), kept by the monitor apart from the
+  replay buffer and re-evaluated every ``eval_every`` steps;
+- **forgetting**: per class, best probe score so far minus current probe score,
+  averaged over classes (the class-wise analogue of Chaudhry et al.'s forgetting); for
+  tasks without classes, over the whole probe (for error metrics: current minus best);
 - **drift**: Page-Hinkley test on the prequential loss.
+
+Scores are the task's (:mod:`taste_cl.tasks`): accuracy for classification and token
+tagging, micro-F1 for multi-label, MSE for regression (``report()`` has all its metrics).
+
+``prequential`` chooses the forward that plasticity is scored with: ``"train"`` reuses the
+training forward (free, but batch statistics and dropout make it differ from what
+``predict()`` returns), ``"eval"`` scores with an extra eval-mode forward of the stream
+samples, ``"auto"`` (default) uses ``"eval"`` only for models whose output changes with the
+train/eval mode (checked once, on a copy, on the first batch).
 
 Other components subscribe to its events (``drift_detected``, ``forgetting_rising``,
 ``numerical_fault``, and the tuner's ``load_shift``) with :meth:`subscribe`.
@@ -24,10 +35,12 @@ from typing import Any
 import torch
 
 from taste_cl.drift import PageHinkley
-from taste_cl.replay import ClassBalancedReplay
+from taste_cl.replay import ClassBalancedReplay, ReservoirReplay
+from taste_cl.tasks import Classification, Task, resolve_task
 
 __all__ = ["MonitorEvent", "StabilityPlasticityMonitor"]
 
+PREQUENTIAL_MODES = ("auto", "train", "eval")
 EVENT_NAMES = ("drift_detected", "forgetting_rising", "numerical_fault", "load_shift", "retuned")
 
 
@@ -61,6 +74,10 @@ class StabilityPlasticityMonitor:
         defaults to :class:`~taste_cl.drift.PageHinkley` on the batch loss.
     max_events:
         Bound on the remembered event history (memory stays flat on long streams).
+    prequential:
+        ``"auto"``, ``"train"`` or ``"eval"``: which forward scores plasticity (see the module doc).
+    task:
+        How targets are scored; the learner sets it (default classification).
     """
 
     def __init__(
@@ -73,10 +90,14 @@ class StabilityPlasticityMonitor:
         drift_detector: PageHinkley | None = None,
         max_events: int = 1000,
         seed: int = 0,
+        prequential: str = "auto",
+        task: Task | None = None,
     ) -> None:
         for name, value in (("eval_every", eval_every), ("window", window), ("max_events", max_events)):
             if value < 1:
                 raise ValueError(f"`{name} == {value}`, must be >= 1")
+        if prequential not in PREQUENTIAL_MODES:
+            raise ValueError(f"`prequential == {prequential!r}`, must be one of {', '.join(map(repr, PREQUENTIAL_MODES))}")
         self.probe_capacity = probe_capacity
         self.eval_every = eval_every
         self.window = window
@@ -84,7 +105,11 @@ class StabilityPlasticityMonitor:
         self.drift_detector = drift_detector if drift_detector is not None else PageHinkley()
         self.max_events = max_events
         self.seed = seed
-        self._probe = ClassBalancedReplay(probe_capacity, seed=seed)
+        self.prequential = prequential
+        self.task: Task = Classification()
+        self._probe = self._new_probe()
+        if task is not None:
+            self.set_task(task)
         self._subscribers: list[tuple[str | None, Subscriber]] = []
         self._pending: list[MonitorEvent] = []
         self._reset_measurements()
@@ -92,7 +117,7 @@ class StabilityPlasticityMonitor:
     def _reset_measurements(self) -> None:
         self.steps = 0
         self.samples_seen = 0
-        self._recent: deque[tuple[int, int, float]] = deque(maxlen=self.window)  # (correct, n, loss)
+        self._recent: deque[tuple[tuple[float, ...], float]] = deque(maxlen=self.window)  # (task stats, loss)
         self._class_accuracy: dict[int, float] = {}
         self._best_class_accuracy: dict[int, float] = {}
         self._stability: float | None = None
@@ -100,6 +125,23 @@ class StabilityPlasticityMonitor:
         self._events: deque[MonitorEvent] = deque(maxlen=self.max_events)
         self._event_counts: Counter[str] = Counter()
         self._last_drift_step: int | None = None
+
+    def set_task(self, task: Task) -> None:
+        """Score with ``task``; the probe becomes class-balanced or a reservoir to suit it.
+
+        Only before the first measurement (or for the same task): ``ValueError`` otherwise.
+        """
+        task = resolve_task(task)
+        if task == self.task:
+            return
+        if self.steps or len(self._probe):
+            raise ValueError(f"monitor already scores {self.task!r}; cannot switch to {task!r} mid-stream")
+        self.task = task
+        self._probe = self._new_probe()
+
+    def _new_probe(self) -> ClassBalancedReplay | ReservoirReplay:
+        probe = ClassBalancedReplay if self.task.balances_classes else ReservoirReplay
+        return probe(self.probe_capacity, seed=self.seed)
 
     # ----------------------------------------------------------------- events
     def subscribe(self, callback: Subscriber, event: str | None = None) -> Callable[[], None]:
@@ -135,18 +177,18 @@ class StabilityPlasticityMonitor:
         return list(self._events)
 
     # ----------------------------------------------------------- measurements
-    def record(self, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, *, validated: bool = False) -> int:
-        """Score a stream batch with logits computed *before* training on it, then store it in the probe.
+    def record(self, x: Any, y: torch.Tensor, outputs: torch.Tensor, *, validated: bool = False) -> tuple[float, ...]:
+        """Score a stream batch with outputs computed *before* training on it, then store it in the probe.
 
-        Returns the number of samples the logits classified correctly. ``validated=True``
-        (the learner's own calls) skips the probe's input checks.
+        Returns the task's additive statistics of the batch (for classification
+        ``(correct, n)``). ``validated=True`` (the learner's own calls) skips the probe's input checks.
         """
         with torch.no_grad():
-            loss = float(torch.nn.functional.cross_entropy(logits.float(), y))
-            correct = int((logits.argmax(dim=1) == y).sum())
+            loss = self.task.loss(outputs, y)
+            stats = self.task.batch_stats(outputs, y)
         self.steps += 1
         self.samples_seen += y.shape[0]
-        self._recent.append((correct, y.shape[0], loss))
+        self._recent.append((stats, loss))
         if math.isfinite(loss) and self.drift_detector.update(loss):
             self._last_drift_step = self.steps
             self.emit("drift_detected", loss=loss)
@@ -154,26 +196,25 @@ class StabilityPlasticityMonitor:
             self._probe.add_validated(x, y)
         else:
             self._probe.add(x, y)
-        return correct
+        return stats
 
     def due(self) -> bool:
         """Whether the probe should be evaluated after this step."""
         return self.steps % self.eval_every == 0 and len(self._probe) > 0
 
-    def evaluate(self, predict: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Evaluate the probe with ``predict`` (features -> logits) and update stability/forgetting."""
+    def evaluate(self, predict: Callable[[Any], torch.Tensor]) -> None:
+        """Evaluate the probe with ``predict`` (inputs -> outputs) and update stability/forgetting."""
         x, y = self._probe.sample(len(self._probe))
         with torch.no_grad():
-            hits = predict(x).argmax(dim=1) == y
-        self._stability = float(hits.float().mean())
-        totals = torch.bincount(y).tolist()
-        correct = torch.bincount(y, weights=hits.double()).tolist()
-        for label, (n, right) in enumerate(zip(totals, correct)):
-            if n:
-                accuracy = right / n
-                self._class_accuracy[label] = accuracy
-                self._best_class_accuracy[label] = max(self._best_class_accuracy.get(label, 0.0), accuracy)
-        drops = [self._best_class_accuracy[c] - a for c, a in self._class_accuracy.items()]
+            outputs = predict(x)
+            self._stability = self.task.metrics(self.task.batch_stats(outputs, y))[self.task.primary]
+            scores = self.task.group_scores(outputs, y)
+        better = max if self.task.higher_is_better else min
+        for label, score in scores.items():
+            self._class_accuracy[label] = score
+            self._best_class_accuracy[label] = better(self._best_class_accuracy.get(label, score), score)
+        sign = 1.0 if self.task.higher_is_better else -1.0
+        drops = [sign * (self._best_class_accuracy[c] - a) for c, a in self._class_accuracy.items()]
         previous, self._forgetting = self._forgetting, sum(drops) / len(drops)
         if previous <= self.forgetting_threshold < self._forgetting:
             self.emit("forgetting_rising", forgetting=self._forgetting, threshold=self.forgetting_threshold)
@@ -181,28 +222,39 @@ class StabilityPlasticityMonitor:
     # ---------------------------------------------------------------- reading
     @property
     def plasticity(self) -> float | None:
-        """Prequential accuracy over the recent window (None before any batch)."""
-        n = sum(count for _, count, _ in self._recent)
-        return sum(correct for correct, _, _ in self._recent) / n if n else None
+        """Prequential score (the task's primary metric, e.g. accuracy) over the recent
+        window (None before any batch, NaN if nothing in it could be scored)."""
+        metrics = self.plasticity_metrics
+        return None if metrics is None else metrics[self.task.primary]
+
+    @property
+    def plasticity_metrics(self) -> dict[str, float] | None:
+        """All the task's prequential metrics over the recent window (None before any batch)."""
+        if not self._recent:
+            return None
+        return self.task.metrics([sum(column) for column in zip(*(stats for stats, _ in self._recent))])
 
     @property
     def stability(self) -> float | None:
-        """Accuracy on the probe of past samples at the last evaluation (None before one)."""
+        """The task's primary score on the probe of past samples at the last evaluation (None before one)."""
         return self._stability
 
     @property
     def forgetting(self) -> float:
-        """Average over classes of best-so-far minus current probe accuracy."""
+        """Average over classes of the drop of the probe score from its best so far."""
         return self._forgetting
 
     def report(self) -> dict[str, Any]:
-        """A plain-dict summary: stability, plasticity, forgetting, drift, per-class accuracy."""
-        losses = [loss for _, _, loss in self._recent if math.isfinite(loss)]
+        """A plain-dict summary: stability, plasticity, forgetting, drift, per-class scores."""
+        losses = [loss for _, loss in self._recent if math.isfinite(loss)]
         return {
+            "task": self.task.name,
+            "metric": self.task.primary,
             "steps": self.steps,
             "samples_seen": self.samples_seen,
             "stability": self._stability,
             "plasticity": self.plasticity,
+            "plasticity_metrics": self.plasticity_metrics,
             "plasticity_loss": sum(losses) / len(losses) if losses else None,
             "forgetting": self._forgetting,
             "drift": {
@@ -219,7 +271,8 @@ class StabilityPlasticityMonitor:
         return {
             "steps": self.steps,
             "samples_seen": self.samples_seen,
-            "recent": [list(item) for item in self._recent],
+            "task": self.task.config(),
+            "recent": [[*stats, loss] for stats, loss in self._recent],
             "class_accuracy": [[c, a] for c, a in self._class_accuracy.items()],
             "best_class_accuracy": [[c, a] for c, a in self._best_class_accuracy.items()],
             "stability": self._stability,
@@ -233,9 +286,11 @@ class StabilityPlasticityMonitor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._reset_measurements()
+        self.task = resolve_task(state.get("task", {"name": "classification"}))
+        self._probe = self._new_probe()
         self.steps = int(state["steps"])
         self.samples_seen = int(state["samples_seen"])
-        self._recent.extend((int(c), int(n), float(loss)) for c, n, loss in state["recent"])
+        self._recent.extend((tuple(item[:-1]), float(item[-1])) for item in state["recent"])
         self._class_accuracy = {int(c): float(a) for c, a in state["class_accuracy"]}
         self._best_class_accuracy = {int(c): float(a) for c, a in state["best_class_accuracy"]}
         self._stability = None if state["stability"] is None else float(state["stability"])

@@ -22,7 +22,15 @@ from typing import Any
 
 import torch
 
-from taste_cl._batch import count_nonfinite
+from taste_cl._batch import (
+    Spec,
+    count_nonfinite,
+    describe,
+    index_batch,
+    leaves,
+    spec_mismatch,
+    unflatten,
+)
 from taste_cl.exceptions import InvalidBatchError
 
 __all__ = ["BufferStorage", "ClassBalancedReplay", "ReplayStrategy", "ReservoirReplay"]
@@ -49,18 +57,20 @@ class ReplayStrategy(ABC):
     capacity: int
 
     @abstractmethod
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Offer a batch ``x`` of shape ``(n, *features)`` with labels ``y`` of shape ``(n,)``."""
+    def add(self, x: Any, y: torch.Tensor) -> None:
+        """Offer a batch: ``x`` of shape ``(n, *features)`` (or a dict/tuple/list of such
+        tensors), targets ``y`` of shape ``(n, ...)`` (class labels ``(n,)`` for classification)."""
 
-    def add_validated(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Offer a batch the learner has already validated (finite ``x`` of the learner's
-        feature shape and dtype, int64 ``y`` in range). The learner calls this instead of
-        :meth:`add`; override it to skip checks ``add`` makes. Default: ``add``."""
+    def add_validated(self, x: Any, y: torch.Tensor) -> None:
+        """Offer a batch the learner has already validated (finite floating leaves in the
+        model's dtype, the learner's structure and shapes, targets checked by its task).
+        The learner calls this instead of :meth:`add`; override it to skip checks ``add``
+        makes. Default: ``add``."""
         self.add(x, y)
 
     @abstractmethod
-    def sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return up to ``n`` stored samples as fresh tensors (never views of the store)."""
+    def sample(self, n: int) -> tuple[Any, torch.Tensor]:
+        """Return up to ``n`` stored samples ``(x, y)`` as fresh tensors (never views of the store)."""
 
     @abstractmethod
     def __len__(self) -> int:
@@ -80,18 +90,23 @@ class ReplayStrategy(ABC):
 
 
 class BufferStorage:
-    """Fixed-capacity tensor store with contiguous slots ``0 .. len-1``.
+    """Fixed-capacity store of samples ``(x, y, **fields)`` in contiguous slots ``0 .. len-1``.
 
-    Memory is allocated once, on the first append, from the first sample's shape, dtype
-    and device. Later batches must have the same feature shape (and be floating point
-    if the first was); they are converted to the stored dtype and device, so a model
-    moved to another dtype or device mid-stream keeps its buffer.
+    ``x`` is a tensor or a dict/tuple/list of tensors (stored leaf by leaf, each leaf in
+    its own dtype); ``y`` is a tensor ``(n, ...)``; ``fields`` are optional named
+    per-sample tensors a strategy needs later (stored logits, a timestamp, a loss).
+    Memory is allocated once, on the first append, from the first batch's structure,
+    shapes, dtypes and device. Later batches must have the same structure and per-leaf
+    feature shapes and kinds (float, integer, bool); they are converted to the stored
+    dtype and device, so a model moved to another dtype or device mid-stream keeps its buffer.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = _check_capacity(capacity)
-        self._x: torch.Tensor | None = None
+        self._spec: Spec | None = None
+        self._x: list[torch.Tensor] = []
         self._y: torch.Tensor | None = None
+        self._fields: dict[str, torch.Tensor] = {}
         self._size = 0
 
     def __len__(self) -> int:
@@ -99,103 +114,163 @@ class BufferStorage:
 
     @property
     def feature_shape(self) -> tuple[int, ...] | None:
-        return None if self._x is None else tuple(self._x.shape[1:])
+        """Feature shape of a single-tensor ``x`` (None before the first append or for structured ``x``)."""
+        return self._spec.shape if self._spec is not None and self._spec.is_tensor else None
+
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        """Names of the extra per-sample fields stored."""
+        return tuple(self._fields)
 
     @property
     def labels(self) -> torch.Tensor:
-        """Labels of the stored samples (a read-only view; do not modify)."""
+        """Targets of the stored samples (a read-only view; do not modify)."""
         if self._y is None:
             return torch.empty(0, dtype=torch.long)
         return self._y[: self._size]
 
-    def check_batch(self, x: Any, y: Any) -> None:
-        """Raise :class:`InvalidBatchError` unless ``(x, y)`` fits this store."""
-        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+    def check_batch(self, x: Any, y: Any, **fields: Any) -> None:
+        """Raise :class:`InvalidBatchError` unless ``(x, y, **fields)`` fits this store."""
+        try:
+            x_leaves = leaves(x)
+        except (TypeError, AttributeError, IndexError, KeyError):
+            x_leaves = []
+        if not x_leaves or not all(isinstance(t, torch.Tensor) for t in x_leaves) or not isinstance(y, torch.Tensor):
             raise InvalidBatchError(
-                f"x and y must be torch tensors; got {type(x).__name__} and {type(y).__name__}"
+                f"x and y must be torch tensors (x may be a dict/tuple/list of them); got {type(x).__name__} and {type(y).__name__}"
             )
-        if x.dim() < 1 or y.dim() != 1 or x.shape[0] != y.shape[0]:
+        named = {"y": y, **{f"field {k!r}": v for k, v in fields.items()}}
+        if not all(isinstance(v, torch.Tensor) for v in named.values()):
+            raise InvalidBatchError(f"fields must be torch tensors; got {sorted(fields)}")
+        n = y.shape[0] if y.dim() else -1
+        if any(t.dim() < 1 or t.shape[0] != n for t in [*x_leaves, *named.values()]):
+            shapes = [tuple(t.shape) for t in x_leaves]
             raise InvalidBatchError(
-                f"x must be (n, *features) and y (n,) with the same n; got {tuple(x.shape)} and {tuple(y.shape)}"
+                f"x must be (n, *features) and y (n, ...) with the same n; got {shapes if len(shapes) > 1 else shapes[0]} "
+                f"and {tuple(y.shape)}"
             )
-        if y.dtype != torch.long:
-            raise InvalidBatchError(f"y must have dtype torch.int64; got {y.dtype}")
-        if count_nonfinite(x):
-            raise InvalidBatchError("x contains non-finite values (NaN or inf)")
-        if self._x is not None and (
-            tuple(x.shape[1:]) != self.feature_shape or x.is_floating_point() != self._x.is_floating_point()
-        ):
+        for t in x_leaves:
+            if count_nonfinite(t):
+                raise InvalidBatchError("x contains non-finite values (NaN or inf)")
+        if self._spec is None or self._y is None:
+            return
+        problem = spec_mismatch(self._spec, describe(x))
+        if problem:
+            stored = self._spec.shape if self._spec.is_tensor else "its first structure"
+            dtypes = [t.dtype for t in x_leaves]
             raise InvalidBatchError(
-                f"x has feature shape {tuple(x.shape[1:])} and dtype {x.dtype}; "
-                f"this buffer stores {self.feature_shape} and {self._x.dtype}"
+                f"{problem} and dtype {dtypes[0] if len(dtypes) == 1 else dtypes}; this buffer stores {stored} "
+                f"and {self._x[0].dtype if len(self._x) == 1 else [t.dtype for t in self._x]}"
             )
+        if set(fields) != set(self._fields):
+            raise InvalidBatchError(f"fields {sorted(fields)} differ from the stored fields {sorted(self._fields)}")
+        for name, value, stored_t in [("y", y, self._y), *((f"field {k!r}", fields[k], self._fields[k]) for k in fields)]:
+            if tuple(value.shape[1:]) != tuple(stored_t.shape[1:]) or _kind(value) != _kind(stored_t):
+                raise InvalidBatchError(
+                    f"{name} has shape {tuple(value.shape[1:])} per sample and dtype {value.dtype}; "
+                    f"this buffer stores {tuple(stored_t.shape[1:])} and {stored_t.dtype}"
+                )
 
-    def _allocate(self, x: torch.Tensor) -> None:
-        self._x = torch.empty((self.capacity, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        self._y = torch.empty(self.capacity, dtype=torch.long, device=x.device)
+    def _allocate(self, x: Any, y: torch.Tensor, fields: dict[str, torch.Tensor]) -> None:
+        def empty(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty((self.capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
 
-    def append(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Store ``x``/``y`` (a batch) in the next free slots."""
-        n = x.shape[0]
+        self._spec = describe(x)
+        self._x = [empty(t) for t in leaves(x)]
+        self._y = empty(y)
+        self._fields = {name: empty(t) for name, t in fields.items()}
+
+    def _columns(self, x: Any, y: torch.Tensor, fields: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(store, batch) pairs for every stored tensor."""
+        assert self._y is not None
+        pairs = [*zip(self._x, leaves(x)), (self._y, y)]
+        return pairs + [(self._fields[name], fields[name]) for name in self._fields]
+
+    def append(self, x: Any, y: torch.Tensor, **fields: torch.Tensor) -> None:
+        """Store ``x``/``y``/``fields`` (a batch) in the next free slots."""
+        n = y.shape[0]
         if self._size + n > self.capacity:
             raise RuntimeError(f"append of {n} samples overflows capacity {self.capacity} (size {self._size})")
-        if self._x is None:
-            self._allocate(x)
-        assert self._x is not None and self._y is not None
-        self._x[self._size : self._size + n] = x
-        self._y[self._size : self._size + n] = y
+        if self._y is None:
+            self._allocate(x, y, fields)
+        for store, batch in self._columns(x, y, fields):
+            store[self._size : self._size + n] = batch
         self._size += n
 
-    def write(self, slots: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor, x: Any, y: torch.Tensor, **fields: torch.Tensor) -> None:
         """Overwrite the given (distinct, filled) slots."""
-        assert self._x is not None and self._y is not None
-        slots = slots.to(self._x.device)
-        self._x.index_copy_(0, slots, x.to(self._x))
-        self._y.index_copy_(0, slots, y.to(self._y.device))
+        assert self._y is not None
+        slots = slots.to(self._y.device)
+        for store, batch in self._columns(x, y, fields):
+            store.index_copy_(0, slots, batch.to(device=store.device, dtype=store.dtype))
 
-    def write_rows(self, x: torch.Tensor, y: torch.Tensor, rows_by_slot: dict[int, int]) -> None:
-        """Overwrite each (filled) slot with row ``rows_by_slot[slot]`` of the batch ``x``/``y``."""
-        slots, rows = torch.tensor([list(rows_by_slot), list(rows_by_slot.values())], device=x.device)
-        self.write(slots, x.index_select(0, rows), y.index_select(0, rows))
+    def write_rows(self, x: Any, y: torch.Tensor, rows_by_slot: dict[int, int], **fields: torch.Tensor) -> None:
+        """Overwrite each (filled) slot with row ``rows_by_slot[slot]`` of the batch."""
+        slots, rows = torch.tensor([list(rows_by_slot), list(rows_by_slot.values())], device=y.device)
+        picked = {name: value.index_select(0, rows) for name, value in fields.items()}
+        self.write(slots, index_batch(x, rows), y.index_select(0, rows), **picked)
 
     def keep(self, slots: torch.Tensor) -> None:
         """Keep only the samples at ``slots`` (distinct, filled), packed into slots
         ``0 .. len(slots) - 1`` in that order; the rest are dropped."""
-        assert self._x is not None and self._y is not None
+        assert self._y is not None
         n = slots.shape[0]
-        slots = slots.to(self._x.device)
-        self._x[:n] = self._x.index_select(0, slots)  # a copy first, so overlapping slots are safe
-        self._y[:n] = self._y.index_select(0, slots)
+        slots = slots.to(self._y.device)
+        for store in [*self._x, self._y, *self._fields.values()]:
+            store[:n] = store.index_select(0, slots)  # a copy first, so overlapping slots are safe
         self._size = n
 
-    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return copies of the samples at ``slots``."""
-        assert self._x is not None and self._y is not None
-        slots = slots.to(self._x.device)
-        return self._x.index_select(0, slots), self._y.index_select(0, slots)
+    def gather(self, slots: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """Return copies of ``(x, y)`` at ``slots``."""
+        assert self._spec is not None and self._y is not None
+        slots = slots.to(self._y.device)
+        return unflatten(self._spec, [t.index_select(0, slots) for t in self._x]), self._y.index_select(0, slots)
+
+    def gather_fields(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Return copies of the extra fields at ``slots``."""
+        return {name: t.index_select(0, slots.to(t.device)) for name, t in self._fields.items()}
 
     def state_dict(self) -> State:
-        if self._x is None or self._y is None:
+        """Plain values and tensors: ``x`` (one tensor, or a list of leaves with ``x_spec``), ``y``, ``fields``."""
+        if self._spec is None or self._y is None:
             return {"capacity": self.capacity, "size": 0}
-        return {
-            "capacity": self.capacity,
-            "size": self._size,
-            "x": self._x[: self._size].clone(),
-            "y": self._y[: self._size].clone(),
-        }
+        stored = [t[: self._size].clone() for t in self._x]
+        state: State = {"capacity": self.capacity, "size": self._size, "y": self._y[: self._size].clone()}
+        if self._spec.is_tensor:
+            state["x"] = stored[0]
+        else:
+            state.update(x=stored, x_spec=self._spec.to_json())
+        if self._fields:
+            state["fields"] = {name: t[: self._size].clone() for name, t in self._fields.items()}
+        return state
 
     def load_state_dict(self, state: State) -> None:
+        """Restore :meth:`state_dict` output; checked first, so a bad state changes nothing."""
         if int(state["capacity"]) != self.capacity:
             raise ValueError(f"state has capacity {state['capacity']}, this storage has {self.capacity}")
         size = int(state["size"])
-        self._x = self._y = None
-        self._size = 0
-        if size:
-            x, y = state["x"], state["y"]
-            if x.shape[0] != size or y.shape[0] != size:
-                raise ValueError(f"state claims {size} samples but holds {x.shape[0]} features, {y.shape[0]} labels")
-            self._allocate(x)
-            self.append(x, y)
+        if not 0 <= size <= self.capacity:
+            raise ValueError(f"state claims {size} samples; must be in [0, {self.capacity}]")
+        if not size:
+            self.__init__(self.capacity)  # type: ignore[misc]
+            return
+        spec = Spec.from_json(state["x_spec"]) if "x_spec" in state else None
+        x = state["x"] if spec is None else unflatten(spec, list(state["x"]))
+        y, fields = state["y"], dict(state.get("fields", {}))
+        tensors = [*leaves(x), y, *fields.values()]
+        if len(tensors) != len(leaves(x)) + 1 + len(fields) or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise ValueError("storage state must hold tensors for x, y and fields")
+        if spec is not None and len(list(state["x"])) != len(leaves(x)):
+            raise ValueError(f"storage state holds {len(list(state['x']))} x leaves; its spec describes {len(leaves(x))}")
+        if any(t.dim() < 1 or t.shape[0] != size for t in tensors):
+            raise ValueError(f"state claims {size} samples but holds tensors of lengths {[t.shape[0] if t.dim() else 0 for t in tensors]}")
+        fresh = BufferStorage(self.capacity)
+        fresh.append(x, y, **fields)
+        self.__dict__.update(fresh.__dict__)
+
+
+def _kind(t: torch.Tensor) -> str:
+    return "float" if t.is_floating_point() else "bool" if t.dtype == torch.bool else "int"
 
 
 class _SeededStrategy(ReplayStrategy):
@@ -210,26 +285,31 @@ class _SeededStrategy(ReplayStrategy):
     def __len__(self) -> int:
         return len(self._storage)
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self._storage.check_batch(x, y)
-        self.add_validated(x, y)
+    def add(self, x: Any, y: torch.Tensor, **fields: torch.Tensor) -> None:
+        """Offer a batch; ``fields`` are extra per-sample tensors stored with it (the same
+        names on every call), returned by ``sample(n, with_fields=True)``."""
+        self._storage.check_batch(x, y, **fields)
+        self.add_validated(x, y, **fields)
 
     @abstractmethod
-    def add_validated(self, x: torch.Tensor, y: torch.Tensor) -> None: ...
+    def add_validated(self, x: Any, y: torch.Tensor, **fields: torch.Tensor) -> None: ...
 
     @property
     def labels(self) -> torch.Tensor:
-        """Labels of the stored samples."""
+        """Targets of the stored samples."""
         return self._storage.labels.clone()
 
-    def sample(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(self, n: int, *, with_fields: bool = False) -> Any:
+        """Up to ``n`` distinct stored samples, uniformly: ``(x, y)``, or ``(x, y, fields)``
+        with ``with_fields=True`` (``fields`` maps each extra field name to its tensor)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"`n == {n!r}`, must be an int >= 0")
         size = len(self._storage)
         if size == 0:
             raise ValueError(f"cannot sample from an empty {type(self).__name__}; check len() first")
         picks = torch.randperm(size, generator=self._generator)[: min(n, size)]
-        return self._storage.gather(picks)
+        x, y = self._storage.gather(picks)
+        return (x, y, self._storage.gather_fields(picks)) if with_fields else (x, y)
 
     def _uniform(self, n: int) -> torch.Tensor:
         return torch.rand(n, generator=self._generator, dtype=torch.float64)
@@ -260,11 +340,14 @@ class ReservoirReplay(_SeededStrategy):
         super().__init__(capacity, seed)
         self.seen = 0
 
-    def add_validated(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        n = x.shape[0]
+    def add_validated(self, x: Any, y: torch.Tensor, **fields: torch.Tensor) -> None:
+        n = y.shape[0]
         free = min(n, self.capacity - len(self._storage))
         if free:
-            self._storage.append(x[:free], y[:free])
+            head = slice(0, free)
+            self._storage.append(
+                x[head] if isinstance(x, torch.Tensor) else index_batch(x, head), y[head], **{k: v[head] for k, v in fields.items()}
+            )
         rest = n - free
         if rest:
             # Sample i of the rest is the (seen + free + i + 1)-th of the stream: keep it
@@ -277,7 +360,7 @@ class ReservoirReplay(_SeededStrategy):
                 if slot < self.capacity:
                     winner[slot] = free + i  # a later sample overwrites an earlier one
             if winner:
-                self._storage.write_rows(x, y, winner)
+                self._storage.write_rows(x, y, winner, **fields)
         self.seen += n
 
     def state_dict(self) -> State:
@@ -294,6 +377,9 @@ class ClassBalancedReplay(_SeededStrategy):
     Within a class, samples are kept by reservoir sampling, so every seen sample of a
     class is equally likely to be retained. When a new class arrives, the older classes
     give up uniformly random samples until they fit their new quota.
+
+    Targets must be integer class labels ``(n,)``: it balances on them, so tasks without
+    one class per sample (regression, multi-label, token tagging) cannot use it.
     """
 
     def __init__(self, capacity: int, *, seed: int = 0) -> None:
@@ -322,13 +408,21 @@ class ClassBalancedReplay(_SeededStrategy):
         """Stored samples per class."""
         return {label: len(self._slots[label]) for label in self._classes}
 
-    def add_validated(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        draws = self._uniform(x.shape[0]).tolist()
+    def add(self, x: Any, y: torch.Tensor, **fields: torch.Tensor) -> None:
+        if isinstance(y, torch.Tensor) and (y.dim() != 1 or y.is_floating_point() or y.dtype == torch.bool):
+            raise InvalidBatchError(
+                f"ClassBalancedReplay balances on integer class labels y of shape (n,); got dtype {y.dtype}, "
+                f"shape {tuple(y.shape)} (use ReservoirReplay for other targets)"
+            )
+        super().add(x, y, **fields)
+
+    def add_validated(self, x: Any, y: torch.Tensor, **fields: torch.Tensor) -> None:
+        draws = self._uniform(y.shape[0]).tolist()
         appends: list[int] = []  # batch rows going to the next free slots, in order
         writes: dict[int, int] = {}  # slot -> batch row replacing it (the last one wins)
         for i, label in enumerate(y.tolist()):
             if label not in self._seen:
-                self._flush(x, y, appends, writes)  # registering may evict and move slots
+                self._flush(x, y, fields, appends, writes)  # registering may evict and move slots
                 self._register(label)
             self._seen[label] += 1
             slots = self._slots[label]
@@ -339,20 +433,18 @@ class ClassBalancedReplay(_SeededStrategy):
             j = int(draws[i] * self._seen[label])
             if j < len(slots):
                 writes[slots[j]] = i
-        self._flush(x, y, appends, writes)
+        self._flush(x, y, fields, appends, writes)
 
-    def _flush(self, x: torch.Tensor, y: torch.Tensor, appends: list[int], writes: dict[int, int]) -> None:
+    def _flush(self, x: Any, y: torch.Tensor, fields: dict[str, torch.Tensor], appends: list[int], writes: dict[int, int]) -> None:
         """Apply the decisions made so far, appends first (a write may target a slot just appended)."""
         if appends:
             first, last = appends[0], appends[-1]
-            if last - first + 1 == len(appends):  # the usual case: a run of rows, a view is enough
-                self._storage.append(x[first : last + 1], y[first : last + 1])
-            else:
-                rows = torch.tensor(appends, device=x.device)
-                self._storage.append(x.index_select(0, rows), y.index_select(0, rows))
+            # the usual case is a run of rows, where a view is enough
+            rows: Any = slice(first, last + 1) if last - first + 1 == len(appends) else torch.tensor(appends, device=y.device)
+            self._storage.append(index_batch(x, rows), y[rows], **{k: v[rows] for k, v in fields.items()})
             appends.clear()
         if writes:
-            self._storage.write_rows(x, y, writes)
+            self._storage.write_rows(x, y, writes, **fields)
             writes.clear()
 
     def _register(self, label: int) -> None:
