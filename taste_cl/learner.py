@@ -43,6 +43,7 @@ from taste_cl._batch import (
     map_leaves,
     split_batch,
     to_inputs,
+    unflatten,
 )
 from taste_cl.checkpoint import read_checkpoint, write_checkpoint
 from taste_cl.exceptions import CheckpointError, InvalidBatchError

@@ -1,0 +1,144 @@
+"""Every zoo architecture, as a new user would plug it in: it learns, predicts, survives a
+save/load into a fresh model, and a malformed batch changes nothing.
+
+Small batches and one intra-op thread keep the whole file to about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import snapshot
+from taste_cl import InvalidBatchError, OnlineLearner, ReservoirReplay, StabilityPlasticityMonitor
+from taste_cl.tasks import Classification, MultiLabel, Regression, TokenClassification
+from zoo import ZOO, ZooCase
+
+STEPS = 30
+IMAGE_CASES = {"resnet18", "mobilenet_v2", "mobilenet_v3_small"}
+EXPECTED_TASK = {
+    "token_tagger": TokenClassification(-100),
+    "regression_mlp": Regression(),
+    "multilabel_mlp": MultiLabel(logits=True),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _batch_size(case: ZooCase) -> int:
+    return 6 if case.name in IMAGE_CASES else 16
+
+
+def _learner(case: ZooCase, seed: int = 0) -> OnlineLearner:
+    model, loss_fn, optimizer = case.build(seed)
+    return OnlineLearner(
+        model,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        replay=ReservoirReplay(24, seed=seed),
+        replay_batch_size=4,
+        monitor=StabilityPlasticityMonitor(probe_capacity=12, eval_every=10),
+    )
+
+
+def _malformed(case: ZooCase, x: Any, y: torch.Tensor) -> list[tuple[Any, str]]:
+    """Bad batches for this case, with the message each must raise."""
+    bad: list[tuple[Any, str]] = [((x, y[:-1]), "lengths differ")]
+    if isinstance(x, dict):
+        bad.append((({"input_ids": x["input_ids"]}, y), "keys"))
+        bad.append((({**x, "input_ids": x["input_ids"].float()}, y), "dtype torch.float32"))
+    elif not x.is_floating_point():
+        bad.append(((x[:, :-1], y), "feature shape"))
+    else:
+        spoiled = x.clone()
+        spoiled.view(-1)[3] = float("nan")
+        bad.append(((spoiled, y), "non-finite"))
+    if y.is_floating_point():
+        bad.append(((x, y.double().fill_(float("inf"))), "non-finite|range"))
+    return bad
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_case_learns_predicts_round_trips_and_refuses_bad_batches(name, tmp_path):
+    case = ZOO[name]
+    learner = _learner(case)
+    n = _batch_size(case)
+    losses = [learner.observe(case.batch(n, seed=step)).loss for step in range(STEPS)]
+    assert learner.task == EXPECTED_TASK.get(name, Classification())
+    # medians: tiny batches with BatchNorm and momentum SGD give a few spiky steps (resnet18)
+    assert statistics.median(losses[-10:]) < statistics.median(losses[:10]), f"{name} did not learn: {losses}"
+    report = learner.monitor.report()
+    assert report["metric"] == learner.task.primary and report["stability"] is not None
+
+    x_new, y_new = case.batch(5, seed=999)
+    out = learner.predict(x_new)
+    assert out.shape[0] == 5 and torch.isfinite(out).all()
+
+    learner.save(tmp_path / "ckpt")
+    model, loss_fn, optimizer = case.build(seed=1)  # other weights: the checkpoint must replace them
+    loaded = OnlineLearner.load(tmp_path / "ckpt", model=model, optimizer=optimizer, loss_fn=loss_fn)
+    assert torch.equal(loaded.predict(x_new), out)
+    assert loaded.task == learner.task and loaded.input_spec == learner.input_spec
+
+    x, y = case.batch(n, seed=STEPS)
+    before = snapshot(learner)  # model, optimizer, replay, monitor, RNG
+    for bad, message in _malformed(case, x, y):
+        with pytest.raises(InvalidBatchError, match=message):
+            learner.observe(bad)
+    assert snapshot(learner) == before
+    learner.observe((x, y))  # and it keeps learning
+
+
+def test_text_classifier_takes_a_dict_and_integer_targets_with_no_other_argument():
+    model = ZOO["text_transformer"].make_model()
+    learner = OnlineLearner(model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3))
+    x, y = ZOO["text_transformer"].batch(8)
+    stats = learner.observe((x, y))
+    assert learner.task == Classification() and learner.input_spec.kind == "dict"
+    assert learner.input_spec.keys == ("input_ids", "attention_mask") and 0 <= stats.accuracy <= 1
+    assert learner.replay is None and learner.predict(x).shape == (8, 4)
+
+
+def test_regression_mlp_takes_float_targets_with_mse_and_no_other_argument():
+    learner = OnlineLearner(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)), loss_fn=nn.MSELoss())
+    for seed in range(12):
+        stats = learner.observe(ZOO["regression_mlp"].batch(8, seed=seed))
+    assert learner.task == Regression() and learner.num_classes is None
+    assert set(stats.metrics) == {"mse", "mae"} and stats.metrics["mse"] >= 0
+    assert learner.monitor.report()["metric"] == "mse" and learner.monitor.plasticity is not None
+
+
+def test_multilabel_mlp_takes_float_01_targets_with_bce_and_no_other_argument():
+    learner = OnlineLearner(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5)), loss_fn=nn.BCEWithLogitsLoss())
+    for seed in range(12):
+        stats = learner.observe(ZOO["multilabel_mlp"].batch(8, seed=seed))
+    assert learner.task == MultiLabel() and set(stats.metrics) == {"micro_f1", "exact_match"}
+    assert 0 <= learner.monitor.plasticity <= 1
+
+
+def test_mobilenet_v2_plasticity_agrees_with_predict_on_the_same_samples():
+    """BatchNorm makes train-mode outputs differ from predict(); the monitor must score like predict()."""
+    case = ZOO["mobilenet_v2"]
+    model, loss_fn, optimizer = case.build()
+    window = 8
+    learner = OnlineLearner(model, loss_fn=loss_fn, optimizer=optimizer, monitor=StabilityPlasticityMonitor(window=window))
+    for step in range(8):
+        learner.observe(case.batch(6, seed=step))
+    correct = total = 0
+    for step in range(8, 8 + window):
+        x, y = case.batch(6, seed=step)
+        correct += int((learner.predict(x).argmax(1) == y).sum())
+        total += y.shape[0]
+        learner.observe((x, y))
+    assert learner._score_eval
+    assert abs(learner.monitor.plasticity - correct / total) <= 0.05
