@@ -319,9 +319,10 @@ def as_tensor(value: Any, name: str) -> torch.Tensor:
         if value.is_quantized:
             raise InvalidBatchError(f"{name} is a quantized tensor; pass .dequantize()")
         if value.dtype in _WIDE_UNSIGNED:
-            if value.dtype == torch.uint64 and value.numel() and int(value.max()) > torch.iinfo(torch.int64).max:
-                raise InvalidBatchError(f"{name} has uint64 value {int(value.max())} above the int64 maximum")
-            value = value.to(_WIDE_UNSIGNED[value.dtype])
+            wide = value.to(_WIDE_UNSIGNED[value.dtype])
+            if value.dtype == torch.uint64 and bool((wide < 0).any()):  # wrapped around: above the int64 maximum
+                raise InvalidBatchError(f"{name} has uint64 values above the int64 maximum")
+            value = wide
         if value.is_complex() or not (value.is_floating_point() or value.dtype in _INTEGER_DTYPES or value.dtype == torch.bool):
             raise InvalidBatchError(f"{name} must be a real floating, integer or bool tensor; got dtype {value.dtype}")
         return value.detach()

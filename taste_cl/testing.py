@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from taste_cl._batch import batch_len, describe, index_batch, leaves, map_leaves
 from taste_cl.exceptions import InvalidBatchError
 from taste_cl.replay import ReplayStrategy
 
@@ -33,13 +34,30 @@ def _fail(strategy: ReplayStrategy, rule: str) -> AssertionError:
     return AssertionError(f"{type(strategy).__name__} breaks the ReplayStrategy contract: {rule}")
 
 
-def check_replay_strategy(strategy: ReplayStrategy, *, n_features: int = 4, n_classes: int = 3) -> None:
+def _features(n: int, n_features: int, structured: bool, generator: torch.Generator) -> Any:
+    feats = torch.randn(n, n_features, generator=generator)
+    if not structured:
+        return feats
+    return {"feats": feats, "tokens": torch.randint(0, 50, (n, 3), generator=generator)}
+
+
+def _rows(x: Any, y: torch.Tensor) -> list[tuple[float, ...]]:
+    """One hashable row per sample: every leaf's values, then the label."""
+    flat = torch.cat([leaf.reshape(leaf.shape[0], -1).double() for leaf in leaves(x)] + [y.reshape(-1, 1).double()], dim=1)
+    return [tuple(row) for row in flat.tolist()]
+
+
+def check_replay_strategy(
+    strategy: ReplayStrategy, *, n_features: int = 4, n_classes: int = 3, structured: bool = False
+) -> None:
     """Raise ``AssertionError`` naming the rule an empty ``strategy`` breaks.
 
     Checked: starts empty; ``len`` stays within ``capacity``; ``add`` does not modify its
-    inputs; ``sample`` returns at most ``n`` fresh copies of stored samples; the state
-    survives ``torch.load(weights_only=True)`` and restoring it replays the same samples;
-    a malformed batch raises :class:`InvalidBatchError` and changes nothing.
+    inputs; ``sample`` returns at most ``n`` fresh copies of stored samples (with the
+    structure and per-leaf dtypes they were added with); the state survives
+    ``torch.load(weights_only=True)`` and restoring it replays the same samples; a
+    malformed batch raises :class:`InvalidBatchError` and changes nothing.
+    ``structured=True`` adds samples whose ``x`` is a dict of a float and an integer tensor.
     """
     if not isinstance(strategy, ReplayStrategy):
         raise TypeError(f"expected a ReplayStrategy; got {type(strategy).__name__}")
@@ -47,28 +65,31 @@ def check_replay_strategy(strategy: ReplayStrategy, *, n_features: int = 4, n_cl
         raise _fail(strategy, "a new strategy must be empty")
     generator = torch.Generator().manual_seed(0)
     n = 2 * strategy.capacity + 3
-    x = torch.randn(n, n_features, generator=generator)
+    x = _features(n, n_features, structured, generator)
     y = torch.randint(0, n_classes, (n,), generator=generator)
-    x_copy, y_copy = x.clone(), y.clone()
+    x_copy, y_copy = map_leaves(torch.clone, x), y.clone()
     for start in range(0, n, 5):
-        strategy.add(x[start : start + 5], y[start : start + 5])
-    if not (torch.equal(x, x_copy) and torch.equal(y, y_copy)):
+        strategy.add(index_batch(x, slice(start, start + 5)), y[start : start + 5])
+    if not (states_equal(x, x_copy) and torch.equal(y, y_copy)):
         raise _fail(strategy, "add() modified its input tensors")
     if not 1 <= len(strategy) <= strategy.capacity:
         raise _fail(strategy, f"len() is {len(strategy)} after {n} adds; must be in [1, capacity={strategy.capacity}]")
 
     k = min(4, len(strategy))
     sx, sy = strategy.sample(k)
-    if sx.shape != (k, n_features) or sy.shape != (k,) or sx.dtype != x.dtype or sy.dtype != torch.long:
-        raise _fail(strategy, f"sample({k}) returned shapes {tuple(sx.shape)}, {tuple(sy.shape)} and dtypes {sx.dtype}, {sy.dtype}")
-    rows = {tuple(row.tolist()) + (int(label),) for row, label in zip(x, y)}
-    if any(tuple(row.tolist()) + (int(label),) not in rows for row, label in zip(sx, sy)):
+    if describe(sx) != describe(x) or [t.dtype for t in leaves(sx)] != [t.dtype for t in leaves(x)]:
+        raise _fail(strategy, f"sample() returned x of {describe(sx)}, added {describe(x)} (structure, shapes, dtypes)")
+    if batch_len(sx) != k or sy.shape != (k,) or sy.dtype != torch.long:
+        raise _fail(strategy, f"sample({k}) returned {batch_len(sx)} samples and labels of shape {tuple(sy.shape)}, dtype {sy.dtype}")
+    added = set(_rows(x, y))
+    if any(row not in added for row in _rows(sx, sy)):
         raise _fail(strategy, "sample() returned a sample (or label) that was never added")
-    if strategy.sample(10 * strategy.capacity)[0].shape[0] > len(strategy):
+    if strategy.sample(10 * strategy.capacity)[1].shape[0] > len(strategy):
         raise _fail(strategy, "sample(n) returned more samples than are stored")
 
     state = strategy.state_dict()
-    sx.add_(1.0)  # must not reach the store
+    for leaf in leaves(sx):
+        leaf.add_(1)  # must not reach the store
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
@@ -78,15 +99,18 @@ def check_replay_strategy(strategy: ReplayStrategy, *, n_features: int = 4, n_cl
     first = strategy.sample(k)
     strategy.load_state_dict(restored)
     second = strategy.sample(k)
-    if not (torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])):
+    if not (states_equal(first[0], second[0]) and torch.equal(first[1], second[1])):
         raise _fail(strategy, "after load_state_dict(state_dict()) sampling did not repeat (is the RNG state saved?)")
 
     before = strategy.state_dict()
+    short = _features(3, n_features, structured, generator)
+    if structured:
+        short["tokens"] = short["tokens"][:2]  # leaves of different lengths
     try:
-        strategy.add(torch.randn(3, n_features), torch.zeros(2, dtype=torch.long))
+        strategy.add(short, torch.zeros(2 if not structured else 3, dtype=torch.long))
     except InvalidBatchError:
         pass
     else:
-        raise _fail(strategy, "add() accepted x and y of different lengths; raise InvalidBatchError")
+        raise _fail(strategy, "add() accepted x and y (or x's leaves) of different lengths; raise InvalidBatchError")
     if not states_equal(strategy.state_dict(), before):
         raise _fail(strategy, "a rejected add() changed the state")

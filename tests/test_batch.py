@@ -1,0 +1,140 @@
+"""Inputs at the boundary: pytrees of tensors, and odd inputs refused before anything changes."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from helpers import batch, snapshot, tiny_learner
+from taste_cl import InvalidBatchError, OnlineLearner
+from taste_cl._batch import Spec, batch_len, call_model, cat_batches, describe, index_batch, map_leaves, to_inputs
+
+X, Y = batch(6, seed=1)
+CPU = torch.device("cpu")
+
+
+def _odd_inputs() -> list[tuple[object, str]]:
+    with warnings.catch_warnings():  # torch calls sparse CSR support "beta"
+        warnings.simplefilter("ignore")
+        csr = X.to_sparse_csr()
+    return [
+        (torch.empty(6, 4, device="meta"), "meta device"),
+        (X.to_sparse(), "dense tensor"),
+        (csr, "dense tensor"),
+        (X.numpy().astype(np.longdouble), "longdouble"),
+        (np.array(["2024-01-01"] * 24, dtype="datetime64[D]").reshape(6, 4), "datetime64"),
+        (np.zeros((6, 4), dtype=[("a", "f4"), ("b", "i4")]), "structured"),
+        (np.full((6, 4), "text"), "string"),
+        (np.full((6, 4), b"bytes"), "bytes"),
+        (X.numpy().astype(np.complex64), "complex"),
+        (np.array([[object()] * 4] * 6, dtype=object), "numeric dtype"),
+        (None, "is None"),
+        ({}, "empty dict"),
+        ((), "empty tuple"),
+        ({"x": X, 3: X}, "non-string key"),
+        ({"x": X, "mask": None}, "\\['mask'\\] is None"),
+        ([X, np.zeros((6, 4), dtype="datetime64[s]")], "datetime64"),
+        (np.full((6, 4), 2**63 + 5, dtype=np.uint64), "above the int64 maximum"),
+    ]
+
+
+@pytest.mark.parametrize("odd, message", _odd_inputs())
+def test_odd_inputs_raise_invalid_batch_and_change_nothing(odd, message):
+    fresh, warm = tiny_learner(), tiny_learner()
+    for seed in range(2):
+        warm.observe(batch(seed=seed))
+    for learner in (fresh, warm):
+        before = snapshot(learner)
+        with pytest.raises(InvalidBatchError, match=message if learner is fresh else None):
+            learner.observe((odd, Y))
+        with pytest.raises(InvalidBatchError, match=message if learner is fresh else None):
+            learner.predict(odd)
+        assert snapshot(learner) == before
+    assert fresh.input_spec is None
+
+
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        (torch.zeros(6, dtype=torch.long, device="meta"), "meta device"),
+        (np.array(["a"] * 6), "string"),
+        (np.zeros(6, dtype=[("a", "i4")]), "structured"),
+        (None, "is None"),
+        (Y.to_sparse(), "dense tensor"),
+    ],
+)
+def test_odd_targets_raise_invalid_batch_and_change_nothing(target, message):
+    learner = tiny_learner()
+    learner.observe(batch())
+    before = snapshot(learner)
+    with pytest.raises(InvalidBatchError, match=message):
+        learner.observe((X, target))
+    assert snapshot(learner) == before
+
+
+def test_big_endian_and_wide_unsigned_arrays_are_converted():
+    learner = tiny_learner()
+    big_x = X.numpy().astype(">f4")
+    big_y = Y.numpy().astype(">i8")
+    learner.observe((big_x, big_y))  # the first batch: no error, same numbers
+    assert torch.equal(learner.predict(big_x), learner.predict(X))
+    for dtype in (np.uint16, np.uint32, np.uint64, ">u4"):
+        learner.observe((X.numpy(), Y.numpy().astype(dtype)))
+    tokens, spec = to_inputs(np.arange(12, dtype=">u2").reshape(6, 2), spec=None, dtype=torch.float32, device=CPU)
+    assert tokens.dtype == torch.int32 and tokens.tolist()[0] == [0, 1] and spec.leaf == "int"
+    for dtype, wide in ((torch.uint16, torch.int32), (torch.uint32, torch.int64), (torch.uint64, torch.int64)):
+        out, _ = to_inputs(torch.arange(6).reshape(3, 2).to(dtype), spec=None, dtype=torch.float32, device=CPU)
+        assert out.dtype == wide and out.tolist() == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(InvalidBatchError, match="above the int64 maximum"):
+        to_inputs(torch.full((2, 2), -1).to(torch.uint64), spec=None, dtype=torch.float32, device=CPU)
+
+
+def test_integer_and_bool_leaves_keep_their_dtype_and_float_leaves_follow_the_model():
+    x = {"ids": np.arange(8).reshape(4, 2), "mask": torch.ones(4, 2, dtype=torch.bool), "feats": torch.randn(4, 3).double()}
+    out, spec = to_inputs(x, spec=None, dtype=torch.float32, device=CPU)
+    assert [t.dtype for t in out.values()] == [torch.int64, torch.bool, torch.float32]
+    assert spec == Spec.from_json(spec.to_json()) and spec.keys == ("ids", "mask", "feats")
+    with pytest.raises(InvalidBatchError, match="leaves differ in batch length"):
+        to_inputs({**x, "ids": x["ids"][:3]}, spec=None, dtype=torch.float32, device=CPU)
+    with pytest.raises(InvalidBatchError, match="keys"):
+        to_inputs({"ids": x["ids"]}, spec=spec, dtype=torch.float32, device=CPU)
+    with pytest.raises(InvalidBatchError, match="\\['ids'\\] has feature shape \\(3,\\), expected \\(2,\\)"):
+        to_inputs({**x, "ids": np.zeros((4, 3), dtype=np.int64)}, spec=spec, dtype=torch.float32, device=CPU)
+    reordered, _ = to_inputs(dict(reversed(list(x.items()))), spec=spec, dtype=torch.float32, device=CPU)
+    assert list(reordered) == ["ids", "mask", "feats"]  # the first batch's order
+
+
+def test_pytree_helpers_follow_the_structure():
+    x = {"a": torch.arange(6).reshape(3, 2), "b": (torch.ones(3), [torch.zeros(3, 1)])}
+    assert batch_len(x) == 3
+    head = index_batch(x, slice(0, 2))
+    assert head["a"].shape == (2, 2) and isinstance(head["b"], tuple) and isinstance(head["b"][1], list)
+    both = cat_batches([head, index_batch(x, torch.tensor([2]))])
+    assert torch.equal(both["a"], x["a"]) and describe(both) == describe(x)
+    assert map_leaves(lambda t: t + 1, x)["b"][1][0].sum() == 3
+    model = nn.Bilinear(2, 2, 1)
+    pair = (torch.randn(3, 2), torch.randn(3, 2))
+    assert torch.equal(call_model(model, pair), model(*pair))
+    assert torch.equal(call_model(model, {"input1": pair[0], "input2": pair[1]}), model(*pair))
+
+
+def test_tuple_inputs_are_passed_as_positional_arguments():
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 3), nn.Embedding(10, 3)
+
+        def forward(self, feats: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            return self.a(feats) + self.b(ids)
+
+    model = Two()
+    learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    ids = torch.randint(0, 10, (6,))
+    learner.observe(((X, ids), Y))
+    assert learner.input_spec.kind == "tuple" and learner.predict((X, ids)).shape == (6, 3)
+    with pytest.raises(InvalidBatchError, match="1 items, expected 2"):
+        learner.observe(((X,), Y))
