@@ -7,11 +7,20 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from helpers import batch, snapshot, tiny_learner
 from torch import nn
 
-from helpers import batch, snapshot, tiny_learner
 from taste_cl import InvalidBatchError, OnlineLearner
-from taste_cl._batch import Spec, batch_len, call_model, cat_batches, describe, index_batch, map_leaves, to_inputs
+from taste_cl._batch import (
+    Spec,
+    batch_len,
+    call_model,
+    cat_batches,
+    describe,
+    index_batch,
+    map_leaves,
+    to_inputs,
+)
 
 X, Y = batch(6, seed=1)
 CPU = torch.device("cpu")

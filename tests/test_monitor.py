@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import batch, tiny_learner
 
 from taste_cl import PageHinkley, StabilityPlasticityMonitor
 from taste_cl.demo import build_digits_learner
 from taste_cl.experiment import run_class_incremental
-from helpers import batch, tiny_learner
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +95,54 @@ def test_page_hinkley_parameters_are_validated(kwargs, message):
         PageHinkley(**kwargs)
     with pytest.raises(ValueError, match="non-finite"):
         PageHinkley().update(float("nan"))
+
+
+def test_prequential_mode_is_validated_and_checkpointed(tmp_path):
+    with pytest.raises(ValueError, match="prequential == 'both'"):
+        StabilityPlasticityMonitor(prequential="both")
+    learner = tiny_learner(monitor=StabilityPlasticityMonitor(prequential="train"))
+    learner.observe(batch())
+    learner.save(tmp_path)
+    from taste_cl import OnlineLearner
+
+    loaded = OnlineLearner.load(tmp_path, model=learner.model)
+    assert loaded.monitor.prequential == "train" and not loaded._score_eval
+
+
+@pytest.mark.parametrize(
+    "layers, mode, expected",
+    [
+        ((torch.nn.Linear(4, 3),), "auto", False),  # no mode-dependent layer: reuse the training forward
+        ((torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 3)), "auto", True),
+        ((torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)), "auto", True),
+        ((torch.nn.Linear(4, 8), torch.nn.Dropout(0.0), torch.nn.Linear(8, 3)), "auto", False),  # found by behaviour
+        ((torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 3)), "train", False),
+        ((torch.nn.Linear(4, 3),), "eval", True),
+    ],
+)
+def test_plasticity_is_scored_in_eval_mode_only_when_train_mode_changes_the_output(layers, mode, expected):
+    from taste_cl import OnlineLearner
+
+    learner = OnlineLearner(torch.nn.Sequential(*layers), monitor=StabilityPlasticityMonitor(prequential=mode))
+    learner.observe(batch(8))
+    assert learner._score_eval is expected
+    x, y = batch(8, seed=5)
+    before_step = float((learner.predict(x).argmax(1) == y).float().mean())
+    stats = learner.observe((x, y))
+    if expected:  # scored exactly as predict() saw the samples before the step
+        assert stats.accuracy == pytest.approx(before_step)
+
+
+def test_the_mode_check_changes_neither_the_random_stream_nor_the_model():
+    from taste_cl import OnlineLearner
+
+    def run(mode: str) -> tuple[torch.Tensor, dict]:
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 3))
+        learner = OnlineLearner(model, monitor=StabilityPlasticityMonitor(prequential=mode))
+        learner.observe(batch(8))
+        return torch.get_rng_state(), {k: v.clone() for k, v in model.state_dict().items()}
+
+    (rng_auto, state_auto), (rng_eval, state_eval) = run("auto"), run("eval")
+    assert torch.equal(rng_auto, rng_eval)
+    assert all(torch.equal(state_auto[k], state_eval[k]) for k in state_auto)  # BatchNorm stats untouched by the check

@@ -3,13 +3,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from taste_cl import BufferStorage, ClassBalancedReplay, InvalidBatchError, OnlineLearner, ReplayStrategy, ReservoirReplay
+from taste_cl import (
+    BufferStorage,
+    ClassBalancedReplay,
+    InvalidBatchError,
+    OnlineLearner,
+    ReplayStrategy,
+    ReservoirReplay,
+)
 from taste_cl.testing import check_replay_strategy
 
 
 @pytest.mark.parametrize("strategy", [ReservoirReplay(1), ReservoirReplay(7), ClassBalancedReplay(1), ClassBalancedReplay(9)])
 def test_builtin_strategies_meet_the_contract(strategy):
     check_replay_strategy(strategy)
+
+
+@pytest.mark.parametrize("make", [lambda: ReservoirReplay(6), lambda: ClassBalancedReplay(7)])
+def test_builtin_strategies_meet_the_contract_on_structured_samples(make):
+    check_replay_strategy(make(), structured=True)
 
 
 @pytest.mark.parametrize("cls", [ReservoirReplay, ClassBalancedReplay])
@@ -172,3 +184,53 @@ def test_a_strategy_with_only_add_gets_the_learners_batches_through_the_default_
         learner.observe(batch)
     assert len(replay.offered) == 3
     assert all(torch.equal(x, bx) and torch.equal(y, by) for (x, y), (bx, by) in zip(replay.offered, batches))
+
+
+def _structured(n: int, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = {"ids": torch.randint(0, 50, (n, 5), generator=g), "mask": torch.rand(n, 5, generator=g) > 0.5}
+    return x, torch.randn(n, 2, generator=g)  # regression targets
+
+
+@pytest.mark.parametrize("make", [lambda: ReservoirReplay(6, seed=1), lambda: ClassBalancedReplay(6, seed=1)])
+def test_extra_fields_are_stored_with_their_samples_and_survive_a_checkpoint(make):
+    buffer = make()
+    for start in range(0, 40, 5):
+        x = torch.arange(start, start + 5, dtype=torch.float32).unsqueeze(1)
+        y = torch.arange(start, start + 5) % 3
+        buffer.add(x, y, logits=x.repeat(1, 3) * 10, step=torch.full((5,), start))
+    x, y, fields = buffer.sample(6, with_fields=True)
+    assert set(fields) == {"logits", "step"} and fields["logits"].shape == (6, 3)
+    assert torch.equal(fields["logits"], x.repeat(1, 3) * 10)  # each field row belongs to its sample
+    assert torch.equal(fields["step"], (x.squeeze(1) // 5 * 5).long())
+    restored = make()
+    restored.load_state_dict(buffer.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(restored.sample(6, with_fields=True)[2].values(), buffer.sample(6, with_fields=True)[2].values()))
+    before = buffer.state_dict()
+    with pytest.raises(InvalidBatchError, match="fields"):
+        buffer.add(torch.zeros(2, 1), torch.zeros(2, dtype=torch.long))  # the fields are missing
+    with pytest.raises(InvalidBatchError, match="field 'logits' has shape \\(2,\\)"):
+        buffer.add(torch.zeros(2, 1), torch.zeros(2, dtype=torch.long), logits=torch.zeros(2, 2), step=torch.zeros(2, dtype=torch.long))
+    from taste_cl.testing import states_equal
+
+    assert states_equal(buffer.state_dict(), before)
+
+
+def test_reservoir_stores_structured_samples_with_float_targets_leaf_by_leaf():
+    buffer = ReservoirReplay(4, seed=0)
+    for seed in range(5):
+        buffer.add(*_structured(3, seed))
+    x, y = buffer.sample(4)
+    assert x["ids"].dtype == torch.int64 and x["mask"].dtype == torch.bool and y.dtype == torch.float32
+    assert x["ids"].shape == (4, 5) and y.shape == (4, 2)
+    state = buffer.state_dict()["storage"]
+    assert state["x_spec"]["kind"] == "dict" and [t.dtype for t in state["x"]] == [torch.int64, torch.bool]
+    with pytest.raises(InvalidBatchError, match="keys"):
+        buffer.add({"ids": x["ids"]}, y)
+    with pytest.raises(InvalidBatchError, match="\\['mask'\\] is a int leaf"):
+        buffer.add({"ids": x["ids"], "mask": x["mask"].long()}, y)
+
+
+def test_class_balanced_replay_refuses_targets_that_are_not_class_labels():
+    with pytest.raises(InvalidBatchError, match="integer class labels y of shape \\(n,\\)"):
+        ClassBalancedReplay(4).add(*_structured(3, 0))

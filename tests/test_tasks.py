@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import snapshot
 from torch import nn
 
-from helpers import snapshot
-from taste_cl import ClassBalancedReplay, InvalidBatchError, OnlineLearner, ReservoirReplay
-from taste_cl.tasks import Classification, MultiLabel, Regression, TokenClassification, infer_task, resolve_task
+from taste_cl import (
+    ClassBalancedReplay,
+    InvalidBatchError,
+    OnlineLearner,
+    ReservoirReplay,
+)
+from taste_cl.tasks import (
+    Classification,
+    MultiLabel,
+    Regression,
+    TokenClassification,
+    infer_task,
+    resolve_task,
+)
 
 CPU = torch.device("cpu")
 

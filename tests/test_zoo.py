@@ -11,12 +11,17 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
 from helpers import snapshot
-from taste_cl import InvalidBatchError, OnlineLearner, ReservoirReplay, StabilityPlasticityMonitor
-from taste_cl.tasks import Classification, MultiLabel, Regression, TokenClassification
+from torch import nn
 from zoo import ZOO, ZooCase
+
+from taste_cl import (
+    InvalidBatchError,
+    OnlineLearner,
+    ReservoirReplay,
+    StabilityPlasticityMonitor,
+)
+from taste_cl.tasks import Classification, MultiLabel, Regression, TokenClassification
 
 STEPS = 30
 IMAGE_CASES = {"resnet18", "mobilenet_v2", "mobilenet_v3_small"}
@@ -80,7 +85,7 @@ def test_zoo_case_learns_predicts_round_trips_and_refuses_bad_batches(name, tmp_
     report = learner.monitor.report()
     assert report["metric"] == learner.task.primary and report["stability"] is not None
 
-    x_new, y_new = case.batch(5, seed=999)
+    x_new, _ = case.batch(5, seed=999)
     out = learner.predict(x_new)
     assert out.shape[0] == 5 and torch.isfinite(out).all()
 
