@@ -11,6 +11,7 @@ from taste_cl.learner import BatchPlan, ObserveStats, OnlineLearner
 from taste_cl.monitor import MonitorEvent, StabilityPlasticityMonitor
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.replay import BufferStorage, ClassBalancedReplay, ReplayStrategy, ReservoirReplay
+from taste_cl.tasks import Classification, MultiLabel, Regression, Task, TokenClassification
 from taste_cl.tuning import BatchSizeTuner, TunerCacheWarning, TuningResult
 
 __version__ = "0.1.0"
@@ -21,18 +22,23 @@ __all__ = [
     "BufferStorage",
     "CheckpointError",
     "ClassBalancedReplay",
+    "Classification",
     "ElasticTrainer",
     "InvalidBatchError",
     "LearnerPlugin",
     "MissingDependencyError",
     "MonitorEvent",
+    "MultiLabel",
     "ObserveStats",
     "OnlineLearner",
     "PageHinkley",
+    "Regression",
     "ReplayStrategy",
     "ReservoirReplay",
     "StabilityPlasticityMonitor",
+    "Task",
     "TasteCLError",
+    "TokenClassification",
     "TunerCacheWarning",
     "TuningResult",
     "__version__",
