@@ -96,8 +96,11 @@ def leaves(x: Inputs) -> list[torch.Tensor]:
     """The tensor leaves of ``x`` in structure order (dict insertion order)."""
     if isinstance(x, torch.Tensor):
         return [x]
-    values = x.values() if isinstance(x, Mapping) else x
-    return [leaf for value in values for leaf in leaves(value)]
+    if isinstance(x, Mapping):
+        return [leaf for value in x.values() for leaf in leaves(value)]
+    if isinstance(x, (tuple, list)):
+        return [leaf for value in x for leaf in leaves(value)]
+    raise TypeError(f"expected a tensor or a dict/tuple/list of tensors; got {type(x).__name__}")
 
 
 def batch_len(x: Inputs) -> int:

@@ -22,10 +22,10 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ from taste_cl.tasks import Classification, Task, infer_task, resolve_task
 __all__ = ["BatchPlan", "ObserveStats", "OnlineLearner"]
 
 CHECKPOINT_FORMAT = 1
-_BUILTIN_REPLAY: dict[str, type[ReservoirReplay | ClassBalancedReplay]] = {
+_BUILTIN_REPLAY: dict[str, type[ReservoirReplay] | type[ClassBalancedReplay]] = {
     "ReservoirReplay": ReservoirReplay,
     "ClassBalancedReplay": ClassBalancedReplay,
 }

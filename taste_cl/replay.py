@@ -133,7 +133,7 @@ class BufferStorage:
         """Raise :class:`InvalidBatchError` unless ``(x, y, **fields)`` fits this store."""
         try:
             x_leaves = leaves(x)
-        except (TypeError, AttributeError, IndexError, KeyError):
+        except TypeError:
             x_leaves = []
         if not x_leaves or not all(isinstance(t, torch.Tensor) for t in x_leaves) or not isinstance(y, torch.Tensor):
             raise InvalidBatchError(
@@ -252,7 +252,7 @@ class BufferStorage:
         if not 0 <= size <= self.capacity:
             raise ValueError(f"state claims {size} samples; must be in [0, {self.capacity}]")
         if not size:
-            self.__init__(self.capacity)  # type: ignore[misc]
+            self.__dict__.update(BufferStorage(self.capacity).__dict__)
             return
         spec = Spec.from_json(state["x_spec"]) if "x_spec" in state else None
         x = state["x"] if spec is None else unflatten(spec, list(state["x"]))
