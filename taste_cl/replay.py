@@ -202,13 +202,13 @@ class BufferStorage:
         assert self._y is not None
         slots = slots.to(self._y.device)
         for store, batch in self._columns(x, y, fields):
-            store.index_copy_(0, slots, batch.to(device=store.device, dtype=store.dtype))
+            store.index_copy_(0, slots, batch.to(store))
 
     def write_rows(self, x: Any, y: torch.Tensor, rows_by_slot: dict[int, int], **fields: torch.Tensor) -> None:
         """Overwrite each (filled) slot with row ``rows_by_slot[slot]`` of the batch."""
         slots, rows = torch.tensor([list(rows_by_slot), list(rows_by_slot.values())], device=y.device)
-        picked = {name: value.index_select(0, rows) for name, value in fields.items()}
-        self.write(slots, index_batch(x, rows), y.index_select(0, rows), **picked)
+        y_rows, field_rows = index_batch((y, fields), rows)
+        self.write(slots, index_batch(x, rows), y_rows, **field_rows)
 
     def keep(self, slots: torch.Tensor) -> None:
         """Keep only the samples at ``slots`` (distinct, filled), packed into slots
@@ -344,10 +344,8 @@ class ReservoirReplay(_SeededStrategy):
         n = y.shape[0]
         free = min(n, self.capacity - len(self._storage))
         if free:
-            head = slice(0, free)
-            self._storage.append(
-                x[head] if isinstance(x, torch.Tensor) else index_batch(x, head), y[head], **{k: v[head] for k, v in fields.items()}
-            )
+            head_x, head_y, head_fields = index_batch((x, y, fields), slice(0, free))
+            self._storage.append(head_x, head_y, **head_fields)
         rest = n - free
         if rest:
             # Sample i of the rest is the (seen + free + i + 1)-th of the stream: keep it
@@ -441,7 +439,8 @@ class ClassBalancedReplay(_SeededStrategy):
             first, last = appends[0], appends[-1]
             # the usual case is a run of rows, where a view is enough
             rows: Any = slice(first, last + 1) if last - first + 1 == len(appends) else torch.tensor(appends, device=y.device)
-            self._storage.append(index_batch(x, rows), y[rows], **{k: v[rows] for k, v in fields.items()})
+            y_rows, field_rows = index_batch((y, fields), rows)
+            self._storage.append(index_batch(x, rows), y_rows, **field_rows)
             appends.clear()
         if writes:
             self._storage.write_rows(x, y, writes, **fields)
