@@ -207,8 +207,8 @@ class BufferStorage:
     def write_rows(self, x: Any, y: torch.Tensor, rows_by_slot: dict[int, int], **fields: torch.Tensor) -> None:
         """Overwrite each (filled) slot with row ``rows_by_slot[slot]`` of the batch."""
         slots, rows = torch.tensor([list(rows_by_slot), list(rows_by_slot.values())], device=y.device)
-        y_rows, field_rows = index_batch((y, fields), rows)
-        self.write(slots, index_batch(x, rows), y_rows, **field_rows)
+        picked = {name: value.index_select(0, rows) for name, value in fields.items()}
+        self.write(slots, index_batch(x, rows), y.index_select(0, rows), **picked)
 
     def keep(self, slots: torch.Tensor) -> None:
         """Keep only the samples at ``slots`` (distinct, filled), packed into slots
@@ -224,7 +224,8 @@ class BufferStorage:
         """Return copies of ``(x, y)`` at ``slots``."""
         assert self._spec is not None and self._y is not None
         slots = slots.to(self._y.device)
-        return unflatten(self._spec, [t.index_select(0, slots) for t in self._x]), self._y.index_select(0, slots)
+        x = [t.index_select(0, slots) for t in self._x]
+        return x[0] if self._spec.is_tensor else unflatten(self._spec, x), self._y.index_select(0, slots)
 
     def gather_fields(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Return copies of the extra fields at ``slots``."""
