@@ -147,3 +147,46 @@ def test_tuple_inputs_are_passed_as_positional_arguments():
     assert learner.input_spec.kind == "tuple" and learner.predict((X, ids)).shape == (6, 3)
     with pytest.raises(InvalidBatchError, match="1 items, expected 2"):
         learner.observe(((X,), Y))
+
+
+class _DictModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(20, 4), nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.embed(ids).mean(1), feats], dim=1))
+
+
+def _dict_batch(seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"ids": torch.randint(0, 20, (3, 5), generator=g), "feats": torch.randn(3, 4, generator=g)}, torch.randint(0, 3, (3,), generator=g)
+
+
+def _dict_learner() -> OnlineLearner:
+    from taste_cl import ReservoirReplay
+
+    torch.manual_seed(0)
+    model = _DictModel()
+    return OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), replay=ReservoirReplay(8), replay_batch_size=2)
+
+
+def test_structured_samples_waiting_for_a_micro_batch_survive_a_checkpoint(tmp_path):
+    straight, resumed = _dict_learner(), _dict_learner()
+    for learner in (straight, resumed):
+        learner.set_batch_plan(5)
+        for seed in range(3):
+            learner.observe(_dict_batch(seed))
+    assert resumed._pending is not None and set(resumed._pending[0]) == {"ids", "feats"}
+    resumed.save(tmp_path)
+    torch.manual_seed(123)  # load restores the RNG
+    model = _DictModel()
+    resumed = OnlineLearner.load(tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert resumed._pending[0]["ids"].dtype == torch.int64
+    for seed in range(3, 6):
+        straight.observe(_dict_batch(seed))
+        resumed.observe(_dict_batch(seed))
+    x, _ = _dict_batch(99)
+    assert torch.equal(straight.predict(x), resumed.predict(x))
+    stored_x, _ = resumed.replay.sample(4)
+    assert stored_x["ids"].dtype == torch.int64 and stored_x["feats"].dtype == torch.float32
