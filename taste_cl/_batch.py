@@ -184,6 +184,10 @@ class Spec:
         return cls(data["kind"], keys=tuple(keys), children=tuple(cls.from_json(c) for c in children))
 
     @property
+    def leaf_count(self) -> int:
+        return 1 if self.is_tensor else sum(child.leaf_count for child in self.children)
+
+    @property
     def int_dtype(self) -> torch.dtype:
         dtype = _dtype_named(self.dtype)
         assert dtype is not None
@@ -210,7 +214,10 @@ def describe(x: Inputs) -> Spec:
 
 
 def unflatten(spec: Spec, flat: Sequence[torch.Tensor]) -> Inputs:
-    """Rebuild the structure ``spec`` describes from its leaves in order."""
+    """Rebuild the structure ``spec`` describes from its leaves in order (``ValueError`` if
+    their number does not match)."""
+    if len(flat) != spec.leaf_count:
+        raise ValueError(f"input spec describes {spec.leaf_count} leaves; got {len(flat)}")
     it = iter(flat)
 
     def build(node: Spec) -> Inputs:

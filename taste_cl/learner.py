@@ -225,7 +225,7 @@ class OnlineLearner:
         self.train_iterations = train_iterations
         self.num_classes = num_classes
         self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
-        self.input_spec: Spec | None = None if input_shape is None else Spec("tensor", "float", "", self.input_shape)
+        self.input_spec: Spec | None = None if self.input_shape is None else Spec("tensor", "float", "", self.input_shape)
         self.output_shape: tuple[int, ...] | None = None
         self._task_given = task is not None
         self._score_eval = False  # prequential score from an eval-mode forward (decided on the first batch)
@@ -629,7 +629,7 @@ class OnlineLearner:
         """Restore :meth:`state_dict` output; all or nothing for model and optimizer."""
         with self._lock:
             try:
-                settled = _settled_shapes(state["config"], self.task)
+                settled = _settled_shapes(state["config"], self.task, state["training"]["pending"])
             except (KeyError, ValueError, TypeError) as error:
                 raise CheckpointError(f"checkpoint config is malformed: {error}") from error
             model_backup = copy.deepcopy(self.model.state_dict())
@@ -655,8 +655,6 @@ class OnlineLearner:
             self.batch_plan = None if plan is None else BatchPlan(**plan)
             self._base_lrs = training["base_lrs"]
             self._stream_batch_size = training["stream_batch_size"]
-            pending = training["pending"]
-            self._pending = None if pending is None else (unflatten(self.input_spec, pending[:-1]), pending[-1])
             self._accumulated = int(training["accumulated"])
             self._window_finite = bool(training["window_finite"])
             for param, grad in zip(self.model.parameters(), training["grads"]):
@@ -664,14 +662,19 @@ class OnlineLearner:
             torch.set_rng_state(state["rng"]["torch"])
 
 
-def _settled_shapes(config: dict[str, Any], task: Task | None) -> dict[str, Any]:
-    """What the first batch settled, parsed from a checkpoint's config: learner attributes."""
+def _settled_shapes(config: dict[str, Any], task: Task | None, pending: list[Any] | None) -> dict[str, Any]:
+    """What the first batch settled, parsed from a checkpoint's config, and the samples
+    waiting for a micro-batch (``[*x leaves, y]``) in their structure: learner attributes."""
     input_shape = None if config["input_shape"] is None else tuple(int(d) for d in config["input_shape"])
-    spec = config.get("input_spec")
+    raw_spec = config.get("input_spec")
     output_shape = config.get("output_shape")
+    spec = Spec.from_json(raw_spec) if raw_spec is not None else None if input_shape is None else Spec("tensor", "float", "", input_shape)
+    if pending is not None and spec is None:
+        raise ValueError("checkpoint holds samples waiting for a micro-batch but no input spec")
     return {
         "input_shape": input_shape,
-        "input_spec": Spec.from_json(spec) if spec is not None else None if input_shape is None else Spec("tensor", "float", "", input_shape),
+        "input_spec": spec,
+        "_pending": None if pending is None or spec is None else (unflatten(spec, pending[:-1]), pending[-1]),
         "num_classes": config["num_classes"],
         "output_shape": None if output_shape is None else tuple(int(d) for d in output_shape),
         "task": resolve_task(config["task"]) if config.get("task") is not None else task,

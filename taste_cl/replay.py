@@ -258,11 +258,12 @@ class BufferStorage:
         spec = Spec.from_json(state["x_spec"]) if "x_spec" in state else None
         x = state["x"] if spec is None else unflatten(spec, list(state["x"]))
         y, fields = state["y"], dict(state.get("fields", {}))
-        tensors = [*leaves(x), y, *fields.values()]
-        if len(tensors) != len(leaves(x)) + 1 + len(fields) or not all(isinstance(t, torch.Tensor) for t in tensors):
+        try:
+            tensors = [*leaves(x), y, *fields.values()]
+        except TypeError as error:
+            raise ValueError(f"storage state must hold tensors for x: {error}") from error
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
             raise ValueError("storage state must hold tensors for x, y and fields")
-        if spec is not None and len(list(state["x"])) != len(leaves(x)):
-            raise ValueError(f"storage state holds {len(list(state['x']))} x leaves; its spec describes {len(leaves(x))}")
         if any(t.dim() < 1 or t.shape[0] != size for t in tensors):
             raise ValueError(f"state claims {size} samples but holds tensors of lengths {[t.shape[0] if t.dim() else 0 for t in tensors]}")
         fresh = BufferStorage(self.capacity)
