@@ -15,7 +15,6 @@ telemetry is switched off (``FLWR_TELEMETRY_ENABLED=0``) unless the user set it.
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 import os
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from taste_cl._batch import BatchLike
+from taste_cl.checkpoint import decode_state, encode_state
 from taste_cl.evaluation import accuracy
 from taste_cl.exceptions import MissingDependencyError, TasteCLError
 from taste_cl.learner import OnlineLearner
@@ -148,16 +148,14 @@ def _restore(context: Context, learner: OnlineLearner) -> OnlineLearner:
     """Load the device's learner state (model, optimizer, replay, monitor) from ``context.state``."""
     saved = context.state.config_records.get(_STATE_KEY)
     if saved is not None:
-        learner.load_state_dict(torch.load(io.BytesIO(saved["learner"]), weights_only=True, map_location="cpu"))
+        learner.load_state_dict(decode_state(saved["learner"], source="the device's saved learner state"))
     return learner
 
 
 def _persist(context: Context, learner: OnlineLearner) -> None:
     from flwr.app import ConfigRecord
 
-    buffer = io.BytesIO()
-    torch.save(learner.state_dict(), buffer)
-    context.state[_STATE_KEY] = ConfigRecord({"learner": buffer.getvalue()})
+    context.state[_STATE_KEY] = ConfigRecord({"learner": encode_state(learner.state_dict())})
 
 
 def _reply(msg: Message, content: dict[str, Any]) -> Message:

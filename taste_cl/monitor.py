@@ -15,6 +15,7 @@ Other components subscribe to its events (``drift_detected``, ``forgetting_risin
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import Counter, deque
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from taste_cl.replay import ClassBalancedReplay
 
 __all__ = ["MonitorEvent", "StabilityPlasticityMonitor"]
 
-EVENT_NAMES = ("drift_detected", "forgetting_rising", "numerical_fault", "load_shift", "retuned")
+EVENT_NAMES = ("drift_detected", "forgetting_rising", "numerical_fault", "updates_stuck", "diverging", "load_shift", "retuned")
 
 
 @dataclass(frozen=True)
@@ -135,11 +136,12 @@ class StabilityPlasticityMonitor:
         return list(self._events)
 
     # ----------------------------------------------------------- measurements
-    def record(self, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, *, validated: bool = False) -> int:
+    def record(self, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor, *, validated: bool = False, store: bool = True) -> int:
         """Score a stream batch with logits computed *before* training on it, then store it in the probe.
 
         Returns the number of samples the logits classified correctly. ``validated=True``
-        (the learner's own calls) skips the probe's input checks.
+        (the learner's own calls) skips the probe's input checks; ``store=False`` scores
+        without storing (a batch whose training loss overflowed).
         """
         with torch.no_grad():
             loss = float(torch.nn.functional.cross_entropy(logits.float(), y))
@@ -150,7 +152,9 @@ class StabilityPlasticityMonitor:
         if math.isfinite(loss) and self.drift_detector.update(loss):
             self._last_drift_step = self.steps
             self.emit("drift_detected", loss=loss)
-        if validated:
+        if not store:
+            pass
+        elif validated:
             self._probe.add_validated(x, y)
         else:
             self._probe.add(x, y)
@@ -232,16 +236,79 @@ class StabilityPlasticityMonitor:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; validated first, so a bad state raises ValueError and changes nothing."""
+        parsed = _parse_state(state, self)
         self._reset_measurements()
-        self.steps = int(state["steps"])
-        self.samples_seen = int(state["samples_seen"])
-        self._recent.extend((int(c), int(n), float(loss)) for c, n, loss in state["recent"])
-        self._class_accuracy = {int(c): float(a) for c, a in state["class_accuracy"]}
-        self._best_class_accuracy = {int(c): float(a) for c, a in state["best_class_accuracy"]}
-        self._stability = None if state["stability"] is None else float(state["stability"])
-        self._forgetting = float(state["forgetting"])
-        self._events.extend(MonitorEvent(e["name"], int(e["step"]), dict(e["details"])) for e in state["events"])
-        self._event_counts.update({str(k): int(v) for k, v in state["event_counts"].items()})
-        self._last_drift_step = state["last_drift_step"]
-        self._probe.load_state_dict(state["probe"])
-        self.drift_detector.load_state_dict(state["drift_detector"])
+        self.steps, self.samples_seen = parsed["steps"], parsed["samples_seen"]
+        self._recent.extend(parsed["recent"])
+        self._class_accuracy, self._best_class_accuracy = parsed["class_accuracy"], parsed["best_class_accuracy"]
+        self._stability, self._forgetting = parsed["stability"], parsed["forgetting"]
+        self._events.extend(parsed["events"])
+        self._event_counts.update(parsed["event_counts"])
+        self._last_drift_step = parsed["last_drift_step"]
+        self._probe, self.drift_detector = parsed["probe"], parsed["drift_detector"]
+
+
+def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, Any]:
+    """Validate a monitor state into plain values and new probe/detector objects (``monitor`` is untouched)."""
+    def fail(key: str, rule: str) -> ValueError:
+        value = state.get(key) if isinstance(state, dict) else None
+        return ValueError(f"monitor state `{key}` {rule}; got {str(value)[:80]}")
+
+    def count(key: str, value: Any = None) -> int:
+        value = state.get(key) if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise fail(key, "must be an int >= 0")
+        return value
+
+    def fraction(key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise fail(key, "must hold numbers in [0, 1]")
+        return float(value)
+
+    def pairs(key: str) -> dict[int, float]:
+        items = state.get(key)
+        if not isinstance(items, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in items):
+            raise fail(key, "must be a list of [class, accuracy] pairs")
+        return {count(key, c): fraction(key, a) for c, a in items}
+
+    if not isinstance(state, dict):
+        raise ValueError(f"monitor state must be a dict; got {type(state).__name__}")  # noqa: TRY004 (a bad state is a ValueError)
+    recent = state.get("recent")
+    if not isinstance(recent, list) or not all(isinstance(r, (list, tuple)) and len(r) == 3 for r in recent):
+        raise fail("recent", "must be a list of [correct, n, loss] triples")
+    recent_items = []
+    for correct, n, loss in recent:
+        if count("recent", correct) > count("recent", n) or isinstance(loss, bool) or not isinstance(loss, (int, float)):
+            raise fail("recent", "needs 0 <= correct <= n and a numeric loss")
+        recent_items.append((correct, n, float(loss)))
+    stability, forgetting = state.get("stability"), state.get("forgetting")
+    if isinstance(forgetting, bool) or not isinstance(forgetting, (int, float)) or not -1.0 <= forgetting <= 1.0:
+        raise fail("forgetting", "must be a number in [-1, 1]")
+    events = state.get("events")
+    if not isinstance(events, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("details"), dict) for e in events
+    ):
+        raise fail("events", "must be a list of {name, step, details} dicts")
+    event_counts = state.get("event_counts")
+    if not isinstance(event_counts, dict) or not all(isinstance(k, str) for k in event_counts):
+        raise fail("event_counts", "must map event names to counts")
+    last_drift = state.get("last_drift_step")
+    probe = ClassBalancedReplay(monitor.probe_capacity, seed=monitor.seed)
+    probe.load_state_dict(state.get("probe"))  # atomic on the new probe
+    detector = copy.deepcopy(monitor.drift_detector)
+    detector.load_state_dict(state.get("drift_detector"))
+    return {
+        "steps": count("steps"),
+        "samples_seen": count("samples_seen"),
+        "recent": recent_items,
+        "class_accuracy": pairs("class_accuracy"),
+        "best_class_accuracy": pairs("best_class_accuracy"),
+        "stability": None if stability is None else fraction("stability", stability),
+        "forgetting": float(forgetting),
+        "events": [MonitorEvent(e["name"], count("events", e.get("step")), dict(e["details"])) for e in events],
+        "event_counts": {k: count("event_counts", v) for k, v in event_counts.items()},
+        "last_drift_step": None if last_drift is None else count("last_drift_step"),
+        "probe": probe,
+        "drift_detector": detector,
+    }

@@ -185,17 +185,53 @@ class BufferStorage:
         }
 
     def load_state_dict(self, state: State) -> None:
-        if int(state["capacity"]) != self.capacity:
-            raise ValueError(f"state has capacity {state['capacity']}, this storage has {self.capacity}")
-        size = int(state["size"])
-        self._x = self._y = None
-        self._size = 0
-        if size:
-            x, y = state["x"], state["y"]
-            if x.shape[0] != size or y.shape[0] != size:
-                raise ValueError(f"state claims {size} samples but holds {x.shape[0]} features, {y.shape[0]} labels")
-            self._allocate(x)
-            self.append(x, y)
+        """Restore :meth:`state_dict` output; validated first, so a bad state raises ValueError and changes nothing."""
+        if not isinstance(state, dict) or state.get("capacity") != self.capacity:
+            raise ValueError(f"storage state must be a dict with capacity {self.capacity}; got {_describe(state, 'capacity')}")
+        size = _state_int(state, "size", 0, self.capacity)
+        if not size:
+            self._x = self._y = None
+            self._size = 0
+            return
+        x, y = state.get("x"), state.get("y")
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            raise ValueError("storage state must hold tensors `x` and `y`")  # noqa: TRY004 (a bad state is a ValueError)
+        if x.dim() < 1 or x.shape[0] != size or y.shape != (size,) or y.dtype != torch.long:
+            raise ValueError(
+                f"storage state claims {size} samples; needs x of shape ({size}, ...) and int64 y of shape ({size},), "
+                f"got {tuple(x.shape)} and {y.dtype} {tuple(y.shape)}"
+            )
+        if x.is_complex() or count_nonfinite(x):
+            raise ValueError("storage state holds complex or non-finite features")
+        new_x = torch.empty((self.capacity, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        new_y = torch.empty(self.capacity, dtype=torch.long, device=x.device)
+        new_x[:size], new_y[:size] = x, y
+        self._x, self._y, self._size = new_x, new_y, size
+
+
+def _describe(state: Any, key: str) -> str:
+    return repr(state.get(key)) if isinstance(state, dict) else type(state).__name__
+
+
+def _state_int(state: State, key: str, low: int, high: int | None = None) -> int:
+    """``state[key]`` as an int in ``[low, high]``, or ValueError naming the key, rule and value."""
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"`{key} == {value!r}` in the state, must be an int {bound}")
+    return int(value)
+
+
+def _parse_generator(state: Any) -> torch.Generator:
+    """A new CPU generator set to ``state``, or ValueError."""
+    generator = torch.Generator()
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+        raise ValueError("generator state must be a 1-D uint8 tensor")
+    try:
+        generator.set_state(state.cpu())
+    except RuntimeError as error:
+        raise ValueError(f"generator state is invalid: {error}") from error
+    return generator
 
 
 class _SeededStrategy(ReplayStrategy):
@@ -242,13 +278,15 @@ class _SeededStrategy(ReplayStrategy):
             "generator": self._generator.get_state(),
         }
 
-    def _load_base_state(self, state: State) -> None:
-        if int(state["capacity"]) != self.capacity:
+    def _parse_base_state(self, state: State) -> tuple[BufferStorage, torch.Generator]:
+        """New storage and generator from ``state`` (ValueError if anything is off); ``self`` is untouched."""
+        if not isinstance(state, dict) or state.get("capacity") != self.capacity:
             raise ValueError(
-                f"checkpointed {type(self).__name__} has capacity {state['capacity']}, this one has {self.capacity}"
+                f"checkpointed {type(self).__name__} has capacity {_describe(state, 'capacity')}, this one has {self.capacity}"
             )
-        self._storage.load_state_dict(state["storage"])
-        self._generator.set_state(state["generator"])
+        storage = BufferStorage(self.capacity)
+        storage.load_state_dict(state.get("storage"))
+        return storage, _parse_generator(state.get("generator"))
 
 
 class ReservoirReplay(_SeededStrategy):
@@ -284,8 +322,12 @@ class ReservoirReplay(_SeededStrategy):
         return {**self._base_state(), "seen": self.seen}
 
     def load_state_dict(self, state: State) -> None:
-        self._load_base_state(state)
-        self.seen = int(state["seen"])
+        """Restore :meth:`state_dict` output; validated first, so a bad state raises ValueError and changes nothing."""
+        storage, generator = self._parse_base_state(state)
+        seen = _state_int(state, "seen", len(storage))
+        if len(storage) != min(seen, self.capacity):
+            raise ValueError(f"a reservoir that has seen {seen} samples holds {min(seen, self.capacity)}; state holds {len(storage)}")
+        self._storage, self._generator, self.seen = storage, generator, seen
 
 
 class ClassBalancedReplay(_SeededStrategy):
@@ -385,8 +427,29 @@ class ClassBalancedReplay(_SeededStrategy):
         }
 
     def load_state_dict(self, state: State) -> None:
-        self._load_base_state(state)
-        self._classes = [int(c) for c in state["classes"]]
-        self._seen = {c: int(s) for c, s in zip(self._classes, state["seen"])}
-        self._slots = {c: [int(s) for s in slots] for c, slots in zip(self._classes, state["slots"])}
+        """Restore :meth:`state_dict` output; validated first, so a bad state raises ValueError and changes nothing."""
+        storage, generator = self._parse_base_state(state)
+        classes, seen, slots = state.get("classes"), state.get("seen"), state.get("slots")
+        if not (isinstance(classes, list) and isinstance(seen, list) and isinstance(slots, list)):
+            raise ValueError("class-balanced state must hold lists `classes`, `seen` and `slots`")  # noqa: TRY004
+        if not len(classes) == len(seen) == len(slots) or len(set(map(repr, classes))) != len(classes):
+            raise ValueError("`classes` must be distinct and as long as `seen` and `slots`")
+        if not all(isinstance(c, int) and not isinstance(c, bool) for c in classes):
+            raise ValueError("`classes` must be ints")
+        slot_lists = [[int(i) for i in (s.tolist() if isinstance(s, torch.Tensor) and s.dim() == 1 and not s.is_floating_point() else [])] for s in slots]
+        if sorted(i for lst in slot_lists for i in lst) != list(range(len(storage))):
+            raise ValueError(f"`slots` must list each of the {len(storage)} stored slots exactly once")
+        labels = storage.labels.tolist()
+        staged = ClassBalancedReplay(self.capacity, seed=self.seed)
+        staged._classes = [int(c) for c in classes]
+        staged._set_quotas()
+        for label, count, class_slots in zip(staged._classes, seen, slot_lists):
+            if isinstance(count, bool) or not isinstance(count, int) or count < len(class_slots):
+                raise ValueError(f"class {label} has seen {count!r} samples but holds {len(class_slots)}")
+            if len(class_slots) > staged._quotas[label] or any(labels[i] != label for i in class_slots):
+                raise ValueError(f"class {label}'s slots exceed its quota or hold other labels")
+        self._storage, self._generator = storage, generator
+        self._classes = staged._classes
+        self._seen = {c: int(s) for c, s in zip(self._classes, seen)}
+        self._slots = dict(zip(self._classes, slot_lists))
         self._set_quotas()

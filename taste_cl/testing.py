@@ -7,11 +7,11 @@
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import torch
 
+from taste_cl.checkpoint import decode_state, encode_state
 from taste_cl.exceptions import InvalidBatchError
 from taste_cl.replay import ReplayStrategy
 
@@ -38,7 +38,8 @@ def check_replay_strategy(strategy: ReplayStrategy, *, n_features: int = 4, n_cl
 
     Checked: starts empty; ``len`` stays within ``capacity``; ``add`` does not modify its
     inputs; ``sample`` returns at most ``n`` fresh copies of stored samples; the state
-    survives ``torch.load(weights_only=True)`` and restoring it replays the same samples;
+    survives the checkpoint codec (tensors and plain values only) and restoring it replays
+    the same samples;
     a malformed batch raises :class:`InvalidBatchError` and changes nothing.
     """
     if not isinstance(strategy, ReplayStrategy):
@@ -69,10 +70,7 @@ def check_replay_strategy(strategy: ReplayStrategy, *, n_features: int = 4, n_cl
 
     state = strategy.state_dict()
     sx.add_(1.0)  # must not reach the store
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    restored = torch.load(buffer, weights_only=True)
+    restored = decode_state(encode_state(state))
     if not states_equal(strategy.state_dict(), state):
         raise _fail(strategy, "sample() returned views into the store, or sampling changed stored data")
     first = strategy.sample(k)

@@ -7,7 +7,10 @@ import math
 import pytest
 import torch
 
+from taste_cl.safety import UpdateGuard
 from helpers import batch, snapshot, tiny_learner
+
+NO_LR_CAP = 1e38  # lets a 1e37 spike reach the optimizer, to test the copy-protected step
 
 
 def _spike(learner, lr: float) -> None:
@@ -24,7 +27,7 @@ def _spiked_batch() -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("guard", ["auto", "always"])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_lr_spike_that_overflows_the_parameters_is_rolled_back_and_reported(guard, momentum):
-    learner = tiny_learner(guard_updates=guard, momentum=momentum)
+    learner = tiny_learner(guard_updates=UpdateGuard(guard, max_lr=NO_LR_CAP), momentum=momentum)
     for seed in range(5):
         learner.observe(batch(seed=seed))
     faults = []
@@ -50,7 +53,7 @@ def test_lr_spike_that_overflows_the_parameters_is_rolled_back_and_reported(guar
 
 def test_without_the_guard_the_same_spike_destroys_the_model():
     """The control: shows the fault injected above is real."""
-    learner = tiny_learner(guard_updates="never")
+    learner = tiny_learner(guard_updates=UpdateGuard("never", max_lr=NO_LR_CAP))
     for seed in range(5):
         learner.observe(batch(seed=seed))
     _spike(learner, 1e37)
@@ -61,7 +64,7 @@ def test_without_the_guard_the_same_spike_destroys_the_model():
 def test_auto_mode_does_not_copy_on_healthy_steps(monkeypatch):
     learner = tiny_learner()
     calls = []
-    monkeypatch.setattr(learner, "_guarded_step", lambda params: calls.append(1) or True)
+    monkeypatch.setattr(UpdateGuard, "_protected_step", staticmethod(lambda optimizer, params: calls.append(1) or True))
     for seed in range(10):
         learner.observe(batch(seed=seed))
     assert calls == []
@@ -77,6 +80,7 @@ def test_guarded_healthy_steps_equal_unguarded_ones():
         for seed in range(10):
             learner.observe(batch(seed=seed))
         runs.append(snapshot(learner))
+        del runs[-1].state["guard"]  # its config names the mode
     assert runs[0] == runs[1]
 
 
