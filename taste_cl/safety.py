@@ -11,9 +11,9 @@ Two conditions are reported as monitor events:
 
 - ``updates_stuck``: ``stuck_after`` steps in a row were skipped (e.g. after a finite
   but huge step every loss overflows). With ``rollback=True`` the model and optimizer
-  go back to the last good snapshot, taken every ``snapshot_every`` applied steps just
-  before a step whose loss was finite (so the snapshot's parameters are known to give
-  a finite loss). Snapshots cost one copy of the model and optimizer state, hence off
+  go back to the last good snapshot, taken every ``snapshot_every`` ordinary steps just
+  before a step whose loss was finite and whose size bound is within ``update_bound``
+  (so the snapshot's parameters give a finite loss and its learning rates are sane). Snapshots cost one copy of the model and optimizer state, hence off
   by default.
 - ``diverging``: the smoothed loss rose above ``divergence_factor`` times its best
   value so far (orders of magnitude; the default is 1000x).
@@ -180,8 +180,11 @@ class UpdateGuard:
             emit("numerical_fault", micro_batches=len(losses), cause=cause)
             applied = False
         else:
-            self._maybe_snapshot(learner)
-            if self._needs_copy(learner.optimizer, grad_norm):
+            largest_lr = max(float(group["lr"]) for group in learner.optimizer.param_groups)
+            ordinary = largest_lr * max(1.0, grad_norm) <= self.config.update_bound
+            if ordinary:
+                self._maybe_snapshot(learner)
+            if self.config.mode == "always" or (self.config.mode == "auto" and not ordinary):
                 applied = self._protected_step(learner.optimizer, params)
                 if not applied:
                     emit("numerical_fault", micro_batches=len(losses), cause="non-finite parameters after the step (rolled back)")
@@ -192,12 +195,6 @@ class UpdateGuard:
         if applied and losses:
             self._track_divergence(learner, sum(losses) / len(losses))
         return applied
-
-    def _needs_copy(self, optimizer: torch.optim.Optimizer, grad_norm: float) -> bool:
-        if self.config.mode != "auto":
-            return self.config.mode == "always"
-        largest_lr = max(float(group["lr"]) for group in optimizer.param_groups)
-        return largest_lr * max(1.0, grad_norm) > self.config.update_bound
 
     @staticmethod
     def _protected_step(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> bool:
@@ -223,7 +220,10 @@ class UpdateGuard:
 
     # ------------------------------------------------------ stuck / rollback
     def _maybe_snapshot(self, learner: OnlineLearner) -> None:
-        """Before a step that will be applied (its loss was finite), keep a copy every ``snapshot_every``."""
+        """Before an ordinary-size step with a finite loss, keep a copy every ``snapshot_every``.
+
+        The copied parameters just gave a finite loss, and the copied learning rates
+        passed the hyperparameter check, so rolling back to them is safe."""
         if not self.config.rollback:
             return
         self._since_snapshot += 1
