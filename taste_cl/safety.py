@@ -272,6 +272,7 @@ class UpdateGuard:
             "best": self._best,
             "windows": self._windows,
             "diverging": self._diverging,
+            "window_losses": list(self._window_losses),
         }
 
     @classmethod
@@ -297,6 +298,12 @@ class UpdateGuard:
         if not isinstance(state["diverging"], bool):
             raise ValueError(f"guard `diverging == {state['diverging']!r}`, must be a bool")  # noqa: TRY004
         counters["diverging"] = state["diverging"]
+        losses = state["window_losses"]
+        if not isinstance(losses, list) or len(losses) > 2**20 or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in losses
+        ):
+            raise ValueError("guard `window_losses` must be a list of numbers (the losses of the open window)")
+        counters["window_losses"] = [float(v) for v in losses]
         return guard, counters
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -308,6 +315,7 @@ class UpdateGuard:
         self._since_snapshot = counters["since_snapshot"]
         self._ema, self._best, self._windows = counters["ema"], counters["best"], counters["windows"]
         self._diverging = counters["diverging"]
+        self._window_losses = counters["window_losses"]
 
 
 def _as_float(value: Any, *, nested: bool = False) -> float | None:
