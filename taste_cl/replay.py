@@ -288,6 +288,10 @@ class _SeededStrategy(ReplayStrategy):
         storage.load_state_dict(state.get("storage"))
         return storage, _parse_generator(state.get("generator"))
 
+    def _load_base_state(self, state: State) -> None:
+        """Parse and assign the shared part; for subclasses that validate their own fields first."""
+        self._storage, self._generator = self._parse_base_state(state)
+
 
 class ReservoirReplay(_SeededStrategy):
     """Reservoir sampling (Vitter's algorithm R): every sample seen so far is retained
