@@ -18,7 +18,14 @@ import pytest
 import torch
 from torch import nn
 
-from taste_cl import CheckpointError, ClassBalancedReplay, OnlineLearner, ReservoirReplay, StabilityPlasticityMonitor
+from taste_cl import (
+    CheckpointError,
+    ClassBalancedReplay,
+    LearnerPlugin,
+    OnlineLearner,
+    ReservoirReplay,
+    StabilityPlasticityMonitor,
+)
 from taste_cl.checkpoint import CHECKPOINT_FILE, CheckpointLimits, decode_state, encode_state, read_checkpoint
 from taste_cl.testing import states_equal
 from helpers import batch, snapshot, tiny_learner
@@ -334,3 +341,34 @@ def test_symbolic_links_and_special_files_are_refused(tmp_path):
     os.mkfifo(fifo / CHECKPOINT_FILE)
     with pytest.raises(CheckpointError, match="not a regular file"):  # and it does not block on the FIFO
         read_checkpoint(fifo)
+
+
+class _Counter(LearnerPlugin):
+    """A plugin with one int of state; ``strict`` ones refuse negative counts."""
+
+    def __init__(self, name: str, strict: bool = False) -> None:
+        self.name, self.strict, self.count = name, strict, 0
+
+    def after_observe(self, learner: Any, stats: Any, **kwargs: Any) -> None:
+        self.count += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.strict and state["count"] < 0:
+            raise ValueError("count must be >= 0")
+        self.count = state["count"]
+
+
+def test_a_plugin_that_refuses_its_state_undoes_the_plugins_loaded_before_it():
+    plugins = [_Counter("first"), _Counter("second", strict=True)]
+    learner = tiny_learner(plugins=plugins)
+    for seed in range(3):
+        learner.observe(batch(seed=seed))
+    state = decode_state(encode_state(learner.state_dict()))
+    state["plugins"] = {"first": {"count": 100}, "second": {"count": -1}}
+    before = snapshot(learner)
+    with pytest.raises(CheckpointError, match="plugin 'second': count must be >= 0"):
+        learner.load_state_dict(state)
+    assert [p.count for p in plugins] == [3, 3] and snapshot(learner) == before
