@@ -29,6 +29,8 @@ import math
 import os
 import secrets
 import stat
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,7 @@ class _Encoder:
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
+        self._storages: set[int] = set()
 
     def encode(self, value: Any, where: str) -> Any:
         if value is None or isinstance(value, (bool, str)):
@@ -114,18 +117,30 @@ class _Encoder:
         if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
             raise CheckpointError(f"cannot checkpoint {where}: a {tensor.layout} tensor on {tensor.device}; need a dense tensor")
         name = f"t{len(self.tensors)}"
-        # A private contiguous CPU copy: safetensors refuses views that share memory.
-        self.tensors[name] = tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+        self.tensors[name] = self._standalone(tensor.detach())
         return name
 
+    def _standalone(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on the CPU owning all of its storage (safetensors refuses views and
+        shared memory): as it is when it already does, else a contiguous copy."""
+        if tensor.device.type != "cpu":
+            return tensor.to("cpu").contiguous()
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if (
+            pointer
+            and pointer not in self._storages
+            and tensor.is_contiguous()
+            and tensor.storage_offset() == 0
+            and storage.nbytes() == tensor.numel() * tensor.element_size()
+        ):
+            self._storages.add(pointer)
+            return tensor
+        return tensor.clone(memory_format=torch.contiguous_format)
 
-def encode_state(state: dict[str, Any]) -> bytes:
-    """Serialize ``state`` (a dict of tensors and plain values) to checkpoint bytes.
 
-    Plain dicts with string keys, lists, str, int, finite floats, bool and None are JSON;
-    the rest is tagged as a one-key object: ``{"$tensor": name}``, ``{"$tuple": [...]}``,
-    ``{"$dict": [[key, value], ...]}`` (non-string keys) and ``{"$float": "nan"}``.
-    """
+def _encode_chunks(state: dict[str, Any]) -> list[bytes]:
+    """The checkpoint bytes of ``state`` as chunks (no concatenated copy of the tensor section)."""
     from safetensors.torch import save
 
     if not isinstance(state, dict):
@@ -137,8 +152,20 @@ def encode_state(state: dict[str, Any]) -> bytes:
     except Exception as error:  # e.g. a dtype safetensors cannot store
         raise CheckpointError(f"cannot store the checkpoint's tensors: {error}") from error
     header = json.dumps({"tree": tree}, allow_nan=False, separators=(",", ":")).encode()
-    body = len(header).to_bytes(_LENGTH_SIZE, "little") + header + tensors
-    return _MAGIC + hashlib.sha256(body).digest() + body
+    digest = hashlib.sha256(len(header).to_bytes(_LENGTH_SIZE, "little"))
+    digest.update(header)
+    digest.update(tensors)
+    return [_MAGIC, digest.digest(), len(header).to_bytes(_LENGTH_SIZE, "little"), header, tensors]
+
+
+def encode_state(state: dict[str, Any]) -> bytes:
+    """Serialize ``state`` (a dict of tensors and plain values) to checkpoint bytes.
+
+    Plain dicts with string keys, lists, str, int, finite floats, bool and None are JSON;
+    the rest is tagged as a one-key object: ``{"$tensor": name}``, ``{"$tuple": [...]}``,
+    ``{"$dict": [[key, value], ...]}`` (non-string keys) and ``{"$float": "nan"}``.
+    """
+    return b"".join(_encode_chunks(state))
 
 
 # ----------------------------------------------------------------------- decoding
@@ -272,8 +299,9 @@ def _sweep_stale(target: Path) -> None:
             candidate.unlink(missing_ok=True)
 
 
-def atomic_write_bytes(target: Path, data: bytes) -> None:
-    """Write ``data`` to ``target`` so readers see the old file or the new one, never half.
+def atomic_write_bytes(target: Path, data: bytes | Sequence[bytes]) -> None:
+    """Write ``data`` (bytes, or chunks written in order) to ``target`` so readers see the
+    old file or the new one, never half.
 
     Safe with concurrent writers in several threads or processes: each writes its own
     temp file; the last rename wins and the result is always one complete file.
@@ -283,7 +311,8 @@ def atomic_write_bytes(target: Path, data: bytes) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            for chunk in [data] if isinstance(data, bytes) else data:
+                handle.write(chunk)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, target)
@@ -298,10 +327,22 @@ def atomic_write_bytes(target: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
-def write_checkpoint(directory: str | os.PathLike[str], state: dict[str, Any]) -> Path:
-    """Atomically write ``state`` (tensors and plain values only) into ``directory``."""
+def write_checkpoint(
+    directory: str | os.PathLike[str],
+    state: dict[str, Any] | Callable[[], dict[str, Any]],
+    *,
+    lock: AbstractContextManager[Any] | None = None,
+) -> Path:
+    """Atomically write ``state`` (tensors and plain values only) into ``directory``.
+
+    ``state`` may be a function returning it (e.g. a ``state_dict`` method, whose tensors
+    are live): it is called and encoded while ``lock`` is held, if one is given, so the
+    snapshot is consistent; the file is written after the lock is released.
+    """
     target = Path(directory) / CHECKPOINT_FILE
-    atomic_write_bytes(target, encode_state(state))
+    with lock if lock is not None else nullcontext():
+        chunks = _encode_chunks(state() if callable(state) else state)
+    atomic_write_bytes(target, chunks)
     return target
 
 

@@ -461,7 +461,7 @@ class OnlineLearner:
 
     def save(self, directory: str | os.PathLike[str]) -> None:
         """Atomically write a checkpoint into ``directory`` (created if needed); no pickle, see :mod:`taste_cl.checkpoint`."""
-        write_checkpoint(directory, self.state_dict())
+        write_checkpoint(directory, self.state_dict, lock=self._lock)  # a consistent snapshot, written unlocked
 
     def export_onnx(self, directory: str | os.PathLike[str], **kwargs: Any) -> Path:
         """Write ONNX Runtime on-device training artifacts; see :func:`taste_cl.adapters.onnx.export`."""
