@@ -31,7 +31,7 @@ from taste_cl.safety import UpdateGuard
 if TYPE_CHECKING:
     from taste_cl.learner import OnlineLearner
 
-__all__ = ["CHECKPOINT_FORMAT", "build_parts", "restore_state", "section"]
+__all__ = ["CHECKPOINT_FORMAT", "build_parts", "restore_state", "section", "validate_state"]
 
 CHECKPOINT_FORMAT = 2
 MONITOR_CONFIG = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed")
@@ -414,6 +414,18 @@ def _plugins(ctx: _Context) -> Apply:
 # ------------------------------------------------------------------------- entry
 def restore_state(learner: OnlineLearner, state: Any) -> None:
     """Validate ``state`` against ``learner``, then apply it; all or nothing (see the module docstring)."""
+    applies = _parse_sections(learner, state)
+    _load_plugins(learner, state["plugins"])
+    for apply in applies:
+        apply()
+
+
+def validate_state(learner: OnlineLearner, state: Any) -> None:
+    """Raise :class:`CheckpointError` unless ``state`` fits ``learner``; changes nothing."""
+    _parse_sections(learner, state)
+
+
+def _parse_sections(learner: OnlineLearner, state: Any) -> list[Apply]:
     if not isinstance(state, dict):
         raise CheckpointError(f"a learner state is a dict; got {type(state).__name__}")
     if state.get("format") != CHECKPOINT_FORMAT:
@@ -428,9 +440,7 @@ def restore_state(learner: OnlineLearner, state: Any) -> None:
             applies.append(parse(ctx))
         except (ValueError, TypeError, KeyError, IndexError, RuntimeError, OverflowError) as error:
             raise CheckpointError(f"checkpoint does not fit this learner: section `{name}`: {error}") from error
-    _load_plugins(learner, state["plugins"])
-    for apply in applies:
-        apply()
+    return applies
 
 
 def _load_plugins(learner: OnlineLearner, states: dict[str, Any]) -> None:
@@ -467,8 +477,11 @@ def build_parts(
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise CheckpointError(f"checkpoint format {_short(found)} is not supported (want {CHECKPOINT_FORMAT})")
         config = state.get("config")
-        if not isinstance(config, dict) or "monitor" not in config or "input_shape" not in config:
-            raise _Invalid("section `config` is missing or malformed")
+        if not isinstance(config, dict):
+            raise _Invalid("section `config` is missing or not a dict")
+        _keys("config", config, {"replay_batch_size", "train_iterations", "num_classes", "input_shape", "monitor", "optimizer_type"})
+        _int("config.replay_batch_size", config["replay_batch_size"])
+        _int("config.train_iterations", config["train_iterations"], 1, 2**20)
         shape = config["input_shape"]
         row_bytes = 8 + 8 * (math.prod(shape) if isinstance(shape, list) and all(isinstance(d, int) for d in shape) else 1)
         largest = max(1, max_bytes // row_bytes)  # samples whose store fits the memory bound

@@ -35,6 +35,7 @@ from taste_cl._restore import (
     MONITOR_CONFIG,
     build_parts,
     restore_state,
+    validate_state,
 )
 from taste_cl.checkpoint import CheckpointLimits, read_checkpoint, write_checkpoint
 from taste_cl.exceptions import InvalidBatchError
@@ -493,16 +494,16 @@ class OnlineLearner:
         """
         state = read_checkpoint(directory, limits=CheckpointLimits(max_bytes=max_bytes))
         config, replay, monitor = build_parts(state, model=model, replay=replay, monitor=monitor, max_bytes=max_bytes)
-        learner = cls(
-            model,
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            replay=replay,
-            replay_batch_size=int(config["replay_batch_size"]),
-            train_iterations=int(config["train_iterations"]),
-            monitor=monitor,
-            plugins=plugins,
-        )
+        parts: dict[str, Any] = {
+            "loss_fn": loss_fn,
+            "optimizer": optimizer,
+            "replay": replay,
+            "replay_batch_size": config["replay_batch_size"],
+            "train_iterations": config["train_iterations"],
+            "monitor": monitor,
+        }
+        validate_state(cls(model, **parts), state)  # before plugins attach (they subscribe to the monitor)
+        learner = cls(model, **parts, plugins=plugins)
         learner.load_state_dict(state)
         return learner
 

@@ -137,6 +137,10 @@ CASES: list[tuple[str, Edit, str]] = [
     ("samples_seen negative", _set("counters.samples_seen", -1), "samples_seen == -1"),
     ("steps absurd", _set("counters.steps", 10**30), "steps =="),
     ("num_classes 0", _set("config.num_classes", 0), "num_classes == 0"),
+    ("replay_batch_size negative", _set("config.replay_batch_size", -2), "replay_batch_size == -2"),
+    ("train_iterations a string", _set("config.train_iterations", "3"), "train_iterations == '3'"),
+    ("config key missing", _delete("config.monitor"), r"missing \['monitor'\]"),
+    ("monitor config eval_every 0", _set("config.monitor.eval_every", 0), "eval_every == 0"),
     ("input_shape changed", _set("config.input_shape", [5]), r"feature shape \(4,\); the learner takes \(5,\)"),
     ("monitor negative steps", _set("monitor.steps", -4), "`steps` must be an int >= 0"),
     ("monitor probe label out of range", _set("monitor.probe.storage.y", lambda y: y + 3), "section `monitor`: class .* hold other labels"),
@@ -212,6 +216,18 @@ def test_the_unedited_state_loads_and_resumes_like_the_original(tmp_path):
     for seed in range(7, 10):
         original.observe(batch(seed=seed))
     assert all(torch.equal(a, b) for a, b in zip(original.model.parameters(), loaded.model.parameters()))
+
+
+@pytest.mark.parametrize(("capacity", "section"), [(10**12, "replay"), (10**10, "monitor")])
+def test_a_buffer_rebuilt_from_the_file_cannot_claim_more_memory_than_max_bytes(tmp_path, capacity, section):
+    state = _state()
+    if section == "replay":
+        state["replay"]["capacity"] = state["replay"]["storage"]["capacity"] = capacity
+    else:
+        state["config"]["monitor"]["probe_capacity"] = capacity
+    _write(tmp_path, state)
+    with pytest.raises(CheckpointError, match=r"capacity == \d+`, must be an int in \[1, \d+\]"):
+        OnlineLearner.load(tmp_path, model=tiny_learner().model)  # replay and monitor built from the file
 
 
 BALANCED: list[tuple[str, Edit, str]] = [
@@ -372,3 +388,17 @@ def test_a_plugin_that_refuses_its_state_undoes_the_plugins_loaded_before_it():
     with pytest.raises(CheckpointError, match="plugin 'second': count must be >= 0"):
         learner.load_state_dict(state)
     assert [p.count for p in plugins] == [3, 3] and snapshot(learner) == before
+
+
+def test_a_refused_load_attaches_no_plugin_to_the_monitor_passed_in(tmp_path):
+    class Subscriber(_Counter):
+        def on_attach(self, learner: Any, **kwargs: Any) -> None:
+            learner.monitor.subscribe(lambda event: None)
+
+    state = _state()
+    state["counters"]["steps"] = -1
+    _write(tmp_path, state)
+    monitor = StabilityPlasticityMonitor()
+    with pytest.raises(CheckpointError, match="steps == -1"):
+        OnlineLearner.load(tmp_path, model=tiny_learner().model, monitor=monitor, plugins=[Subscriber("sub")])
+    assert monitor._subscribers == []
