@@ -162,7 +162,7 @@ def monitor_kwargs(config: Any) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise _Invalid("`config.monitor` must be a dict")
     _keys("config.monitor", config, set(MONITOR_CONFIG))
-    kwargs = {name: _int(f"config.monitor.{name}", config[name], 1, 2**31) for name in ("probe_capacity", "eval_every", "window", "max_events")}
+    kwargs: dict[str, Any] = {name: _int(f"config.monitor.{name}", config[name], 1, 2**31) for name in ("probe_capacity", "eval_every", "window", "max_events")}
     kwargs["seed"] = _int("config.monitor.seed", config["seed"], -(2**63), 2**64 - 1)
     kwargs["forgetting_threshold"] = _number("config.monitor.forgetting_threshold", config["forgetting_threshold"])
     return kwargs
@@ -353,9 +353,8 @@ def _training(ctx: _Context) -> Apply:
 
 def _trial_replay(replay: ReplayStrategy) -> ReplayStrategy:
     """A throwaway strategy to try a state on: a fresh built-in, or a deep copy of a custom one."""
-    kind = type(replay)
-    if kind in _BUILTIN_REPLAY.values():
-        return kind(replay.capacity, seed=replay.seed)  # type: ignore[attr-defined]
+    if isinstance(replay, (ReservoirReplay, ClassBalancedReplay)) and type(replay) in _BUILTIN_REPLAY.values():
+        return type(replay)(replay.capacity, seed=replay.seed)
     return copy.deepcopy(replay)
 
 
@@ -371,14 +370,14 @@ def _replay(ctx: _Context) -> Apply:
         raise _Invalid(f"checkpoint holds a {_short(saved_type)} buffer; got replay={type(replay).__name__}")
     trial = _trial_replay(replay)
     try:
-        trial.load_state_dict(saved)
+        trial.load_state_dict(saved)  # type: ignore[arg-type]  # a non-dict is refused by the strategy
     except (ValueError, TypeError, KeyError, RuntimeError) as error:
         raise _Invalid(f"replay state: {error}") from error
     if isinstance(trial, (ReservoirReplay, ClassBalancedReplay)):
         storage = trial._storage.state_dict()
         if storage["size"]:
             check_samples(ctx, "replay.storage", storage["x"], storage["y"])
-    return lambda: replay.load_state_dict(saved)
+    return lambda: replay.load_state_dict(saved)  # type: ignore[arg-type]
 
 
 @section("monitor")

@@ -295,9 +295,9 @@ def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, A
         raise fail("event_counts", "must map event names to counts")
     last_drift = state.get("last_drift_step")
     probe = ClassBalancedReplay(monitor.probe_capacity, seed=monitor.seed)
-    probe.load_state_dict(state.get("probe"))  # atomic on the new probe
+    probe.load_state_dict(state.get("probe", {}))  # atomic on the new probe
     detector = copy.deepcopy(monitor.drift_detector)
-    detector.load_state_dict(state.get("drift_detector"))
+    detector.load_state_dict(state.get("drift_detector", {}))
     return {
         "steps": count("steps"),
         "samples_seen": count("samples_seen"),

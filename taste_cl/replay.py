@@ -285,7 +285,7 @@ class _SeededStrategy(ReplayStrategy):
                 f"checkpointed {type(self).__name__} has capacity {_describe(state, 'capacity')}, this one has {self.capacity}"
             )
         storage = BufferStorage(self.capacity)
-        storage.load_state_dict(state.get("storage"))
+        storage.load_state_dict(state.get("storage", {}))
         return storage, _parse_generator(state.get("generator"))
 
     def _load_base_state(self, state: State) -> None:

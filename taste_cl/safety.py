@@ -32,7 +32,6 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 if TYPE_CHECKING:
     from taste_cl.learner import OnlineLearner
@@ -162,7 +161,7 @@ class UpdateGuard:
         self._window_losses.append(loss)
 
     # --------------------------------------------------------------- step
-    def step(self, learner: OnlineLearner, params: list[nn.Parameter], grad_norm: float, window_finite: bool) -> bool:
+    def step(self, learner: OnlineLearner, params: list[torch.Tensor], grad_norm: float, window_finite: bool) -> bool:
         """Apply the accumulated gradient of ``learner`` unless unsafe; return whether it was applied.
 
         ``params`` are the optimizer's parameters that have a gradient. Emits
@@ -197,7 +196,7 @@ class UpdateGuard:
         return applied
 
     @staticmethod
-    def _protected_step(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> bool:
+    def _protected_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
         """Step; undo it on ``params`` and their optimizer state if a parameter became non-finite."""
         with torch.no_grad():
             saved_params = torch._foreach_mul(params, 1.0)  # one fused copy
