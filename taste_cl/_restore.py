@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 __all__ = ["CHECKPOINT_FORMAT", "build_parts", "restore_state", "section", "validate_state"]
 
 CHECKPOINT_FORMAT = 2
+CONFIG_KEYS = {"replay_batch_size", "train_iterations", "num_classes", "input_shape", "monitor", "optimizer_type"}
+"""Keys of the ``config`` section; a new config entry is added here and checked in :func:`_config`."""
 MONITOR_CONFIG = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed")
 _BUILTIN_REPLAY: dict[str, type[ReservoirReplay | ClassBalancedReplay]] = {
     "ReservoirReplay": ReservoirReplay,
@@ -171,7 +173,7 @@ def monitor_kwargs(config: Any) -> dict[str, Any]:
 @section("config")
 def _config(ctx: _Context) -> Apply:
     config = ctx.get("config")
-    _keys("config", config, {"replay_batch_size", "train_iterations", "num_classes", "input_shape", "monitor", "optimizer_type"})
+    _keys("config", config, CONFIG_KEYS)
     _int("config.replay_batch_size", config["replay_batch_size"])
     _int("config.train_iterations", config["train_iterations"], 1, 2**20)
     monitor_kwargs(config["monitor"])
@@ -478,7 +480,7 @@ def build_parts(
         config = state.get("config")
         if not isinstance(config, dict):
             raise _Invalid("section `config` is missing or not a dict")
-        _keys("config", config, {"replay_batch_size", "train_iterations", "num_classes", "input_shape", "monitor", "optimizer_type"})
+        _keys("config", config, CONFIG_KEYS)
         _int("config.replay_batch_size", config["replay_batch_size"])
         _int("config.train_iterations", config["train_iterations"], 1, 2**20)
         shape = config["input_shape"]
