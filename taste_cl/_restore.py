@@ -26,7 +26,7 @@ from taste_cl.exceptions import CheckpointError
 from taste_cl.monitor import StabilityPlasticityMonitor
 from taste_cl.monitor import _parse_state as parse_monitor_state
 from taste_cl.replay import ClassBalancedReplay, ReplayStrategy, ReservoirReplay
-from taste_cl.safety import UpdateGuard
+from taste_cl.safety import UpdateGuard, hyperparameter_problem
 
 if TYPE_CHECKING:
     from taste_cl.learner import OnlineLearner
@@ -120,6 +120,11 @@ def _tensor(where: str, value: Any, *, shape: tuple[int, ...] | None = None, dty
     return value
 
 
+def _same(value: Any, expected: int | str) -> bool:
+    """``value == expected`` for a value of exactly the expected type (a tensor never compares)."""
+    return type(value) is type(expected) and value == expected
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -178,7 +183,7 @@ def _config(ctx: _Context) -> Apply:
     _int("config.train_iterations", config["train_iterations"], 1, 2**20)
     monitor_kwargs(config["monitor"])
     learner = ctx.learner
-    if config["optimizer_type"] != type(learner.optimizer).__name__:
+    if not _same(config["optimizer_type"], type(learner.optimizer).__name__):
         raise _Invalid(f"checkpoint holds {_short(config['optimizer_type'])} state; got a {type(learner.optimizer).__name__} optimizer")
     num_classes, shape = config["num_classes"], config["input_shape"]
     if (num_classes is None) != (shape is None):
@@ -224,8 +229,9 @@ def _model(ctx: _Context) -> Apply:
     return lambda: model.load_state_dict(saved)
 
 
-def _hyperparameter(where: str, saved: Any, live: Any) -> None:
-    """A param-group value must have the live value's kind; numbers must be finite (lr >= 0)."""
+def _hyperparameter(where: str, saved: Any, live: Any, key: str) -> None:
+    """A param-group value must have the live value's kind; numbers must be finite and
+    in range (lr >= 0; see :data:`taste_cl.safety.HYPERPARAMETER_RANGES`)."""
     if isinstance(live, bool) or live is None or isinstance(live, str):
         if saved is not None and type(saved) is not type(live) and live is not None:
             raise _Invalid(f"`{where} == {_short(saved)}`, must be a {type(live).__name__}")
@@ -235,9 +241,35 @@ def _hyperparameter(where: str, saved: Any, live: Any) -> None:
         if not isinstance(saved, (tuple, list)) or len(saved) != len(live):
             raise _Invalid(f"`{where} == {_short(saved)}`, must be a sequence of {len(live)}")
         for i, (s, v) in enumerate(zip(saved, live)):
-            _hyperparameter(f"{where}[{i}]", s, v)
+            _hyperparameter(f"{where}[{i}]", s, v, key)
     elif isinstance(live, (int, float, torch.Tensor)):
-        _number(where, saved, low=0.0 if where.endswith(".lr") else -math.inf)
+        number = _number(where, saved, low=0.0 if key == "lr" else -math.inf)
+        problem = hyperparameter_problem(key, number)
+        if problem is not None:
+            raise _Invalid(f"`{where}` {problem}")
+
+
+_SCALAR_STATE = {"step", "mu_product", "eta", "mu"}  # per-parameter scalars of torch's optimizers
+_FACTORED_STATE = {"row_var", "col_var"}  # Adafactor: the parameter's shape with some dims reduced to 1
+
+
+def _optimizer_state_value(where: str, key: str, value: Any, shape: tuple[int, ...]) -> None:
+    """Per-parameter optimizer state: scalars for the known scalar keys, else a tensor of the
+    parameter's shape (``momentum_buffer`` may be None: SGD without momentum)."""
+    if key in _SCALAR_STATE:
+        if isinstance(value, torch.Tensor) and value.dim() != 0:
+            raise _Invalid(f"`{where}` must be a scalar; got shape {tuple(value.shape)}")
+        _number(where, value, low=0.0 if key == "step" else -math.inf)
+        return
+    if value is None and key == "momentum_buffer":
+        return
+    tensor = _tensor(where, value)
+    got = tuple(tensor.shape)
+    fits = got == shape or (
+        key in _FACTORED_STATE and len(got) == len(shape) and all(g in (1, s) for g, s in zip(got, shape))
+    )
+    if not fits or not (tensor.is_floating_point() or tensor.is_complex()):
+        raise _Invalid(f"`{where}` must be a floating tensor of the parameter's shape {shape}; got {tensor.dtype} {got}")
 
 
 @section("optimizer")
@@ -258,7 +290,7 @@ def _optimizer(ctx: _Context) -> Apply:
             raise _Invalid(f"`optimizer.param_groups[{g}].params` must be {live_group['params'][:8]}...")
         for key, value in live_group.items():
             if key != "params":
-                _hyperparameter(f"optimizer.param_groups[{g}].{key}", group[key], value)
+                _hyperparameter(f"optimizer.param_groups[{g}].{key}", group[key], value, key)
     state = saved["state"]
     if not isinstance(state, dict):
         raise _Invalid("`optimizer.state` must be a dict")
@@ -266,15 +298,8 @@ def _optimizer(ctx: _Context) -> Apply:
         _int("optimizer.state key", index, 0, len(params) - 1)
         if not isinstance(entry, dict) or not all(isinstance(k, str) for k in entry):
             raise _Invalid(f"`optimizer.state[{index}]` must be a dict with string keys")
-        shape = tuple(params[index].shape)
         for key, value in entry.items():
-            where = f"optimizer.state[{index}].{key}"
-            if isinstance(value, torch.Tensor):
-                _tensor(where, value)
-                if value.dim() and tuple(value.shape) != shape:
-                    raise _Invalid(f"`{where}` must be a scalar or have the parameter's shape {shape}; got {tuple(value.shape)}")
-            elif value is not None:
-                _number(where, value)
+            _optimizer_state_value(f"optimizer.state[{index}].{key}", key, value, tuple(params[index].shape))
     return lambda: optimizer.load_state_dict(saved)
 
 
@@ -368,7 +393,7 @@ def _replay(ctx: _Context) -> Apply:
         if saved_type is not None or saved is not None:
             raise _Invalid(f"checkpoint holds a {_short(saved_type)} buffer; this learner has no replay")
         return lambda: None
-    if saved_type != type(replay).__name__:
+    if not _same(saved_type, type(replay).__name__):
         raise _Invalid(f"checkpoint holds a {_short(saved_type)} buffer; got replay={type(replay).__name__}")
     trial = _trial_replay(replay)
     try:
@@ -429,7 +454,7 @@ def validate_state(learner: OnlineLearner, state: Any) -> None:
 def _parse_sections(learner: OnlineLearner, state: Any) -> list[Apply]:
     if not isinstance(state, dict):
         raise CheckpointError(f"a learner state is a dict; got {type(state).__name__}")
-    if state.get("format") != CHECKPOINT_FORMAT:
+    if not _same(state.get("format"), CHECKPOINT_FORMAT):
         raise CheckpointError(f"checkpoint format {_short(state.get('format'))} is not supported (want {CHECKPOINT_FORMAT})")
     unknown = sorted(map(str, set(state) - set(_SECTIONS) - set(_TOP_LEVEL_EXTRA)))
     if unknown:
@@ -474,7 +499,7 @@ def build_parts(
     so their preallocated store fits ``max_bytes``; nothing passed in is modified.
     """
     try:
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        if not isinstance(state, dict) or not _same(state.get("format"), CHECKPOINT_FORMAT):
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise CheckpointError(f"checkpoint format {_short(found)} is not supported (want {CHECKPOINT_FORMAT})")
         config = state.get("config")
@@ -499,7 +524,7 @@ def build_parts(
 def _rebuild_replay(state: dict[str, Any], replay: ReplayStrategy | None, largest: int) -> ReplayStrategy | None:
     saved_type = state.get("replay_type")
     if replay is not None:
-        if type(replay).__name__ != saved_type:
+        if not _same(saved_type, type(replay).__name__):
             raise CheckpointError(f"checkpoint holds a {_short(saved_type)} buffer; got replay={type(replay).__name__}")
         return replay
     if saved_type is None:

@@ -186,7 +186,7 @@ class BufferStorage:
 
     def load_state_dict(self, state: State) -> None:
         """Restore :meth:`state_dict` output; validated first, so a bad state raises ValueError and changes nothing."""
-        if not isinstance(state, dict) or state.get("capacity") != self.capacity:
+        if not isinstance(state, dict) or not _is_int(state.get("capacity"), self.capacity):
             raise ValueError(f"storage state must be a dict with capacity {self.capacity}; got {_describe(state, 'capacity')}")
         size = _state_int(state, "size", 0, self.capacity)
         if not size:
@@ -207,6 +207,11 @@ class BufferStorage:
         new_y = torch.empty(self.capacity, dtype=torch.long, device=x.device)
         new_x[:size], new_y[:size] = x, y
         self._x, self._y, self._size = new_x, new_y, size
+
+
+def _is_int(value: Any, expected: int) -> bool:
+    """``value == expected`` for a plain int (a tensor or float never compares)."""
+    return type(value) is int and value == expected
 
 
 def _describe(state: Any, key: str) -> str:
@@ -280,7 +285,7 @@ class _SeededStrategy(ReplayStrategy):
 
     def _parse_base_state(self, state: State) -> tuple[BufferStorage, torch.Generator]:
         """New storage and generator from ``state`` (ValueError if anything is off); ``self`` is untouched."""
-        if not isinstance(state, dict) or state.get("capacity") != self.capacity:
+        if not isinstance(state, dict) or not _is_int(state.get("capacity"), self.capacity):
             raise ValueError(
                 f"checkpointed {type(self).__name__} has capacity {_describe(state, 'capacity')}, this one has {self.capacity}"
             )

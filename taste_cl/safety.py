@@ -42,6 +42,25 @@ GUARD_MODES = ("auto", "always", "never")
 _EMA_ALPHA = 0.2  # weight of the newest window loss in the smoothed loss
 _EMA_WARMUP = 5  # windows before ``diverging`` may fire (the first losses are noisy)
 _LOSS_FLOOR = 1e-2  # the best smoothed loss is floored here, so a loss near 0 is not a hair trigger
+HYPERPARAMETER_RANGES: dict[str, tuple[float, float]] = {
+    "momentum": (0.0, 1.0),
+    "dampening": (0.0, 1.0),
+    "betas": (0.0, 1.0),
+    "weight_decay": (0.0, 1e3),
+    "eps": (0.0, 1e3),
+}
+"""Sane ranges of common optimizer hyperparameters (each member of a tuple such as
+Adam's ``betas``); a value outside is refused by the guard and by checkpoint loading."""
+
+
+def hyperparameter_problem(key: str, value: float) -> str | None:
+    """Why ``value`` is not a sane ``key`` hyperparameter, or None (NaN is never sane)."""
+    if not math.isfinite(value):
+        return f"is {value}, must be finite"
+    low, high = HYPERPARAMETER_RANGES.get(key, (-math.inf, math.inf))
+    if not low <= value <= high:
+        return f"is {value:g}, must be in [{low:g}, {high:g}]"
+    return None
 
 
 @dataclass(frozen=True)
@@ -151,9 +170,11 @@ class UpdateGuard:
             if not 0.0 <= lr <= self.config.max_lr:
                 return f"learning rate of param group {index} is {lr:g}, must be in [0, max_lr={self.config.max_lr:g}]"
             for key, value in group.items():
-                number = None if key in ("lr", "params") else _as_float(value, nested=True)
-                if number is not None and not math.isfinite(number):
-                    return f"hyperparameter `{key}` of param group {index} is {value!r}, must be finite"
+                members = value if isinstance(value, (tuple, list)) and key != "params" else [value]
+                for number in (_as_float(v) for v in members if key not in ("lr", "params")):
+                    problem = None if number is None else hyperparameter_problem(key, number)
+                    if problem is not None:
+                        return f"hyperparameter `{key}` of param group {index} {problem}"
         return None
 
     def record_loss(self, loss: float) -> None:
@@ -294,6 +315,8 @@ class UpdateGuard:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0):
                 raise ValueError(f"guard `{key} == {value!r}`, must be None or a finite number >= 0")
             counters[key] = None if value is None else float(value)
+        if (counters["ema"] is None) != (counters["best"] is None):
+            raise ValueError("guard `ema` and `best` must both be None or both be numbers")
         if not isinstance(state["diverging"], bool):
             raise ValueError(f"guard `diverging == {state['diverging']!r}`, must be a bool")  # noqa: TRY004
         counters["diverging"] = state["diverging"]
@@ -317,9 +340,8 @@ class UpdateGuard:
         self._window_losses = counters["window_losses"]
 
 
-def _as_float(value: Any, *, nested: bool = False) -> float | None:
-    """``value`` as a float (numbers and one-element tensors); for ``nested``, the first
-    non-finite member of a tuple such as Adam's betas. None when it is not numeric."""
+def _as_float(value: Any) -> float | None:
+    """``value`` as a float (numbers and one-element tensors), or None when it is not numeric."""
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex()):
@@ -327,8 +349,4 @@ def _as_float(value: Any, *, nested: bool = False) -> float | None:
             return float(value)
         except OverflowError:  # an int beyond float range
             return math.inf
-    if nested and isinstance(value, (tuple, list)):
-        numbers = [_as_float(v) for v in value]
-        bad = [n for n in numbers if n is not None and not math.isfinite(n)]
-        return bad[0] if bad else None
     return None

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from taste_cl import (
@@ -402,3 +404,46 @@ def test_a_refused_load_attaches_no_plugin_to_the_monitor_passed_in(tmp_path):
     with pytest.raises(CheckpointError, match="steps == -1"):
         OnlineLearner.load(tmp_path, model=tiny_learner().model, monitor=monitor, plugins=[Subscriber("sub")])
     assert monitor._subscribers == []
+
+
+# ------------------------------------------ any single value replaced: CheckpointError or a clean load
+def _leaves(node: Any, path: tuple = ()) -> list[tuple]:
+    if isinstance(node, dict):
+        return [p for key, value in node.items() for p in _leaves(value, (*path, key))] or [path]
+    if isinstance(node, (list, tuple)):
+        return [p for i, value in enumerate(node) for p in _leaves(value, (*path, i))] or [path]
+    return [path]
+
+
+def _replace(node: Any, path: tuple, value: Any) -> Any:
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(node, tuple):
+        return tuple(_replace(v, rest, value) if i == head else v for i, v in enumerate(node))
+    node[head] = _replace(node[head], rest, value)
+    return node
+
+
+_HOSTILE_VALUES = [
+    None, -1, 0, 1, 2**70, 1e308, -1e-300, math.nan, math.inf, "x", True, [], {},
+    torch.tensor(math.nan), torch.zeros(0), torch.zeros(3, 3), torch.ones(2, dtype=torch.long) * -1,
+]
+_BASE_STATE = decode_state(encode_state(_trained().state_dict()))
+_PATHS = [p for p in _leaves(_BASE_STATE) if p]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(_PATHS), value=st.sampled_from(_HOSTILE_VALUES))
+def test_any_single_replaced_value_loads_cleanly_or_changes_nothing(path, value):
+    learner = _trained()
+    state = decode_state(encode_state(_BASE_STATE))
+    _replace(state, path, value)
+    before = snapshot(learner)
+    try:
+        learner.load_state_dict(state)
+    except CheckpointError:
+        assert snapshot(learner) == before
+    else:  # accepted: it must be usable
+        learner.observe(batch(seed=77))
+        assert all(torch.isfinite(p).all() for p in learner.model.parameters())
