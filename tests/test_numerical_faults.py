@@ -135,11 +135,17 @@ def test_an_unsafe_learning_rate_skips_the_step_with_the_reason_and_training_res
     assert all(torch.isfinite(p).all() for p in learner.model.parameters())
 
 
-def test_a_non_finite_momentum_or_beta_skips_the_step():
+@pytest.mark.parametrize(("key", "value"), [("momentum", math.nan), ("momentum", 1e308), ("weight_decay", -1.0), ("dampening", 2**70)])
+def test_a_non_finite_or_absurd_hyperparameter_skips_the_step(key, value):
     learner = tiny_learner()
-    learner.optimizer.param_groups[0]["momentum"] = math.nan
-    stats = learner.observe(batch())
-    assert stats.skipped
+    learner.optimizer.param_groups[0][key] = value
+    faults = []
+    learner.monitor.subscribe(faults.append, event="numerical_fault")
+    assert learner.observe(batch()).skipped
+    assert faults[0].details["cause"].startswith(f"hyperparameter `{key}` of param group 0 is")
+
+
+def test_a_non_finite_beta_skips_the_step():
     model = torch.nn.Linear(4, 3)
     adam = OnlineLearner(model, optimizer=torch.optim.Adam(model.parameters()))
     adam.optimizer.param_groups[0]["betas"] = (0.9, math.inf)  # the constructor would refuse it
