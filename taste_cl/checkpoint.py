@@ -14,20 +14,24 @@ Reading is bounded before anything is parsed: the file must be a regular file (n
 symbolic link, FIFO or device) no larger than ``max_bytes`` (2 GiB by default); the
 header is bounded in bytes, nesting depth, value count and tensor count. The checksum is
 verified before parsing. Writes go to a temporary file in the same folder, named with
-the writer's PID and a random part, are fsynced, then renamed over the old file, so a
+the writer's host, PID and a random part, are fsynced, then renamed over the old file, so a
 crash mid-save leaves the previous checkpoint intact and concurrent writers (threads or
 processes) never touch each other's temporary files. Temporary files left by a killed
-writer are removed by the next save, once that writer's PID is no longer alive.
+writer are removed by the next save on the same host, once that writer's PID is no
+longer alive.
 """
 
 from __future__ import annotations
 
 import errno
+import glob
 import hashlib
 import json
 import math
 import os
+import re
 import secrets
+import socket
 import stat
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -272,8 +276,13 @@ def decode_state(data: bytes, *, limits: CheckpointLimits = DEFAULT_LIMITS, sour
 
 
 # ------------------------------------------------------------------------- files
+def _host_tag() -> str:
+    """This machine's name reduced to ``[A-Za-z0-9-]`` (PIDs only mean something on their host)."""
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
+
+
 def _temp_name(target: Path) -> Path:
-    return target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    return target.with_name(f".{target.name}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -287,13 +296,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _sweep_stale(target: Path) -> None:
-    """Remove temp files of ``target`` left by writers that are no longer alive.
+    """Remove temp files of ``target`` left by writers on this host that are no longer alive.
 
-    A temp file whose writer still runs is in flight and is never touched; names that do
-    not carry a PID are not ours and are left alone.
+    A temp file whose writer still runs is in flight and is never touched; files of other
+    hosts (a shared folder) and names that do not carry a host and PID are left alone.
     """
-    prefix = f".{target.name}."
-    for candidate in target.parent.glob(f"{prefix}*.tmp"):
+    prefix = f".{target.name}.{_host_tag()}."
+    for candidate in target.parent.glob(f"{glob.escape(prefix)}*.tmp"):
         pid_text = candidate.name[len(prefix) :].split(".", 1)[0]
         if pid_text.isdigit() and int(pid_text) != os.getpid() and not _pid_alive(int(pid_text)):
             candidate.unlink(missing_ok=True)

@@ -207,13 +207,15 @@ def test_a_save_removes_temp_files_of_dead_writers_only(tmp_path):
     learner.observe(batch())
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        stale = tmp_path / f".{CHECKPOINT_FILE}.{_dead_pid()}.abc123.tmp"
-        in_flight = tmp_path / f".{CHECKPOINT_FILE}.{live.pid}.def456.tmp"
+        host = checkpoint._host_tag()
+        stale = tmp_path / f".{CHECKPOINT_FILE}.{host}.{_dead_pid()}.abc123.tmp"
+        in_flight = tmp_path / f".{CHECKPOINT_FILE}.{host}.{live.pid}.def456.tmp"
+        other_host = tmp_path / f".{CHECKPOINT_FILE}.elsewhere.{_dead_pid()}.0a0a0a.tmp"
         foreign = tmp_path / f".{CHECKPOINT_FILE}.notapid.tmp"
-        for path in (stale, in_flight, foreign):
+        for path in (stale, in_flight, other_host, foreign):
             path.write_bytes(b"half a checkpoint")
         learner.save(tmp_path)
-        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CHECKPOINT_FILE, in_flight.name, foreign.name])
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CHECKPOINT_FILE, in_flight.name, other_host.name, foreign.name])
     finally:
         live.kill()
         live.wait()
