@@ -170,8 +170,10 @@ class UpdateGuard:
             if not 0.0 <= lr <= self.config.max_lr:
                 return f"learning rate of param group {index} is {lr:g}, must be in [0, max_lr={self.config.max_lr:g}]"
             for key, value in group.items():
-                members = value if isinstance(value, (tuple, list)) and key != "params" else [value]
-                for number in (_as_float(v) for v in members if key not in ("lr", "params")):
+                if key in ("lr", "params"):
+                    continue
+                for member in value if isinstance(value, (tuple, list)) else (value,):
+                    number = _as_float(member)  # None for flags, strings and None
                     problem = None if number is None else hyperparameter_problem(key, number)
                     if problem is not None:
                         return f"hyperparameter `{key}` of param group {index} {problem}"
