@@ -7,7 +7,11 @@ replay buffer never leave the device: the learner state is kept in the node's
 *personal* ones (selected by name prefixes or a predicate, e.g. the first layer) stay
 local. The server runs any Flower strategy (``FedAvg``, ``FedProx``, ...) wrapped in a
 :class:`ValidatingStrategy`, which drops malformed updates with a logged reason, keeps
-the round going, and records communication bytes, time and memory per round.
+the round going, and records communication bytes, time and memory per round. An
+:class:`AggregationPolicy` bounds what any one client can do to the global model:
+overflow-safe weights, a cap on claimed ``num-examples`` and on any client's share,
+and a bound on the magnitude of update values; every dropped or capped update is
+logged with its reason.
 
 Needs the ``[federated]`` extra: ``pip install 'taste-cl[federated]'``. Flower's
 telemetry is switched off (``FLWR_TELEMETRY_ENABLED=0``) unless the user set it.
@@ -15,7 +19,6 @@ telemetry is switched off (``FLWR_TELEMETRY_ENABLED=0``) unless the user set it.
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 import os
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 from taste_cl._batch import BatchLike
+from taste_cl.checkpoint import decode_state, encode_state
 from taste_cl.evaluation import accuracy
 from taste_cl.exceptions import MissingDependencyError, TasteCLError
 from taste_cl.learner import OnlineLearner
@@ -41,11 +45,14 @@ if TYPE_CHECKING:
     from flwr.serverapp.strategy import Strategy
 
 __all__ = [
+    "AdjustedUpdate",
+    "AggregationPolicy",
     "DroppedUpdate",
     "FleetResult",
     "InvalidUpdateError",
     "RoundStats",
     "ValidatingStrategy",
+    "apply_policy",
     "check_update",
     "load_shared",
     "make_client_app",
@@ -148,16 +155,14 @@ def _restore(context: Context, learner: OnlineLearner) -> OnlineLearner:
     """Load the device's learner state (model, optimizer, replay, monitor) from ``context.state``."""
     saved = context.state.config_records.get(_STATE_KEY)
     if saved is not None:
-        learner.load_state_dict(torch.load(io.BytesIO(saved["learner"]), weights_only=True, map_location="cpu"))
+        learner.load_state_dict(decode_state(saved["learner"], source="the device's saved learner state"))
     return learner
 
 
 def _persist(context: Context, learner: OnlineLearner) -> None:
     from flwr.app import ConfigRecord
 
-    buffer = io.BytesIO()
-    torch.save(learner.state_dict(), buffer)
-    context.state[_STATE_KEY] = ConfigRecord({"learner": buffer.getvalue()})
+    context.state[_STATE_KEY] = ConfigRecord({"learner": encode_state(learner.state_dict())})
 
 
 def _reply(msg: Message, content: dict[str, Any]) -> Message:
@@ -259,11 +264,114 @@ class RoundStats:
     seconds: float = float("nan")
 
 
+@dataclass(frozen=True)
+class AdjustedUpdate:
+    """A client update the server kept with less weight than it claimed, and why."""
+
+    server_round: int
+    node_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class AggregationPolicy:
+    """What one client may contribute to an aggregate.
+
+    Parameters
+    ----------
+    max_num_examples:
+        A claimed weight (``num-examples``) above this is capped to it.
+    max_share:
+        No client's share of the total weight exceeds this (the excess goes to the
+        others in proportion to their weights); with fewer than ``1 / max_share``
+        clients every client gets an equal share. ``1.0`` turns the cap off.
+    max_abs_value:
+        An update holding a floating-point value with ``|value| > max_abs_value`` is
+        dropped (integer arrays such as BatchNorm's step counter are not bounded).
+
+    Shares are computed in float64 after capping and normalising, so no sum of claims
+    can overflow; the inner strategy then sees each kept reply's weight metric
+    rewritten to its share (the shares sum to 1).
+
+    >>> AggregationPolicy(max_share=0.5).shares([1e300, 10.0, 10.0])[0]
+    [0.5, 0.25, 0.25]
+    """
+
+    max_num_examples: float = 1e7
+    max_share: float = 0.5
+    max_abs_value: float = 1e6
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_examples", "max_abs_value"):
+            if not _finite_positive(getattr(self, name)):
+                raise ValueError(f"`{name} == {getattr(self, name)!r}`, must be a finite number > 0")
+        if not (_finite_positive(self.max_share) and self.max_share <= 1.0):
+            raise ValueError(f"`max_share == {self.max_share!r}`, must be in (0, 1]")
+
+    def value_problem(self, arrays: Mapping[str, np.ndarray]) -> str | None:
+        """Why an update's values are out of bounds, or None."""
+        for name, array in arrays.items():
+            if np.issubdtype(array.dtype, np.floating) and array.size:
+                largest = float(np.max(np.abs(array.astype(np.float64, copy=False))))
+                if largest > self.max_abs_value:
+                    return f"`{name}` holds |value| {largest:.3g} > max_abs_value={self.max_abs_value:g}"
+        return None
+
+    def shares(self, claims: Sequence[float]) -> tuple[list[float], list[str | None]]:
+        """Each client's share of the aggregate (summing to 1), and why it was reduced (None if not).
+
+        ``claims`` are finite numbers > 0 (the weight metric, already validated).
+        """
+        n = len(claims)
+        if n == 0:
+            return [], []
+        notes: list[str | None] = [None] * n
+        capped = []
+        for i, claim in enumerate(claims):
+            if claim > self.max_num_examples:
+                notes[i] = f"num-examples {claim:.3g} capped to max_num_examples={self.max_num_examples:g}"
+            capped.append(min(float(claim), self.max_num_examples))
+        if n * self.max_share < 1.0:  # the cap cannot be met: equal shares
+            shares = [1.0 / n] * n
+        else:
+            largest = max(capped)
+            weights = [c / largest for c in capped]  # in (0, 1]: the sum cannot overflow
+            shares = _water_fill(weights, self.max_share)
+        raw_total = sum(c / max(capped) for c in capped)
+        for i, share in enumerate(shares):
+            wanted = capped[i] / max(capped) / raw_total
+            if share < wanted - 1e-12:
+                note = f"share {wanted:.3g} capped to {share:.3g} (max_share={self.max_share:g})"
+                notes[i] = note if notes[i] is None else f"{notes[i]}; {note}"
+        return shares, notes
+
+
+def _water_fill(weights: list[float], cap: float) -> list[float]:
+    """Normalise ``weights`` to shares, capping each at ``cap`` and giving the excess to the rest pro rata."""
+    shares = [0.0] * len(weights)
+    free = list(range(len(weights)))
+    budget = 1.0
+    while free:
+        total = sum(weights[i] for i in free)
+        over = [i for i in free if weights[i] / total * budget > cap]
+        if not over:
+            for i in free:
+                shares[i] = weights[i] / total * budget
+            break
+        for i in over:
+            shares[i] = cap
+            free.remove(i)
+        budget -= cap * len(over)
+    return shares
+
+
 def _finite_positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def _reply_problem(content: RecordDict, expected: ArraySpec, weight_key: str) -> str | None:
+def _reply_problem(
+    content: RecordDict, expected: ArraySpec, weight_key: str, policy: AggregationPolicy | None = None
+) -> str | None:
     """Why a train reply cannot be aggregated, or None when it is fine."""
     if len(content.array_records) != 1 or len(content.metric_records) != 1:
         return (
@@ -272,7 +380,10 @@ def _reply_problem(content: RecordDict, expected: ArraySpec, weight_key: str) ->
         )
     (record,) = content.array_records.values()
     try:
-        check_update(_record_to_numpy(record), expected)
+        arrays = _record_to_numpy(record)
+        check_update(arrays, expected)
+        if policy is not None and (problem := policy.value_problem(arrays)) is not None:
+            return problem
     except InvalidUpdateError as error:
         return str(error)
     except Exception as error:  # undecodable payload: report it, never crash the round
@@ -281,6 +392,18 @@ def _reply_problem(content: RecordDict, expected: ArraySpec, weight_key: str) ->
     if not _finite_positive(metrics.get(weight_key)):
         return f"metric `{weight_key}` must be a finite number > 0; got {metrics.get(weight_key)!r}"
     return None
+
+
+def apply_policy(contents: Sequence[RecordDict], weight_key: str, policy: AggregationPolicy) -> list[str | None]:
+    """Rewrite the weight metric of each (validated) reply to its share under ``policy``.
+
+    Returns, per reply, why its weight was reduced (None when it was not).
+    """
+    metrics = [next(iter(content.metric_records.values())) for content in contents]
+    shares, notes = policy.shares([float(m[weight_key]) for m in metrics])
+    for record, share in zip(metrics, shares):
+        record[weight_key] = share
+    return notes
 
 
 def _build_validating_strategy() -> type:
@@ -292,16 +415,23 @@ def _build_validating_strategy() -> type:
 
         A reply is dropped when its arrays do not have exactly the names, shapes and
         dtypes of the arrays the server sent, hold non-finite values, or its weight
-        metric (the inner strategy's ``weighted_by_key``) is not a finite number > 0.
-        The inner strategy aggregates the rest; with none left, the global model stays.
-        Dropped updates are in ``dropped``, per-round stats in ``rounds`` and the
-        per-node evaluation metrics in ``evaluations[server_round][partition_id]``.
+        metric (the inner strategy's ``weighted_by_key``) is not a finite number > 0,
+        or a value exceeds the ``policy``'s magnitude bound. The weights of the rest
+        are capped by the :class:`AggregationPolicy` (default one if None) and
+        rewritten to shares; the inner strategy aggregates them; with none left, the
+        global model stays. Dropped updates are in ``dropped``, capped ones in
+        ``adjusted``, per-round stats in ``rounds`` and the per-node evaluation
+        metrics in ``evaluations[server_round][partition_id]``.
         """
 
-        def __init__(self, strategy: Strategy) -> None:
+        def __init__(self, strategy: Strategy, policy: AggregationPolicy | None = None) -> None:
             if not isinstance(strategy, Strategy):
                 raise TypeError(f"strategy must be a flwr.serverapp.strategy.Strategy; got {type(strategy).__name__}")
+            if policy is not None and not isinstance(policy, AggregationPolicy):
+                raise TypeError(f"policy must be an AggregationPolicy or None; got {type(policy).__name__}")
             self.strategy = strategy
+            self.policy = policy if policy is not None else AggregationPolicy()
+            self.adjusted: list[AdjustedUpdate] = []
             self.dropped: list[DroppedUpdate] = []
             self.rounds: list[RoundStats] = []
             self.evaluations: dict[int, dict[int, dict[str, float]]] = {}
@@ -334,7 +464,7 @@ def _build_validating_strategy() -> type:
                     kept.append(msg)  # the inner strategy logs transport/client errors itself
                     continue
                 bytes_up += sum(r.count_bytes() for r in msg.content.array_records.values())
-                problem = _reply_problem(msg.content, self._expected, self.weighted_by_key)
+                problem = _reply_problem(msg.content, self._expected, self.weighted_by_key, self.policy)
                 if problem is not None:
                     node = msg.metadata.src_node_id
                     logger.warning("round %d: dropped the update of node %d: %s", server_round, node, problem)
@@ -344,7 +474,13 @@ def _build_validating_strategy() -> type:
                 (metrics,) = msg.content.metric_records.values()
                 client_rss.append(float(metrics.get("rss-mb", float("nan"))))
                 client_s.append(float(metrics.get("train-seconds", float("nan"))))
-            accepted = sum(not m.has_error() for m in kept)
+            good = [m for m in kept if not m.has_error()]
+            for msg, note in zip(good, apply_policy([m.content for m in good], self.weighted_by_key, self.policy)):
+                if note is not None:
+                    node = msg.metadata.src_node_id
+                    logger.warning("round %d: capped the weight of node %d: %s", server_round, node, note)
+                    self.adjusted.append(AdjustedUpdate(server_round, node, note))
+            accepted = len(good)
             self.rounds.append(
                 RoundStats(
                     server_round=server_round,
@@ -407,6 +543,7 @@ class FleetResult:
     dropped: list[DroppedUpdate]
     evaluations: dict[int, dict[int, dict[str, float]]]
     shared: dict[str, np.ndarray] = field(default_factory=dict)
+    adjusted: list[AdjustedUpdate] = field(default_factory=list)
 
     @property
     def final(self) -> dict[int, dict[str, float]]:
@@ -431,11 +568,12 @@ def run_fleet_simulation(
     client_mods: Sequence[Callable[..., Message]] = (),
     client_cpus: float = 1.0,
     round_timeout_s: float = 600.0,
+    policy: AggregationPolicy | None = None,
 ) -> FleetResult:
     """Run ``num_devices`` simulated devices for ``num_rounds`` with Flower's simulation engine.
 
     Arguments are those of :func:`make_client_app`; ``strategy`` defaults to ``FedAvg``
-    over all devices and is wrapped in :class:`ValidatingStrategy`. Everything runs on
+    over all devices and is wrapped in :class:`ValidatingStrategy` with ``policy``. Everything runs on
     this machine (Ray backend, ``client_cpus`` per simulated device).
     """
     _check_count("num_devices", num_devices, 1)
@@ -455,7 +593,7 @@ def run_fleet_simulation(
     inner = strategy if strategy is not None else FedAvg(
         min_train_nodes=num_devices, min_evaluate_nodes=num_devices, min_available_nodes=num_devices
     )
-    guard = _validating_strategy_class()(inner)
+    guard = _validating_strategy_class()(inner, policy)
     outcome: dict[str, Any] = {}
     server_app = ServerApp()
 
@@ -480,5 +618,6 @@ def run_fleet_simulation(
         rounds=guard.rounds,
         dropped=guard.dropped,
         evaluations=guard.evaluations,
+        adjusted=guard.adjusted,
         shared=_record_to_numpy(final) if final is not None else {},
     )

@@ -9,7 +9,6 @@ Run: ``taste-cl bench soak`` (200k samples) or ``--samples 20000`` for a short o
 
 from __future__ import annotations
 
-import io
 import math
 import time
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from torch import nn
 
 from taste_cl._report import format_table
 from taste_cl.benchmarks._common import base_parser, save_result
+from taste_cl.checkpoint import encode_state
 from taste_cl.learner import OnlineLearner
 from taste_cl.monitor import StabilityPlasticityMonitor
 from taste_cl.replay import ReservoirReplay
@@ -31,9 +31,7 @@ __all__ = ["main", "run_soak"]
 
 
 def _state_bytes(learner: OnlineLearner) -> int:
-    buffer = io.BytesIO()
-    torch.save(learner.state_dict(), buffer)
-    return buffer.tell()
+    return len(encode_state(learner.state_dict()))
 
 
 def run_soak(

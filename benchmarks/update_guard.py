@@ -18,6 +18,7 @@ from taste_cl.benchmarks._common import base_parser, save_result
 from taste_cl.datasets import split_digits
 from taste_cl.demo import build_digits_learner
 from taste_cl.experiment import run_class_incremental
+from taste_cl.safety import UpdateGuard
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for label in rates:
             torch.manual_seed(args.seed)
             learner = build_digits_learner(seed=args.seed)
-            learner.guard_updates = label
+            learner.guard = UpdateGuard(label)
             result = run_class_incremental(learner, tasks, batch_size=10, seed=args.seed)
             rates[label].append(result.samples_per_s)
             accuracies[label].add(round(result.final_accuracy, 6))

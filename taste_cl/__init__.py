@@ -6,11 +6,18 @@ The public API is flat; adapters (Avalanche, ONNX Runtime, Flower) live in
 
 from taste_cl.drift import PageHinkley
 from taste_cl.elastic import ElasticTrainer
-from taste_cl.exceptions import CheckpointError, InvalidBatchError, MissingDependencyError, TasteCLError
+from taste_cl.exceptions import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    InvalidBatchError,
+    MissingDependencyError,
+    TasteCLError,
+)
 from taste_cl.learner import BatchPlan, ObserveStats, OnlineLearner
 from taste_cl.monitor import MonitorEvent, StabilityPlasticityMonitor
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.replay import BufferStorage, ClassBalancedReplay, ReplayStrategy, ReservoirReplay
+from taste_cl.safety import UpdateGuard
 from taste_cl.tasks import Classification, MultiLabel, Regression, Task, TokenClassification
 from taste_cl.tuning import BatchSizeTuner, TunerCacheWarning, TuningResult
 
@@ -21,6 +28,7 @@ __all__ = [
     "BatchSizeTuner",
     "BufferStorage",
     "CheckpointError",
+    "CheckpointNotFoundError",
     "ClassBalancedReplay",
     "Classification",
     "ElasticTrainer",
@@ -41,5 +49,6 @@ __all__ = [
     "TokenClassification",
     "TunerCacheWarning",
     "TuningResult",
+    "UpdateGuard",
     "__version__",
 ]

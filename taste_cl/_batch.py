@@ -14,6 +14,8 @@ JSON-able description, so checkpoints hold no code).
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -186,6 +188,11 @@ class Spec:
     @property
     def leaf_count(self) -> int:
         return 1 if self.is_tensor else sum(child.leaf_count for child in self.children)
+
+    @property
+    def entries(self) -> int:
+        """Number of values one sample holds, over all leaves (for memory bounds)."""
+        return math.prod(self.shape) if self.is_tensor else sum(child.entries for child in self.children)
 
     @property
     def int_dtype(self) -> torch.dtype:

@@ -1,48 +1,334 @@
-"""Safe, atomic checkpoint files.
+"""Checkpoint files with no pickle anywhere: a JSON header plus safetensors buffers.
 
-A checkpoint is one file, ``<dir>/learner.ckpt``: an 8-byte magic, the SHA-256 of the
-payload, and the payload written by ``torch.save``. It is read back with
-``torch.load(weights_only=True)``, which refuses to build arbitrary Python objects, so a
-tampered file cannot execute code; the checksum catches truncation and bit rot first.
-Writes go to a temporary file in the same folder, are fsynced, then renamed over the old
-file, so a crash mid-save leaves the previous checkpoint intact.
+A checkpoint is one file, ``<dir>/learner.ckpt``::
+
+    b"TASTECL2" | SHA-256 of the rest (32 bytes) | header length (8 bytes, little endian)
+    | JSON header (UTF-8) | safetensors section
+
+The JSON header holds every non-tensor value in a small tagged schema (see
+:func:`encode_state`); tensors live in the safetensors section (a JSON index and raw
+buffers, no code), referenced from the header by name. Reading never builds arbitrary
+Python objects: only dicts, lists, tuples, str, int, float, bool, None and tensors.
+
+Reading is bounded before anything is parsed: the file must be a regular file (no
+symbolic link, FIFO or device) no larger than ``max_bytes`` (2 GiB by default); the
+header is bounded in bytes, nesting depth, value count and tensor count. The checksum is
+verified before parsing. Writes go to a temporary file in the same folder, named with
+the writer's host, PID and a random part, are fsynced, then renamed over the old file, so a
+crash mid-save leaves the previous checkpoint intact and concurrent writers (threads or
+processes) never touch each other's temporary files. Temporary files left by a killed
+writer are removed by the next save on the same host, once that writer's PID is no
+longer alive.
 """
 
 from __future__ import annotations
 
+import errno
+import glob
 import hashlib
-import io
+import json
+import math
 import os
-import tempfile
+import re
+import secrets
+import socket
+import stat
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from taste_cl.exceptions import CheckpointError
+from taste_cl.exceptions import CheckpointError, CheckpointNotFoundError
 
-__all__ = ["CHECKPOINT_FILE", "read_checkpoint", "write_checkpoint"]
+__all__ = [
+    "CHECKPOINT_FILE",
+    "CheckpointLimits",
+    "atomic_write_bytes",
+    "decode_state",
+    "encode_state",
+    "read_checkpoint",
+    "write_checkpoint",
+]
 
 CHECKPOINT_FILE = "learner.ckpt"
-_MAGIC = b"TASTECL1"
+_MAGIC = b"TASTECL2"
+_OLD_MAGIC = b"TASTECL1"
 _DIGEST_SIZE = hashlib.sha256().digest_size
+_LENGTH_SIZE = 8
+_PREFIX = len(_MAGIC) + _DIGEST_SIZE
+_TAGS = ("$tensor", "$tuple", "$dict", "$float")
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
-def atomic_write_bytes(target: Path, data: bytes) -> None:
-    """Write ``data`` to ``target`` so readers see the old file or the new one, never half."""
+@dataclass(frozen=True)
+class CheckpointLimits:
+    """Bounds checked while reading an untrusted checkpoint, before the work they bound.
+
+    ``max_bytes`` bounds the file (and so the memory a load commits); the JSON header is
+    bounded by ``max_header_bytes``, ``max_depth`` (nesting), ``max_values`` (values in
+    the tree) and ``max_tensors``.
+    """
+
+    max_bytes: int = 2 * 2**30
+    max_header_bytes: int = 64 * 2**20
+    max_depth: int = 32
+    max_values: int = 2_000_000
+    max_tensors: int = 100_000
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name} == {value!r}`, must be an int >= 1")
+
+
+DEFAULT_LIMITS = CheckpointLimits()
+
+
+# ----------------------------------------------------------------------- encoding
+class _Encoder:
+    """Turn a state tree into a JSON-able tree plus named tensors."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._storages: set[int] = set()
+
+    def encode(self, value: Any, where: str) -> Any:
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int):
+            return int(value)  # IntEnum and friends become plain ints
+        if isinstance(value, float):
+            return float(value) if math.isfinite(value) else {"$float": repr(float(value))}
+        if isinstance(value, torch.Tensor):
+            return {"$tensor": self._add_tensor(value, where)}
+        if isinstance(value, tuple):
+            return {"$tuple": [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self.encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, dict):
+            if all(isinstance(k, str) and not k.startswith("$") for k in value):
+                return {k: self.encode(v, f"{where}.{k}") for k, v in value.items()}
+            return {"$dict": [[self.encode(k, f"{where} key"), self.encode(v, f"{where}[{k!r}]")] for k, v in value.items()]}
+        raise CheckpointError(
+            f"cannot checkpoint {where}: a {type(value).__name__}; only tensors, dicts, lists, tuples, "
+            "str, int, float, bool and None are stored"
+        )
+
+    def _add_tensor(self, tensor: torch.Tensor, where: str) -> str:
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
+            raise CheckpointError(f"cannot checkpoint {where}: a {tensor.layout} tensor on {tensor.device}; need a dense tensor")
+        name = f"t{len(self.tensors)}"
+        self.tensors[name] = self._standalone(tensor.detach())
+        return name
+
+    def _standalone(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on the CPU owning all of its storage (safetensors refuses views and
+        shared memory): as it is when it already does, else a contiguous copy."""
+        if tensor.device.type != "cpu":
+            return tensor.to("cpu").contiguous()
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if (
+            pointer
+            and pointer not in self._storages
+            and tensor.is_contiguous()
+            and tensor.storage_offset() == 0
+            and storage.nbytes() == tensor.numel() * tensor.element_size()
+        ):
+            self._storages.add(pointer)
+            return tensor
+        return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def _encode_chunks(state: dict[str, Any]) -> list[bytes]:
+    """The checkpoint bytes of ``state`` as chunks (no concatenated copy of the tensor section)."""
+    from safetensors.torch import save
+
+    if not isinstance(state, dict):
+        raise CheckpointError(f"a checkpoint holds a dict; got {type(state).__name__}")
+    encoder = _Encoder()
+    tree = encoder.encode(state, "state")
+    try:
+        tensors = save(encoder.tensors) if encoder.tensors else b""
+    except Exception as error:  # e.g. a dtype safetensors cannot store
+        raise CheckpointError(f"cannot store the checkpoint's tensors: {error}") from error
+    header = json.dumps({"tree": tree}, allow_nan=False, separators=(",", ":")).encode()
+    digest = hashlib.sha256(len(header).to_bytes(_LENGTH_SIZE, "little"))
+    digest.update(header)
+    digest.update(tensors)
+    return [_MAGIC, digest.digest(), len(header).to_bytes(_LENGTH_SIZE, "little"), header, tensors]
+
+
+def encode_state(state: dict[str, Any]) -> bytes:
+    """Serialize ``state`` (a dict of tensors and plain values) to checkpoint bytes.
+
+    Plain dicts with string keys, lists, str, int, finite floats, bool and None are JSON;
+    the rest is tagged as a one-key object: ``{"$tensor": name}``, ``{"$tuple": [...]}``,
+    ``{"$dict": [[key, value], ...]}`` (non-string keys) and ``{"$float": "nan"}``.
+    """
+    return b"".join(_encode_chunks(state))
+
+
+# ----------------------------------------------------------------------- decoding
+class _Decoder:
+    """Rebuild a state tree from the header tree and the named tensors, within limits."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], limits: CheckpointLimits, source: str) -> None:
+        self.tensors = tensors
+        self.unused = set(tensors)
+        self.limits = limits
+        self.source = source
+        self.values = 0
+
+    def fail(self, rule: str) -> CheckpointError:
+        return CheckpointError(f"{self.source} has a malformed header: {rule}")
+
+    def decode(self, node: Any, depth: int) -> Any:
+        self.values += 1
+        if self.values > self.limits.max_values:
+            raise self.fail(f"more than max_values={self.limits.max_values} values")
+        if depth > self.limits.max_depth:
+            raise self.fail(f"nesting deeper than max_depth={self.limits.max_depth}")
+        if node is None or isinstance(node, (bool, int, str)):
+            return node
+        if isinstance(node, float):
+            return node
+        if isinstance(node, list):
+            return [self.decode(v, depth + 1) for v in node]
+        if not isinstance(node, dict):
+            raise self.fail(f"unexpected JSON value of type {type(node).__name__}")
+        tags = [k for k in node if k.startswith("$")]
+        if not tags:
+            return {k: self.decode(v, depth + 1) for k, v in node.items()}
+        if len(node) != 1 or tags[0] not in _TAGS:
+            raise self.fail(f"unknown tagged value with keys {sorted(node)[:5]}")
+        tag, payload = tags[0], node[tags[0]]
+        if tag == "$tensor":
+            if not isinstance(payload, str) or payload not in self.unused:
+                raise self.fail(f"tensor reference {payload!r} is unknown or used twice")
+            self.unused.discard(payload)
+            return self.tensors[payload]
+        if tag == "$float":
+            if payload not in _NON_FINITE:
+                raise self.fail(f"$float must be one of {sorted(_NON_FINITE)}; got {payload!r}")
+            return _NON_FINITE[payload]
+        if not isinstance(payload, list):
+            raise self.fail(f"{tag} must hold a list; got {type(payload).__name__}")
+        if tag == "$tuple":
+            return tuple(self.decode(v, depth + 1) for v in payload)
+        pairs = {}
+        for pair in payload:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise self.fail("$dict entries must be [key, value] pairs")
+            key = self.decode(pair[0], depth + 1)
+            if isinstance(key, (dict, list, torch.Tensor)):
+                raise self.fail(f"$dict key of type {type(key).__name__} is not hashable")
+            pairs[key] = self.decode(pair[1], depth + 1)
+        return pairs
+
+
+def decode_state(data: bytes, *, limits: CheckpointLimits = DEFAULT_LIMITS, source: str = "checkpoint") -> dict[str, Any]:
+    """Verify and parse bytes written by :func:`encode_state`; raise :class:`CheckpointError` otherwise."""
+    from safetensors.torch import load
+
+    if len(data) > limits.max_bytes:
+        raise CheckpointError(f"{source} is {len(data)} bytes, over the bound max_bytes={limits.max_bytes}")
+    if data.startswith(_OLD_MAGIC):
+        raise CheckpointError(
+            f"{source} is a format-1 (pickle-based) checkpoint, which is no longer read; save it again with this version"
+        )
+    if len(data) < _PREFIX + _LENGTH_SIZE or not data.startswith(_MAGIC):
+        raise CheckpointError(f"{source} is not a taste_cl checkpoint (bad header)")
+    body = memoryview(data)[_PREFIX:]
+    if hashlib.sha256(body).digest() != data[len(_MAGIC) : _PREFIX]:
+        raise CheckpointError(f"{source} is corrupt or was modified: checksum mismatch")
+    header_len = int.from_bytes(body[:_LENGTH_SIZE], "little")
+    if header_len > min(limits.max_header_bytes, len(body) - _LENGTH_SIZE):
+        raise CheckpointError(
+            f"{source} has a malformed header: length {header_len} exceeds the file or max_header_bytes={limits.max_header_bytes}"
+        )
+    try:
+        header = json.loads(bytes(body[_LENGTH_SIZE : _LENGTH_SIZE + header_len]))
+    except (ValueError, RecursionError) as error:  # bad UTF-8/JSON, huge ints, deep nesting
+        raise CheckpointError(f"{source} has a malformed header: {type(error).__name__}: {str(error)[:200]}") from error
+    if not isinstance(header, dict) or set(header) != {"tree"}:
+        raise CheckpointError(f"{source} has a malformed header: expected an object with one key 'tree'")
+    tensor_bytes = bytes(body[_LENGTH_SIZE + header_len :])
+    try:
+        tensors = load(tensor_bytes) if tensor_bytes else {}
+    except Exception as error:  # safetensors validates its own index and offsets
+        raise CheckpointError(f"{source} has a malformed tensor section: {error}") from error
+    if len(tensors) > limits.max_tensors:
+        raise CheckpointError(f"{source} holds {len(tensors)} tensors, over max_tensors={limits.max_tensors}")
+    decoder = _Decoder(tensors, limits, source)
+    try:
+        state = decoder.decode(header["tree"], 0)
+    except RecursionError as error:
+        raise decoder.fail("nesting too deep") from error
+    if decoder.unused:
+        raise decoder.fail(f"{len(decoder.unused)} stored tensors are not referenced")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{source} holds a {type(state).__name__}, expected a dict")
+    return state
+
+
+# ------------------------------------------------------------------------- files
+def _host_tag() -> str:
+    """This machine's name reduced to ``[A-Za-z0-9-]`` (PIDs only mean something on their host)."""
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
+
+
+def _temp_name(target: Path) -> Path:
+    return target.with_name(f".{target.name}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _sweep_stale(target: Path) -> None:
+    """Remove temp files of ``target`` left by writers on this host that are no longer alive.
+
+    A temp file whose writer still runs is in flight and is never touched; files of other
+    hosts (a shared folder) and names that do not carry a host and PID are left alone.
+    """
+    prefix = f".{target.name}.{_host_tag()}."
+    for candidate in target.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+        pid_text = candidate.name[len(prefix) :].split(".", 1)[0]
+        if pid_text.isdigit() and int(pid_text) != os.getpid() and not _pid_alive(int(pid_text)):
+            candidate.unlink(missing_ok=True)
+
+
+def atomic_write_bytes(target: Path, data: bytes | Sequence[bytes]) -> None:
+    """Write ``data`` (bytes, or chunks written in order) to ``target`` so readers see the
+    old file or the new one, never half.
+
+    Safe with concurrent writers in several threads or processes: each writes its own
+    temp file; the last rename wins and the result is always one complete file.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    tmp = _temp_name(target)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            for chunk in [data] if isinstance(data, bytes) else data:
+                handle.write(chunk)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp_name, target)
+        os.replace(tmp, target)
     except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    for stale in target.parent.glob(f".{target.name}.*.tmp"):  # left by a writer killed mid-write
-        stale.unlink(missing_ok=True)
+    _sweep_stale(target)
     dir_fd = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -50,34 +336,62 @@ def atomic_write_bytes(target: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
-def write_checkpoint(directory: str | os.PathLike[str], state: dict[str, Any]) -> Path:
-    """Atomically write ``state`` (tensors and plain values only) into ``directory``."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
+def write_checkpoint(
+    directory: str | os.PathLike[str],
+    state: dict[str, Any] | Callable[[], dict[str, Any]],
+    *,
+    lock: AbstractContextManager[Any] | None = None,
+) -> Path:
+    """Atomically write ``state`` (tensors and plain values only) into ``directory``.
+
+    ``state`` may be a function returning it (e.g. a ``state_dict`` method, whose tensors
+    are live): it is called and encoded while ``lock`` is held, if one is given, so the
+    snapshot is consistent; the file is written after the lock is released.
+    """
     target = Path(directory) / CHECKPOINT_FILE
-    atomic_write_bytes(target, _MAGIC + hashlib.sha256(payload).digest() + payload)
+    with lock if lock is not None else nullcontext():
+        chunks = _encode_chunks(state() if callable(state) else state)
+    atomic_write_bytes(target, chunks)
     return target
 
 
-def read_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read and verify a checkpoint written by :func:`write_checkpoint`."""
+def _read_bounded(path: Path, max_bytes: int) -> bytes:
+    """Read a regular file (never following a symbolic link) of at most ``max_bytes``."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError as error:
+        raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: file does not exist") from error
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise CheckpointError(f"{str(path)!r} is a symbolic link; checkpoints are read from regular files only") from error
+        raise CheckpointError(f"cannot open checkpoint {str(path)!r}: {error}") from error
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{str(path)!r} is not a regular file; checkpoints are read from regular files only")
+        if info.st_size > max_bytes:
+            raise CheckpointError(f"{str(path)!r} is {info.st_size} bytes, over the bound max_bytes={max_bytes}")
+        chunks, total = [], 0
+        while chunk := os.read(fd, min(1 << 24, max_bytes + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:
+                raise CheckpointError(f"{str(path)!r} grew past the bound max_bytes={max_bytes} while being read")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_checkpoint(
+    directory: str | os.PathLike[str], *, limits: CheckpointLimits = DEFAULT_LIMITS
+) -> dict[str, Any]:
+    """Read and verify a checkpoint written by :func:`write_checkpoint` (a folder or the file itself).
+
+    Raises :class:`CheckpointNotFoundError` when there is no file, :class:`CheckpointError`
+    when it is a link or special file, too large, damaged, or malformed.
+    """
     path = Path(directory)
     if path.is_dir():
         path = path / CHECKPOINT_FILE
-    if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {str(path)!r}: file does not exist")
-    data = path.read_bytes()
-    header = len(_MAGIC) + _DIGEST_SIZE
-    if len(data) < header or not data.startswith(_MAGIC):
-        raise CheckpointError(f"{str(path)!r} is not a taste_cl checkpoint (bad header)")
-    digest, payload = data[len(_MAGIC) : header], data[header:]
-    if hashlib.sha256(payload).digest() != digest:
-        raise CheckpointError(f"{str(path)!r} is corrupt or was modified: checksum mismatch")
-    try:
-        state = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
-    except Exception as error:  # weights_only refuses pickled code: report, never run it
-        raise CheckpointError(f"{str(path)!r} could not be loaded safely: {error}") from error
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{str(path)!r} holds a {type(state).__name__}, expected a dict")
-    return state
+    return decode_state(_read_bounded(path, limits.max_bytes), limits=limits, source=repr(str(path)))

@@ -71,7 +71,14 @@ class PageHinkley:
         return {"n": self._n, "mean": self._mean, "sum": self._sum, "min_sum": self._min_sum}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._n = int(state["n"])
-        self._mean = float(state["mean"])
-        self._sum = float(state["sum"])
-        self._min_sum = float(state["min_sum"])
+        """Restore :meth:`state_dict` output; validated first (ValueError, nothing changed)."""
+        if not isinstance(state, dict) or set(state) != {"n", "mean", "sum", "min_sum"}:
+            raise ValueError("PageHinkley state must be a dict with keys n, mean, sum, min_sum")
+        n = state["n"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"PageHinkley state `n == {n!r}`, must be an int >= 0")
+        values = [state[k] for k in ("mean", "sum", "min_sum")]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+            raise ValueError(f"PageHinkley state mean/sum/min_sum must be finite numbers; got {values}")
+        self._n = n
+        self._mean, self._sum, self._min_sum = (float(v) for v in values)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "CheckpointNotFoundError",
     "InvalidBatchError",
     "MissingDependencyError",
     "TasteCLError",
@@ -29,6 +30,10 @@ class InvalidBatchError(TasteCLError, ValueError):
 
 class CheckpointError(TasteCLError, ValueError):
     """A checkpoint is missing, truncated, tampered with, or does not fit the learner."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """There is no checkpoint file where one was asked for (also a ``FileNotFoundError``)."""
 
 
 class MissingDependencyError(TasteCLError, ImportError):

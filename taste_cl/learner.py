@@ -43,25 +43,24 @@ from taste_cl._batch import (
     map_leaves,
     split_batch,
     to_inputs,
-    unflatten,
 )
-from taste_cl.checkpoint import read_checkpoint, write_checkpoint
-from taste_cl.exceptions import CheckpointError, InvalidBatchError
+from taste_cl._restore import (
+    CHECKPOINT_FORMAT,
+    MONITOR_CONFIG,
+    build_parts,
+    restore_state,
+    validate_state,
+)
+from taste_cl.checkpoint import CheckpointLimits, read_checkpoint, write_checkpoint
+from taste_cl.exceptions import InvalidBatchError
 from taste_cl.monitor import StabilityPlasticityMonitor
 from taste_cl.plugins import LearnerPlugin
-from taste_cl.replay import ClassBalancedReplay, ReplayStrategy, ReservoirReplay
+from taste_cl.replay import ClassBalancedReplay, ReplayStrategy
+from taste_cl.safety import UpdateGuard
 from taste_cl.tasks import Classification, Task, infer_task, resolve_task
 
 __all__ = ["BatchPlan", "ObserveStats", "OnlineLearner"]
 
-CHECKPOINT_FORMAT = 1
-_BUILTIN_REPLAY: dict[str, type[ReservoirReplay] | type[ClassBalancedReplay]] = {
-    "ReservoirReplay": ReservoirReplay,
-    "ClassBalancedReplay": ClassBalancedReplay,
-}
-_GUARD_MODES = ("auto", "always", "never")
-_GUARD_UPDATE_BOUND = 1e4  # far below float32 overflow (3e38), far above healthy steps
-_MONITOR_CONFIG = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed", "prequential")
 
 
 @dataclass(frozen=True)
@@ -176,11 +175,13 @@ class OnlineLearner:
     plugins:
         :class:`~taste_cl.plugins.LearnerPlugin` instances (batch-size tuner, elastic training).
     guard_updates:
-        ``"auto"``: before a step whose size bound (largest learning rate times
-        ``max(1, gradient norm)``) exceeds 1e4, copy the parameters and optimizer state,
-        and restore them if the step leaves a parameter non-finite (a learning-rate
-        spike on a finite gradient). Ordinary steps pay nothing. ``"always"`` guards
-        every step (one copy per step), ``"never"`` none.
+        An :class:`~taste_cl.safety.UpdateGuard`, or its mode: ``"auto"`` (default)
+        skips steps with a non-finite loss or gradient or a NaN/negative/absurd learning
+        rate, and copy-protects a step whose size bound (largest learning rate times
+        ``max(1, gradient norm)``) exceeds 1e4, undoing it if a parameter becomes
+        non-finite; ordinary steps pay nothing. ``"always"`` copy-protects every step,
+        ``"never"`` none. Pass ``UpdateGuard(rollback=True, ...)`` to roll back to the
+        last good snapshot when updates get stuck.
     """
 
     def __init__(
@@ -196,7 +197,7 @@ class OnlineLearner:
         input_shape: Sequence[int] | None = None,
         monitor: StabilityPlasticityMonitor | None = None,
         plugins: Sequence[LearnerPlugin] = (),
-        guard_updates: str = "auto",
+        guard_updates: str | UpdateGuard = "auto",
         task: Task | str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -209,8 +210,6 @@ class OnlineLearner:
             raise ValueError(f"`train_iterations == {train_iterations!r}`, must be an int >= 1")
         if num_classes is not None and num_classes < 1:
             raise ValueError(f"`num_classes == {num_classes}`, must be >= 1")
-        if guard_updates not in _GUARD_MODES:
-            raise ValueError(f"`guard_updates == {guard_updates!r}`, must be one of {', '.join(map(repr, _GUARD_MODES))}")
         names = [plugin.name for plugin in plugins]
         if len(set(names)) != len(names):
             raise ValueError(f"plugin names must be unique (they key checkpoint state); got {names}")
@@ -231,7 +230,7 @@ class OnlineLearner:
         self._score_eval = False  # prequential score from an eval-mode forward (decided on the first batch)
         self.monitor = monitor if monitor is not None else StabilityPlasticityMonitor()
         self.plugins = list(plugins)
-        self.guard_updates = guard_updates
+        self.guard = guard_updates if isinstance(guard_updates, UpdateGuard) else UpdateGuard(guard_updates)
         self.samples_seen = 0
         self.steps = 0
         self.batch_plan: BatchPlan | None = None
@@ -352,20 +351,23 @@ class OnlineLearner:
 
         The score comes from an eval-mode forward (what :meth:`predict` returns) when the
         model's output depends on the train/eval mode, else from the first training forward.
+        A chunk whose loss overflowed is scored but never stored: it would poison later steps.
         """
         n = y.shape[0]
+        finite = True
         stream_outputs = self._logits(x) if self._score_eval else None
         for iteration in range(self.train_iterations):
             train_x, train_y = self._with_replay(x, y, n_replay)
             outputs, loss = self._micro_step(train_x, train_y)
+            finite &= math.isfinite(loss)
             if stream_outputs is None:
                 stream_outputs = outputs[:n]  # scored before any update on this chunk
             totals.add_micro(loss, train_y.shape[0], n_replay)
             if self._accumulated == self._accumulation_steps:
                 totals.add_step(self._apply_accumulated())
         assert stream_outputs is not None
-        totals.add_scored(self.monitor.record(x, y, stream_outputs, validated=True))
-        if self.replay is not None:
+        totals.add_scored(self.monitor.record(x, y, stream_outputs, validated=True, store=finite))
+        if self.replay is not None and finite:
             self.replay.add_validated(x, y)
         if self.monitor.due():
             self.monitor.evaluate(lambda probe_x: self._logits(self._place(probe_x)))
@@ -398,6 +400,7 @@ class OnlineLearner:
         logits = call_model(self.model, x)
         loss = self.loss_fn(logits, y)
         loss_value = float(loss.detach())
+        self.guard.record_loss(loss_value)
         if math.isfinite(loss_value):
             steps = self._accumulation_steps
             (loss if steps == 1 else loss / steps).backward()
@@ -409,8 +412,9 @@ class OnlineLearner:
     def _apply_accumulated(self) -> bool | None:
         """Apply the accumulated gradient; return True if applied, False if skipped, None if nothing was pending.
 
-        A non-finite loss or gradient in the window skips the update; with ``guard_updates``
-        a step that leaves a parameter non-finite is undone. Both emit ``numerical_fault``.
+        The :class:`~taste_cl.safety.UpdateGuard` decides: a non-finite loss or gradient or
+        an unsafe hyperparameter skips the update, a step that leaves a parameter
+        non-finite is undone; both emit ``numerical_fault``.
         """
         if self._accumulated == 0:
             return None
@@ -419,42 +423,10 @@ class OnlineLearner:
         if self._accumulated < self._accumulation_steps:  # partial window: make it a mean again
             for grad in grads:
                 grad.mul_(self._accumulation_steps / self._accumulated)
-        grad_norm = _total_norm(grads)
-        applied = self._window_finite and math.isfinite(grad_norm)
-        if not applied:
-            self.monitor.emit("numerical_fault", micro_batches=self._accumulated, cause="non-finite loss or gradient")
-        elif self._needs_guard(grad_norm):
-            applied = self._guarded_step(params)
-        else:
-            self.optimizer.step()
+        applied = self.guard.step(self, params, _total_norm(grads), self._window_finite)
         self.optimizer.zero_grad(set_to_none=True)
         self._accumulated, self._window_finite = 0, True
         return applied
-
-    def _needs_guard(self, grad_norm: float) -> bool:
-        if self.guard_updates != "auto":
-            return self.guard_updates == "always"
-        largest_lr = max(float(group["lr"]) for group in self.optimizer.param_groups)
-        return largest_lr * max(1.0, grad_norm) > _GUARD_UPDATE_BOUND
-
-    def _guarded_step(self, params: list[nn.Parameter]) -> bool:
-        """Step the optimizer; undo the step on ``params`` (the ones with gradients) and their
-        optimizer state if a parameter became non-finite."""
-        with torch.no_grad():
-            saved_params = torch._foreach_mul(params, 1.0)  # one fused copy
-        saved_state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()} for p in params if p in self.optimizer.state}
-        self.optimizer.step()
-        if math.isfinite(float(torch.nn.utils.get_total_norm(params, norm_type=math.inf))):  # max |p|: no overflow
-            return True
-        with torch.no_grad():
-            torch._foreach_copy_(params, saved_params)
-        for p in params:
-            if p in saved_state:
-                self.optimizer.state[p] = saved_state[p]
-            else:
-                self.optimizer.state.pop(p, None)
-        self.monitor.emit("numerical_fault", micro_batches=self._accumulated, cause="non-finite parameters after the step (rolled back)")
-        return False
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
         """One optimizer step on validated tensors, outside the stream bookkeeping.
@@ -548,7 +520,7 @@ class OnlineLearner:
                     "output_shape": None if self.output_shape is None else list(self.output_shape),
                     "task": None if self.task is None else self.task.config(),
                     "score_eval": self._score_eval,
-                    "monitor": {key: getattr(self.monitor, key) for key in _MONITOR_CONFIG},
+                    "monitor": {key: getattr(self.monitor, key) for key in MONITOR_CONFIG},
                     "optimizer_type": type(self.optimizer).__name__,
                 },
                 "counters": {"samples_seen": self.samples_seen, "steps": self.steps},
@@ -568,11 +540,12 @@ class OnlineLearner:
                 "monitor": self.monitor.state_dict(),
                 "plugins": {plugin.name: plugin.state_dict() for plugin in self.plugins},
                 "rng": {"torch": torch.get_rng_state()},
+                "guard": self.guard.state_dict(),
             }
 
     def save(self, directory: str | os.PathLike[str]) -> None:
-        """Atomically write a checkpoint into ``directory`` (created if needed)."""
-        write_checkpoint(directory, self.state_dict())
+        """Atomically write a checkpoint into ``directory`` (created if needed); no pickle, see :mod:`taste_cl.checkpoint`."""
+        write_checkpoint(directory, self.state_dict, lock=self._lock)  # a consistent snapshot, written unlocked
 
     def export_onnx(self, directory: str | os.PathLike[str], **kwargs: Any) -> Path:
         """Write ONNX Runtime on-device training artifacts; see :func:`taste_cl.adapters.onnx.export`."""
@@ -591,95 +564,45 @@ class OnlineLearner:
         replay: ReplayStrategy | None = None,
         monitor: StabilityPlasticityMonitor | None = None,
         plugins: Sequence[LearnerPlugin] = (),
+        max_bytes: int = CheckpointLimits.max_bytes,
     ) -> OnlineLearner:
         """Rebuild a learner from :meth:`save` output around a freshly built ``model``.
 
         Built-in replay strategies are rebuilt from the checkpoint; pass ``replay`` for a
         custom one. The task, input structure and output shape come from the checkpoint.
-        On any error, ``model`` and ``optimizer`` are left as they were.
+        Files over ``max_bytes`` are refused before being read. The whole checkpoint is
+        validated before anything is applied: on any error
+        :class:`~taste_cl.exceptions.CheckpointError` is raised (its subclass
+        ``CheckpointNotFoundError`` for a missing file) and ``model``, ``optimizer``,
+        ``replay``, ``monitor`` and ``plugins`` are left exactly as they were.
         """
-        state = read_checkpoint(directory)
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise CheckpointError(f"checkpoint format {state.get('format')!r} is not supported (want {CHECKPOINT_FORMAT})")
-        config = state["config"]
-        replay = _rebuild_replay(state, replay)
-        if monitor is None:
-            monitor = StabilityPlasticityMonitor(**config["monitor"])
-        if optimizer is not None and type(optimizer).__name__ != config["optimizer_type"]:
-            raise CheckpointError(
-                f"checkpoint holds {config['optimizer_type']} state; got a {type(optimizer).__name__} optimizer"
-            )
-        learner = cls(
-            model,
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            replay=replay,
-            replay_batch_size=int(config["replay_batch_size"]),
-            train_iterations=int(config["train_iterations"]),
-            num_classes=config["num_classes"],
-            input_shape=config["input_shape"],
-            monitor=monitor,
-            plugins=plugins,
-            task=config.get("task"),
-        )
+        state = read_checkpoint(directory, limits=CheckpointLimits(max_bytes=max_bytes))
+        config, replay, monitor = build_parts(state, model=model, replay=replay, monitor=monitor, max_bytes=max_bytes)
+        parts: dict[str, Any] = {
+            "loss_fn": loss_fn,
+            "optimizer": optimizer,
+            "replay": replay,
+            "replay_batch_size": config["replay_batch_size"],
+            "train_iterations": config["train_iterations"],
+            "monitor": monitor,
+            "task": config["task"],
+        }
+        validate_state(cls(model, **parts), state)  # before plugins attach (they subscribe to the monitor)
+        learner = cls(model, **parts, plugins=plugins)
         learner.load_state_dict(state)
         return learner
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; all or nothing for model and optimizer."""
+        """Restore :meth:`state_dict` output, all or nothing.
+
+        Every section is validated against this learner first (shapes and dtypes of the
+        model, optimizer groups and state, gradients, batch plan, pending samples,
+        counters, replay and monitor contents, RNG and guard state); only then is
+        anything changed. On any error :class:`~taste_cl.exceptions.CheckpointError` is
+        raised and the learner, its replay, monitor and plugins are exactly as before.
+        """
         with self._lock:
-            try:
-                settled = _settled_shapes(state["config"], self.task, state["training"]["pending"])
-            except (KeyError, ValueError, TypeError) as error:
-                raise CheckpointError(f"checkpoint config is malformed: {error}") from error
-            model_backup = copy.deepcopy(self.model.state_dict())
-            optimizer_backup = copy.deepcopy(self.optimizer.state_dict())
-            try:
-                self.model.load_state_dict(state["model"])
-                self.optimizer.load_state_dict(state["optimizer"])
-                if self.replay is not None:
-                    self.replay.load_state_dict(state["replay"])
-                self.monitor.load_state_dict(state["monitor"])
-                for plugin in self.plugins:
-                    if plugin.name in state["plugins"]:
-                        plugin.load_state_dict(state["plugins"][plugin.name])
-            except (KeyError, RuntimeError, ValueError, TypeError) as error:
-                self.model.load_state_dict(model_backup)
-                self.optimizer.load_state_dict(optimizer_backup)
-                raise CheckpointError(f"checkpoint does not fit this learner: {error}") from error
-            vars(self).update(settled)
-            self.samples_seen = int(state["counters"]["samples_seen"])
-            self.steps = int(state["counters"]["steps"])
-            training = state["training"]
-            plan = training["batch_plan"]
-            self.batch_plan = None if plan is None else BatchPlan(**plan)
-            self._base_lrs = training["base_lrs"]
-            self._stream_batch_size = training["stream_batch_size"]
-            self._accumulated = int(training["accumulated"])
-            self._window_finite = bool(training["window_finite"])
-            for param, grad in zip(self.model.parameters(), training["grads"]):
-                param.grad = grad
-            torch.set_rng_state(state["rng"]["torch"])
-
-
-def _settled_shapes(config: dict[str, Any], task: Task | None, pending: list[Any] | None) -> dict[str, Any]:
-    """What the first batch settled, parsed from a checkpoint's config, and the samples
-    waiting for a micro-batch (``[*x leaves, y]``) in their structure: learner attributes."""
-    input_shape = None if config["input_shape"] is None else tuple(int(d) for d in config["input_shape"])
-    raw_spec = config.get("input_spec")
-    output_shape = config.get("output_shape")
-    spec = Spec.from_json(raw_spec) if raw_spec is not None else None if input_shape is None else Spec("tensor", "float", "", input_shape)
-    if pending is not None and spec is None:
-        raise ValueError("checkpoint holds samples waiting for a micro-batch but no input spec")
-    return {
-        "input_shape": input_shape,
-        "input_spec": spec,
-        "_pending": None if pending is None or spec is None else (unflatten(spec, pending[:-1]), pending[-1]),
-        "num_classes": config["num_classes"],
-        "output_shape": None if output_shape is None else tuple(int(d) for d in output_shape),
-        "task": resolve_task(config["task"]) if config.get("task") is not None else task,
-        "_score_eval": bool(config.get("score_eval", False)),
-    }
+            restore_state(self, state)
 
 
 def _shapes(x: Inputs) -> str:
@@ -775,19 +698,3 @@ def _total_norm(tensors: list[torch.Tensor]) -> float:
         # regrouping by device and dtype (half the cost of a small model's step).
         return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
     return float(torch.nn.utils.get_total_norm(tensors))
-
-
-def _rebuild_replay(state: dict[str, Any], replay: ReplayStrategy | None) -> ReplayStrategy | None:
-    saved_type = state["replay_type"]
-    if replay is not None:
-        if type(replay).__name__ != saved_type:
-            raise CheckpointError(f"checkpoint holds a {saved_type} buffer; got replay={type(replay).__name__}")
-        return replay
-    if saved_type is None:
-        return None
-    if saved_type not in _BUILTIN_REPLAY:
-        raise CheckpointError(
-            f"checkpoint holds a custom {saved_type} buffer: pass replay={saved_type}(...) to load()"
-        )
-    saved = state["replay"]
-    return _BUILTIN_REPLAY[saved_type](int(saved["capacity"]), seed=int(saved["seed"]))

@@ -26,6 +26,7 @@ Other components subscribe to its events (``drift_detected``, ``forgetting_risin
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import Counter, deque
 from collections.abc import Callable
@@ -36,12 +37,12 @@ import torch
 
 from taste_cl.drift import PageHinkley
 from taste_cl.replay import ClassBalancedReplay, ReservoirReplay
-from taste_cl.tasks import Classification, Task, resolve_task
+from taste_cl.tasks import Classification, Task, TokenClassification, resolve_task
 
 __all__ = ["MonitorEvent", "StabilityPlasticityMonitor"]
 
 PREQUENTIAL_MODES = ("auto", "train", "eval")
-EVENT_NAMES = ("drift_detected", "forgetting_rising", "numerical_fault", "load_shift", "retuned")
+EVENT_NAMES = ("drift_detected", "forgetting_rising", "numerical_fault", "updates_stuck", "diverging", "load_shift", "retuned")
 
 
 @dataclass(frozen=True)
@@ -177,11 +178,15 @@ class StabilityPlasticityMonitor:
         return list(self._events)
 
     # ----------------------------------------------------------- measurements
-    def record(self, x: Any, y: torch.Tensor, outputs: torch.Tensor, *, validated: bool = False) -> tuple[float, ...]:
+    def record(
+        self, x: Any, y: torch.Tensor, outputs: torch.Tensor, *, validated: bool = False, store: bool = True
+    ) -> tuple[float, ...]:
         """Score a stream batch with outputs computed *before* training on it, then store it in the probe.
 
         Returns the task's additive statistics of the batch (for classification
-        ``(correct, n)``). ``validated=True`` (the learner's own calls) skips the probe's input checks.
+        ``(correct, n)``). ``validated=True`` (the learner's own calls) skips the probe's
+        input checks; ``store=False`` scores without storing (a batch whose training loss
+        overflowed).
         """
         with torch.no_grad():
             loss = self.task.loss(outputs, y)
@@ -192,10 +197,8 @@ class StabilityPlasticityMonitor:
         if math.isfinite(loss) and self.drift_detector.update(loss):
             self._last_drift_step = self.steps
             self.emit("drift_detected", loss=loss)
-        if validated:
-            self._probe.add_validated(x, y)
-        else:
-            self._probe.add(x, y)
+        if store:
+            (self._probe.add_validated if validated else self._probe.add)(x, y)
         return stats
 
     def due(self) -> bool:
@@ -285,18 +288,106 @@ class StabilityPlasticityMonitor:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; validated first, so a bad state raises ValueError and changes nothing."""
+        parsed = _parse_state(state, self)
         self._reset_measurements()
-        self.task = resolve_task(state.get("task", {"name": "classification"}))
-        self._probe = self._new_probe()
-        self.steps = int(state["steps"])
-        self.samples_seen = int(state["samples_seen"])
-        self._recent.extend((tuple(item[:-1]), float(item[-1])) for item in state["recent"])
-        self._class_accuracy = {int(c): float(a) for c, a in state["class_accuracy"]}
-        self._best_class_accuracy = {int(c): float(a) for c, a in state["best_class_accuracy"]}
-        self._stability = None if state["stability"] is None else float(state["stability"])
-        self._forgetting = float(state["forgetting"])
-        self._events.extend(MonitorEvent(e["name"], int(e["step"]), dict(e["details"])) for e in state["events"])
-        self._event_counts.update({str(k): int(v) for k, v in state["event_counts"].items()})
-        self._last_drift_step = state["last_drift_step"]
-        self._probe.load_state_dict(state["probe"])
-        self.drift_detector.load_state_dict(state["drift_detector"])
+        self.task = parsed["task"]
+        self.steps, self.samples_seen = parsed["steps"], parsed["samples_seen"]
+        self._recent.extend(parsed["recent"])
+        self._class_accuracy, self._best_class_accuracy = parsed["class_accuracy"], parsed["best_class_accuracy"]
+        self._stability, self._forgetting = parsed["stability"], parsed["forgetting"]
+        self._events.extend(parsed["events"])
+        self._event_counts.update(parsed["event_counts"])
+        self._last_drift_step = parsed["last_drift_step"]
+        self._probe, self.drift_detector = parsed["probe"], parsed["drift_detector"]
+
+
+def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, Any]:
+    """Validate a monitor state into plain values and new probe/detector objects (``monitor`` is untouched)."""
+    def fail(key: str, rule: str) -> ValueError:
+        value = state.get(key) if isinstance(state, dict) else None
+        return ValueError(f"monitor state `{key}` {rule}; got {str(value)[:80]}")
+
+    def count(key: str, value: Any = None) -> int:
+        value = state.get(key) if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise fail(key, "must be an int >= 0")
+        return value
+
+    def score(key: str, value: Any) -> float:
+        """A task score: a fraction for accuracy-like tasks, a finite error >= 0 for regression."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise fail(key, "must hold finite numbers >= 0")
+        if task.higher_is_better and value > 1.0:
+            raise fail(key, "must hold numbers in [0, 1]")
+        return float(value)
+
+    def pairs(key: str) -> dict[int, float]:
+        items = state.get(key)
+        if not isinstance(items, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in items):
+            raise fail(key, "must be a list of [class, accuracy] pairs")
+        return {count(key, c): score(key, a) for c, a in items}
+
+    if not isinstance(state, dict):
+        raise ValueError(f"monitor state must be a dict; got {type(state).__name__}")  # noqa: TRY004 (a bad state is a ValueError)
+    try:
+        task = resolve_task(state.get("task", {"name": "classification"}))
+    except ValueError as error:
+        raise fail("task", f"is not a known task ({error})") from error
+    width = len(task.batch_stats(*_empty_batch(task))) + 1
+    recent = state.get("recent")
+    if not isinstance(recent, list) or not all(isinstance(r, (list, tuple)) and len(r) == width for r in recent):
+        raise fail("recent", f"must be a list of [*{task.name} statistics, loss] rows of length {width}")
+    recent_items = []
+    for row in recent:
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in row) or not all(
+            math.isfinite(v) and v >= 0 for v in row[:-1]
+        ):
+            raise fail("recent", "needs finite, non-negative statistics and a numeric loss")
+        stats = tuple(float(v) for v in row[:-1])
+        primary = task.metrics(stats)[task.primary]
+        if task.higher_is_better and not (math.isnan(primary) or 0.0 <= primary <= 1.0):
+            raise fail("recent", f"rows must score in [0, 1] (e.g. correct <= n); a row scores {primary}")
+        recent_items.append((stats, float(row[-1])))
+    stability, forgetting = state.get("stability"), state.get("forgetting")
+    if isinstance(forgetting, bool) or not isinstance(forgetting, (int, float)) or not math.isfinite(forgetting):
+        raise fail("forgetting", "must be a finite number")
+    if task.higher_is_better and not -1.0 <= forgetting <= 1.0:
+        raise fail("forgetting", "must be a number in [-1, 1]")
+    events = state.get("events")
+    if not isinstance(events, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("details"), dict) for e in events
+    ):
+        raise fail("events", "must be a list of {name, step, details} dicts")
+    event_counts = state.get("event_counts")
+    if not isinstance(event_counts, dict) or not all(isinstance(k, str) for k in event_counts):
+        raise fail("event_counts", "must map event names to counts")
+    last_drift = state.get("last_drift_step")
+    probe = (ClassBalancedReplay if task.balances_classes else ReservoirReplay)(monitor.probe_capacity, seed=monitor.seed)
+    probe.load_state_dict(state.get("probe", {}))  # atomic on the new probe
+    detector = copy.deepcopy(monitor.drift_detector)
+    detector.load_state_dict(state.get("drift_detector", {}))
+    return {
+        "task": task,
+        "steps": count("steps"),
+        "samples_seen": count("samples_seen"),
+        "recent": recent_items,
+        "class_accuracy": pairs("class_accuracy"),
+        "best_class_accuracy": pairs("best_class_accuracy"),
+        "stability": None if stability is None else score("stability", stability),
+        "forgetting": float(forgetting),
+        "events": [MonitorEvent(e["name"], count("events", e.get("step")), dict(e["details"])) for e in events],
+        "event_counts": {k: count("event_counts", v) for k, v in event_counts.items()},
+        "last_drift_step": None if last_drift is None else count("last_drift_step"),
+        "probe": probe,
+        "drift_detector": detector,
+    }
+
+
+def _empty_batch(task: Task) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs and targets of one tiny batch the task accepts (to learn its statistics' width)."""
+    if isinstance(task, TokenClassification):
+        return torch.zeros(1, 2, 1), torch.zeros(1, 1, dtype=torch.long)
+    if isinstance(task, Classification):
+        return torch.zeros(1, 2), torch.zeros(1, dtype=torch.long)
+    return torch.zeros(1, 1), torch.zeros(1, 1)

@@ -246,33 +246,66 @@ class BufferStorage:
         return state
 
     def load_state_dict(self, state: State) -> None:
-        """Restore :meth:`state_dict` output; checked first, so a bad state changes nothing."""
-        if int(state["capacity"]) != self.capacity:
-            raise ValueError(f"state has capacity {state['capacity']}, this storage has {self.capacity}")
-        size = int(state["size"])
-        if not 0 <= size <= self.capacity:
-            raise ValueError(f"state claims {size} samples; must be in [0, {self.capacity}]")
+        """Restore :meth:`state_dict` output; validated first, so a bad state raises ValueError and changes nothing."""
+        if not isinstance(state, dict) or not _is_int(state.get("capacity"), self.capacity):
+            raise ValueError(f"storage state must be a dict with capacity {self.capacity}; got {_describe(state, 'capacity')}")
+        size = _state_int(state, "size", 0, self.capacity)
         if not size:
             self.__dict__.update(BufferStorage(self.capacity).__dict__)
             return
-        spec = Spec.from_json(state["x_spec"]) if "x_spec" in state else None
-        x = state["x"] if spec is None else unflatten(spec, list(state["x"]))
-        y, fields = state["y"], dict(state.get("fields", {}))
+        fields = state.get("fields", {})
+        if not isinstance(fields, dict) or not all(isinstance(name, str) for name in fields):
+            raise ValueError("storage state `fields` must map names to tensors")  # noqa: TRY004 (a bad state is a ValueError)
         try:
-            tensors = [*leaves(x), y, *fields.values()]
-        except TypeError as error:
+            spec = Spec.from_json(state["x_spec"]) if "x_spec" in state else None
+            x = state.get("x") if spec is None else unflatten(spec, list(state["x"]))
+            tensors = [*leaves(x), state.get("y"), *fields.values()]
+        except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"storage state must hold tensors for x: {error}") from error
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             raise ValueError("storage state must hold tensors for x, y and fields")
         if any(t.dim() < 1 or t.shape[0] != size for t in tensors):
-            raise ValueError(f"state claims {size} samples but holds tensors of lengths {[t.shape[0] if t.dim() else 0 for t in tensors]}")
+            lengths = [t.shape[0] if t.dim() else 0 for t in tensors]
+            raise ValueError(f"storage state claims {size} samples but holds tensors of lengths {lengths}")
+        if any(t.is_complex() or count_nonfinite(t) for t in tensors):
+            raise ValueError("storage state holds complex or non-finite values")
         fresh = BufferStorage(self.capacity)
-        fresh.append(x, y, **fields)
+        fresh.append(x, state["y"], **fields)
         self.__dict__.update(fresh.__dict__)
 
 
 def _kind(t: torch.Tensor) -> str:
     return "float" if t.is_floating_point() else "bool" if t.dtype == torch.bool else "int"
+
+
+def _is_int(value: Any, expected: int) -> bool:
+    """``value == expected`` for a plain int (a tensor or float never compares)."""
+    return type(value) is int and value == expected
+
+
+def _describe(state: Any, key: str) -> str:
+    return repr(state.get(key)) if isinstance(state, dict) else type(state).__name__
+
+
+def _state_int(state: State, key: str, low: int, high: int | None = None) -> int:
+    """``state[key]`` as an int in ``[low, high]``, or ValueError naming the key, rule and value."""
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"`{key} == {value!r}` in the state, must be an int {bound}")
+    return int(value)
+
+
+def _parse_generator(state: Any) -> torch.Generator:
+    """A new CPU generator set to ``state``, or ValueError."""
+    generator = torch.Generator()
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+        raise ValueError("generator state must be a 1-D uint8 tensor")
+    try:
+        generator.set_state(state.cpu())
+    except RuntimeError as error:
+        raise ValueError(f"generator state is invalid: {error}") from error
+    return generator
 
 
 class _SeededStrategy(ReplayStrategy):
@@ -324,13 +357,19 @@ class _SeededStrategy(ReplayStrategy):
             "generator": self._generator.get_state(),
         }
 
-    def _load_base_state(self, state: State) -> None:
-        if int(state["capacity"]) != self.capacity:
+    def _parse_base_state(self, state: State) -> tuple[BufferStorage, torch.Generator]:
+        """New storage and generator from ``state`` (ValueError if anything is off); ``self`` is untouched."""
+        if not isinstance(state, dict) or not _is_int(state.get("capacity"), self.capacity):
             raise ValueError(
-                f"checkpointed {type(self).__name__} has capacity {state['capacity']}, this one has {self.capacity}"
+                f"checkpointed {type(self).__name__} has capacity {_describe(state, 'capacity')}, this one has {self.capacity}"
             )
-        self._storage.load_state_dict(state["storage"])
-        self._generator.set_state(state["generator"])
+        storage = BufferStorage(self.capacity)
+        storage.load_state_dict(state.get("storage", {}))
+        return storage, _parse_generator(state.get("generator"))
+
+    def _load_base_state(self, state: State) -> None:
+        """Parse and assign the shared part; for subclasses that validate their own fields first."""
+        self._storage, self._generator = self._parse_base_state(state)
 
 
 class ReservoirReplay(_SeededStrategy):
@@ -367,8 +406,12 @@ class ReservoirReplay(_SeededStrategy):
         return {**self._base_state(), "seen": self.seen}
 
     def load_state_dict(self, state: State) -> None:
-        self._load_base_state(state)
-        self.seen = int(state["seen"])
+        """Restore :meth:`state_dict` output; validated first, so a bad state raises ValueError and changes nothing."""
+        storage, generator = self._parse_base_state(state)
+        seen = _state_int(state, "seen", len(storage))
+        if len(storage) != min(seen, self.capacity):
+            raise ValueError(f"a reservoir that has seen {seen} samples holds {min(seen, self.capacity)}; state holds {len(storage)}")
+        self._storage, self._generator, self.seen = storage, generator, seen
 
 
 class ClassBalancedReplay(_SeededStrategy):
@@ -478,8 +521,31 @@ class ClassBalancedReplay(_SeededStrategy):
         }
 
     def load_state_dict(self, state: State) -> None:
-        self._load_base_state(state)
-        self._classes = [int(c) for c in state["classes"]]
-        self._seen = {c: int(s) for c, s in zip(self._classes, state["seen"])}
-        self._slots = {c: [int(s) for s in slots] for c, slots in zip(self._classes, state["slots"])}
+        """Restore :meth:`state_dict` output; validated first, so a bad state raises ValueError and changes nothing."""
+        storage, generator = self._parse_base_state(state)
+        classes, seen, slots = state.get("classes"), state.get("seen"), state.get("slots")
+        if not (isinstance(classes, list) and isinstance(seen, list) and isinstance(slots, list)):
+            raise ValueError("class-balanced state must hold lists `classes`, `seen` and `slots`")  # noqa: TRY004
+        if not len(classes) == len(seen) == len(slots) or len(set(map(repr, classes))) != len(classes):
+            raise ValueError("`classes` must be distinct and as long as `seen` and `slots`")
+        if not all(isinstance(c, int) and not isinstance(c, bool) for c in classes):
+            raise ValueError("`classes` must be ints")
+        slot_lists = [[int(i) for i in (s.tolist() if isinstance(s, torch.Tensor) and s.dim() == 1 and not s.is_floating_point() else [])] for s in slots]
+        if sorted(i for lst in slot_lists for i in lst) != list(range(len(storage))):
+            raise ValueError(f"`slots` must list each of the {len(storage)} stored slots exactly once")
+        if len(storage) and (storage.labels.dtype != torch.long or storage.labels.dim() != 1):
+            raise ValueError(f"class-balanced labels must be int64 of shape (n,); got {storage.labels.dtype} {tuple(storage.labels.shape)}")
+        labels = storage.labels.tolist()
+        staged = ClassBalancedReplay(self.capacity, seed=self.seed)
+        staged._classes = [int(c) for c in classes]
+        staged._set_quotas()
+        for label, count, class_slots in zip(staged._classes, seen, slot_lists):
+            if isinstance(count, bool) or not isinstance(count, int) or count < len(class_slots):
+                raise ValueError(f"class {label} has seen {count!r} samples but holds {len(class_slots)}")
+            if len(class_slots) > staged._quotas[label] or any(labels[i] != label for i in class_slots):
+                raise ValueError(f"class {label}'s slots exceed its quota or hold other labels")
+        self._storage, self._generator = storage, generator
+        self._classes = staged._classes
+        self._seen = {c: int(s) for c, s in zip(self._classes, seen)}
+        self._slots = dict(zip(self._classes, slot_lists))
         self._set_quotas()

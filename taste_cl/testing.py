@@ -7,12 +7,12 @@
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import torch
 
 from taste_cl._batch import batch_len, describe, index_batch, leaves, map_leaves
+from taste_cl.checkpoint import decode_state, encode_state
 from taste_cl.exceptions import InvalidBatchError
 from taste_cl.replay import ReplayStrategy
 
@@ -54,8 +54,8 @@ def check_replay_strategy(
 
     Checked: starts empty; ``len`` stays within ``capacity``; ``add`` does not modify its
     inputs; ``sample`` returns at most ``n`` fresh copies of stored samples (with the
-    structure and per-leaf dtypes they were added with); the state survives
-    ``torch.load(weights_only=True)`` and restoring it replays the same samples; a
+    structure and per-leaf dtypes they were added with); the state survives the checkpoint
+    codec (tensors and plain values only) and restoring it replays the same samples; a
     malformed batch raises :class:`InvalidBatchError` and changes nothing.
     ``structured=True`` adds samples whose ``x`` is a dict of a float and an integer tensor.
     """
@@ -90,10 +90,7 @@ def check_replay_strategy(
     state = strategy.state_dict()
     for leaf in leaves(sx):
         leaf.add_(1)  # must not reach the store
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    restored = torch.load(buffer, weights_only=True)
+    restored = decode_state(encode_state(state))
     if not states_equal(strategy.state_dict(), state):
         raise _fail(strategy, "sample() returned views into the store, or sampling changed stored data")
     first = strategy.sample(k)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +9,7 @@ import torch
 from torch import nn
 
 from taste_cl import OnlineLearner, ReservoirReplay
+from taste_cl.checkpoint import decode_state, encode_state
 from taste_cl.testing import states_equal
 
 
@@ -40,10 +40,8 @@ class Snapshot:
 
 
 def snapshot(learner: OnlineLearner) -> Snapshot:
-    buffer = io.BytesIO()
-    torch.save(learner.state_dict(), buffer)  # a deep copy that shares no memory with the learner
-    buffer.seek(0)
-    return Snapshot(torch.load(buffer, weights_only=True))
+    # Through the checkpoint codec: a deep copy that shares no memory with the learner.
+    return Snapshot(decode_state(encode_state(learner.state_dict())))
 
 
 def fake_hardware(monkeypatch: Any, curve: Callable[[int], float]) -> list[int]:

@@ -1,19 +1,24 @@
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from taste_cl import CheckpointError, ClassBalancedReplay, OnlineLearner
+from taste_cl import CheckpointError, ClassBalancedReplay, OnlineLearner, checkpoint
 from taste_cl.checkpoint import CHECKPOINT_FILE, write_checkpoint
+from taste_cl.exceptions import CheckpointNotFoundError
 from helpers import batch, snapshot, tiny_learner
 
 TESTS = Path(__file__).parent
@@ -120,27 +125,36 @@ class _Payload:
         return (os.system, ("touch PWNED",))
 
 
-def _torch_saved(obj) -> bytes:
-    import io
-
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
+def _signed(body: bytes, magic: bytes = checkpoint._MAGIC) -> bytes:
+    return magic + hashlib.sha256(body).digest() + body
 
 
-@pytest.mark.parametrize("serialize", [lambda obj: pickle.dumps(obj, protocol=2), _torch_saved])
-def test_a_malicious_pickle_payload_is_refused_not_executed(tmp_path, monkeypatch, serialize):
+def _pickle_cases() -> list[tuple[str, bytes, str]]:
+    """Correctly checksummed files whose payload would run a command if anything unpickled it."""
+    evil = pickle.dumps({"format": 2, "evil": _Payload()}, protocol=2)
+    header = json.dumps({"tree": {"format": 2, "x": {"$tensor": "t0"}}}).encode()
+    return [
+        ("raw pickle as the body", _signed(evil), "malformed header"),
+        ("pickle in the tensor section", _signed(len(header).to_bytes(8, "little") + header + evil), "malformed tensor section"),
+        ("pickle as the JSON header", _signed(len(evil).to_bytes(8, "little") + evil), "malformed header"),
+        ("format-1 file (torch.save pickle)", _signed(evil, magic=b"TASTECL1"), "format-1 .pickle-based."),
+    ]
+
+
+@pytest.mark.parametrize("case", _pickle_cases(), ids=lambda case: case[0])
+def test_a_malicious_pickle_payload_is_refused_not_executed(tmp_path, monkeypatch, case):
     monkeypatch.chdir(tmp_path)
-    # A well-formed, correctly checksummed file whose payload would run a command if unpickled.
-    import hashlib
-    from taste_cl import checkpoint
-
-    payload = serialize({"format": 1, "evil": _Payload()})
-    data = checkpoint._MAGIC + hashlib.sha256(payload).digest() + payload
+    _, data, message = case
     (tmp_path / CHECKPOINT_FILE).write_bytes(data)
-    with pytest.raises(CheckpointError, match="could not be loaded safely"):
+    with pytest.raises(CheckpointError, match=message):
         OnlineLearner.load(tmp_path, model=nn.Linear(4, 3))
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_no_pickle_based_loader_is_left_in_the_package():
+    sources = [p for folder in ("taste_cl", "adapters") for p in (TESTS.parent / folder).rglob("*.py")]
+    offenders = [str(p) for p in sources if re.search(r"torch\.load\(|pickle\.loads?\(|import pickle", p.read_text())]
+    assert sources and offenders == []
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
@@ -163,10 +177,10 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
 
 def test_mismatched_model_or_optimizer_is_rejected_and_rolled_back(tmp_path):
     _saved(tmp_path)
-    with pytest.raises(CheckpointError, match="does not fit"):
+    with pytest.raises(CheckpointError, match="section `model`: `model` keys differ"):
         OnlineLearner.load(tmp_path, model=nn.Linear(4, 3))
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3))
-    with pytest.raises(CheckpointError, match="holds SGD state; got a Adam"):
+    with pytest.raises(CheckpointError, match="holds 'SGD' state; got a Adam optimizer"):
         OnlineLearner.load(tmp_path, model=model, optimizer=torch.optim.Adam(model.parameters()))
 
 
@@ -176,10 +190,73 @@ def test_unknown_format_and_custom_replay_need_explicit_handling(tmp_path):
         OnlineLearner.load(tmp_path, model=nn.Linear(4, 3))
 
 
-def test_a_save_removes_temp_files_left_by_a_killed_writer(tmp_path):
+def test_a_missing_checkpoint_is_also_a_file_not_found_error(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="does not exist") as caught:
+        OnlineLearner.load(tmp_path / "nowhere", model=nn.Linear(4, 3))
+    assert isinstance(caught.value, FileNotFoundError) and isinstance(caught.value, CheckpointError)
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_save_removes_temp_files_of_dead_writers_only(tmp_path):
     learner = tiny_learner()
     learner.observe(batch())
-    stale = tmp_path / f".{CHECKPOINT_FILE}.abc123.tmp"
-    stale.write_bytes(b"half a checkpoint")
-    learner.save(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_FILE]
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        host = checkpoint._host_tag()
+        stale = tmp_path / f".{CHECKPOINT_FILE}.{host}.{_dead_pid()}.abc123.tmp"
+        in_flight = tmp_path / f".{CHECKPOINT_FILE}.{host}.{live.pid}.def456.tmp"
+        other_host = tmp_path / f".{CHECKPOINT_FILE}.elsewhere.{_dead_pid()}.0a0a0a.tmp"
+        foreign = tmp_path / f".{CHECKPOINT_FILE}.notapid.tmp"
+        for path in (stale, in_flight, other_host, foreign):
+            path.write_bytes(b"half a checkpoint")
+        learner.save(tmp_path)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CHECKPOINT_FILE, in_flight.name, other_host.name, foreign.name])
+    finally:
+        live.kill()
+        live.wait()
+
+
+WRITERS, SAVES_EACH = 4, 20
+
+
+def _writer(directory: Path, worker: int, go: float) -> None:
+    """Child process: wait for the common start time, then save 20 times into ``directory``."""
+    torch.set_num_threads(1)
+    learner = tiny_learner()
+    learner.observe(batch(seed=worker))
+    while time.time() < go:
+        time.sleep(0.001)
+    failures = 0
+    for i in range(SAVES_EACH):
+        learner.samples_seen = 1000 * worker + i  # tells the files apart
+        try:
+            learner.save(directory)
+        except Exception as error:  # counted and reported through the exit code
+            print(f"writer {worker} save {i}: {error!r}", file=sys.stderr)
+            failures += 1
+    os._exit(min(failures, 100))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (POSIX)")
+def test_four_processes_saving_to_one_folder_never_fail_and_leave_one_complete_checkpoint(tmp_path):
+    go = time.time() + 0.5
+    pids = []
+    for worker in range(WRITERS):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _writer(tmp_path, worker, go)
+            finally:
+                os._exit(101)
+        pids.append(pid)
+    statuses = [os.waitpid(pid, 0)[1] for pid in pids]
+    assert [os.waitstatus_to_exitcode(s) for s in statuses] == [0] * WRITERS  # 80 saves, none failed
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_FILE]  # no temp file left behind
+    loaded = OnlineLearner.load(tmp_path, model=tiny_learner().model)
+    worker, save = divmod(loaded.samples_seen, 1000)
+    assert worker < WRITERS and save == SAVES_EACH - 1  # one writer's last save, complete

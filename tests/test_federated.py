@@ -161,3 +161,115 @@ def test_three_device_fleet_drops_a_malformed_client_and_keeps_going() -> None:
     # learning goes on across rounds: the devices' mean own-class accuracy rises from round 1 to 2
     own = {rnd: np.mean([m["accuracy-own"] for m in per_device.values()]) for rnd, per_device in result.evaluations.items()}
     assert own[2] > own[1] + 0.1
+
+
+# ------------------------------------------------- issue 15, class 9: hostile aggregation
+FLOAT_MAX = float(np.finfo(np.float64).max)
+
+
+@pytest.mark.parametrize(
+    ("policy", "claims", "shares"),
+    [
+        (flower.AggregationPolicy(), [1e300, 10.0, 10.0], [0.5, 0.25, 0.25]),  # a liar gets at most max_share
+        (flower.AggregationPolicy(), [FLOAT_MAX, FLOAT_MAX], [0.5, 0.5]),  # no overflow to inf/0
+        (flower.AggregationPolicy(max_share=1.0), [FLOAT_MAX, FLOAT_MAX, 1.0], [0.5, 0.5, 0.0]),  # capped to 1e7 each
+        (flower.AggregationPolicy(max_share=0.4), [100.0, 1.0, 1.0, 1.0, 1.0], [0.4, 0.15, 0.15, 0.15, 0.15]),
+        (flower.AggregationPolicy(max_share=0.3), [5.0, 3.0], [0.5, 0.5]),  # cap unreachable: equal shares
+        (flower.AggregationPolicy(max_share=1.0, max_num_examples=1e9), [30.0, 10.0], [0.75, 0.25]),  # honest: FedAvg
+        (flower.AggregationPolicy(), [5e-324, 5e-324, 5e-324], [1 / 3, 1 / 3, 1 / 3]),  # denormal claims
+    ],
+)
+def test_policy_shares_are_overflow_safe_and_capped(policy, claims, shares) -> None:
+    got, notes = policy.shares(claims)
+    assert got == pytest.approx(shares, abs=1e-6) and sum(got) == pytest.approx(1.0)
+    assert len(notes) == len(claims)
+
+
+def test_each_capped_claim_is_explained() -> None:
+    _, notes = flower.AggregationPolicy().shares([1e300, 10.0, 10.0])
+    assert notes[0] == "num-examples 1e+300 capped to max_num_examples=1e+07; share 1 capped to 0.5 (max_share=0.5)"
+    assert notes[1:] == [None, None]
+
+
+def _contents(values: list[float], claims: list[float]) -> list[RecordDict]:
+    return [
+        RecordDict({"arrays": _record({"w": np.full(3, v, np.float32)}), "metrics": MetricRecord({"num-examples": c})})
+        for v, c in zip(values, claims)
+    ]
+
+
+def test_near_float_max_counts_average_correctly_where_plain_fedavg_returns_zero() -> None:
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    contents = _contents([1.0, 3.0], [FLOAT_MAX, FLOAT_MAX])
+    control = aggregate_arrayrecords(_contents([1.0, 3.0], [FLOAT_MAX, FLOAT_MAX]), "num-examples")["w"].numpy()
+    assert not np.allclose(control, 2.0)  # the unprotected weighted mean collapses (sum of weights is inf)
+    flower.apply_policy(contents, "num-examples", flower.AggregationPolicy())
+    assert np.allclose(aggregate_arrayrecords(contents, "num-examples")["w"].numpy(), 2.0)
+
+
+def test_one_client_claiming_1e300_examples_does_not_take_over_the_mean() -> None:
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    contents = _contents([100.0, 0.0, 0.0], [1e300, 10.0, 10.0])
+    flower.apply_policy(contents, "num-examples", flower.AggregationPolicy())
+    assert np.allclose(aggregate_arrayrecords(contents, "num-examples")["w"].numpy(), 50.0)  # not 100
+
+
+@pytest.mark.parametrize(
+    ("value", "dropped"),
+    [(3e38, True), (-2e6, True), (1e6, False), (0.5, False)],
+)
+def test_update_values_beyond_the_magnitude_bound_are_dropped(value: float, dropped: bool) -> None:
+    arrays = _tampered("none")
+    arrays["4.weight"][0, 0] = value
+    expected = {k: (a.shape, a.dtype) for k, a in arrays.items()}
+    problem = flower._reply_problem(_reply(arrays, {"num-examples": 5}), expected, "num-examples", flower.AggregationPolicy())
+    assert (problem is not None) == dropped
+    if dropped:
+        assert re.search(r"`4.weight` holds \|value\| .* > max_abs_value=1e\+06", problem)
+
+
+def test_integer_arrays_are_not_magnitude_bounded() -> None:
+    policy = flower.AggregationPolicy()
+    assert policy.value_problem({"num_batches_tracked": np.array(10**12, np.int64)}) is None
+
+
+class _Reply:
+    """The part of a Flower reply Message the strategies read."""
+
+    def __init__(self, content: RecordDict, node: int) -> None:
+        from types import SimpleNamespace
+
+        self.content, self.metadata = content, SimpleNamespace(src_node_id=node)
+
+    def has_error(self) -> bool:
+        return False
+
+
+def test_validating_strategy_drops_huge_values_caps_liars_and_logs_both(caplog: pytest.LogCaptureFixture) -> None:
+    from flwr.serverapp.strategy import FedAvg
+
+    strategy = flower.ValidatingStrategy(FedAvg())
+    strategy._expected = {"w": ((3,), np.dtype(np.float32))}
+    contents = _contents([3e38, 100.0, 0.0, 0.0], [5.0, 1e300, 10.0, 10.0])
+    with caplog.at_level("WARNING"):
+        arrays, _ = strategy.aggregate_train(1, [_Reply(c, node) for node, c in enumerate(contents)])
+    assert np.allclose(arrays["w"].numpy(), 50.0)
+    assert [(d.node_id, d.reason[:30]) for d in strategy.dropped] == [(0, "`w` holds |value| 3e+38 > max_")]
+    assert [a.node_id for a in strategy.adjusted] == [1]
+    assert "dropped the update of node 0" in caplog.text and "capped the weight of node 1" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_share": 0.0}, "max_share == 0.0"),
+        ({"max_share": 1.5}, "max_share == 1.5"),
+        ({"max_num_examples": float("inf")}, "max_num_examples == inf"),
+        ({"max_abs_value": -1.0}, "max_abs_value == -1.0"),
+    ],
+)
+def test_bad_policy_settings_are_rejected(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        flower.AggregationPolicy(**kwargs)
