@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from taste_cl._batch import BatchLike, split_batch, to_features, to_labels
+from taste_cl._report import format_fields
 from taste_cl.checkpoint import read_checkpoint, write_checkpoint
 from taste_cl.exceptions import CheckpointError, InvalidBatchError
 from taste_cl.monitor import StabilityPlasticityMonitor
@@ -116,6 +117,21 @@ class ObserveStats:
     step_time_s: float
     skipped: bool = False
     micro_batches: int = 1
+
+    def __str__(self) -> str:
+        """One rounded line for ``print(stats)``."""
+        skipped = "  skipped (update not applied)" if self.skipped else ""
+        return "observe: " + format_fields(
+            {
+                "loss": self.loss,
+                "accuracy": self.accuracy,
+                "samples": self.samples,
+                "replayed": self.replay_samples,
+                "batch": self.batch_size,
+                "steps": self.steps,
+                "step ms": self.step_time_s * 1000,
+            }
+        ) + skipped
 
 
 class OnlineLearner:

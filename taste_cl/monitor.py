@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from taste_cl._report import MonitorReport
 from taste_cl.drift import PageHinkley
 from taste_cl.replay import ClassBalancedReplay
 
@@ -195,10 +196,11 @@ class StabilityPlasticityMonitor:
         """Average over classes of best-so-far minus current probe accuracy."""
         return self._forgetting
 
-    def report(self) -> dict[str, Any]:
-        """A plain-dict summary: stability, plasticity, forgetting, drift, per-class accuracy."""
+    def report(self) -> MonitorReport:
+        """A dict summary: stability, plasticity, forgetting, drift, per-class accuracy
+        (``print`` shows it as a few rounded lines)."""
         losses = [loss for _, _, loss in self._recent if math.isfinite(loss)]
-        return {
+        return MonitorReport({
             "steps": self.steps,
             "samples_seen": self.samples_seen,
             "stability": self._stability,
@@ -212,7 +214,7 @@ class StabilityPlasticityMonitor:
             },
             "per_class_accuracy": dict(sorted(self._class_accuracy.items())),
             "events": dict(self._event_counts),
-        }
+        })
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
