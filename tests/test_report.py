@@ -11,7 +11,7 @@ from taste_cl._report import MonitorReport, format_fields, format_number, format
     ("value", "text"),
     [
         (0.72666, "0.727"),
-        (1.0918, "1.09"),
+        (1.0918, "1.092"),
         (24.234, "24.2"),
         (99.5, "99.5"),
         (102.4, "102"),
@@ -27,19 +27,24 @@ def test_format_number_rounds_by_magnitude(value: float, text: str) -> None:
 
 
 def test_format_table_right_aligns_numeric_columns_and_their_headers() -> None:
-    table = format_table(["run", "acc", "samples/s"], [["a", 0.72666, 13840.4], ["bb", float("nan"), 3.2e8], ["c", None, 992.047]])
-    lines = table.splitlines()
-    assert lines[0] == "run    acc  samples/s"
+    rows = [["a", 0.72666, 13840.4, 1.0], ["bb", float("nan"), 3.2e8, 24.234], ["c", None, 992.047, 102.0]]
+    lines = format_table(["run", "acc", "samples/s", "x"], rows).splitlines()
+    assert lines[0] == "run    acc  samples/s    x"
     assert set(lines[1]) == {"-", " "}
-    assert lines[2] == "a    0.727      13840"
-    assert lines[3] == "bb     nan    3.2e+08"
-    assert lines[4] == "c        -        992"
+    assert lines[2] == "a    0.727      13840    1"
+    assert lines[3] == "bb     nan    3.2e+08   24"
+    assert lines[4] == "c        -        992  102"
+
+
+def test_format_table_gives_a_column_the_decimals_of_its_largest_float() -> None:
+    lines = format_table(["acc"], [[1.0], [0.95612], [0.0]]).splitlines()
+    assert lines[2:] == ["1.000", "0.956", "0.000"]
 
 
 def test_format_table_left_aligns_text_columns() -> None:
     lines = format_table(["measure", "value"], [["replay", "200 / 500"], ["rate", 1.5]]).splitlines()
     assert lines[2] == "replay   200 / 500"
-    assert lines[3] == "rate     1.50"
+    assert lines[3] == "rate     1.500"
 
 
 def test_format_fields_is_one_rounded_line() -> None:
@@ -54,6 +59,6 @@ def test_monitor_report_is_a_dict_printed_as_rounded_lines() -> None:
     assert report["stability"] == 0.8333333333333334
     assert str(report).splitlines() == [
         "steps 3  samples 30  stability 0.833  plasticity 0.900  forgetting 0.012  drift detections 1",
-        "per-class accuracy: 0: 1.00  1: 0.667",
+        "per-class accuracy: 0: 1.000  1: 0.667",
         "events: drift_detected 1",
     ]
