@@ -55,11 +55,29 @@ _ID_ATTRIBUTE = "taste_sample_id"
 def _avalanche(module: str = "") -> ModuleType:
     """Import ``avalanche[.module]`` or raise MissingDependencyError with the install hint."""
     try:
-        return importlib.import_module("avalanche" + (f".{module}" if module else ""))
+        imported = importlib.import_module("avalanche" + (f".{module}" if module else ""))
     except ImportError as error:
         if error.name is not None and error.name.split(".")[0] != "avalanche":
             raise  # avalanche is there but one of its own imports failed: show that
         raise MissingDependencyError("avalanche-lib", "avalanche") from error
+    _drop_internal_deprecation()
+    return imported
+
+
+def _drop_internal_deprecation() -> None:
+    """Stop Avalanche 0.6 warning about its own internal call.
+
+    Avalanche's ``ReplayPlugin`` calls ``ExemplarsBuffer.update``, which Avalanche itself
+    marks deprecated (removal in 0.7): every replayed experience prints a
+    DeprecationWarning the user cannot act on. A warnings filter cannot hide it, because
+    the deprecation decorator re-enables DeprecationWarning (``simplefilter("once")``) on
+    every call, ahead of any filter; so the undecorated method is restored (it already
+    calls the non-deprecated ``post_adapt``). Deprecations of the user's own calls are kept.
+    """
+    buffer = importlib.import_module("avalanche.training.storage_policy").ExemplarsBuffer
+    undecorated = getattr(buffer.update, "__wrapped__", None)
+    if undecorated is not None:
+        buffer.update = undecorated
 
 
 def tensor_dataset(x: torch.Tensor, y: torch.Tensor, *, task_label: int = 0) -> Any:

@@ -74,6 +74,9 @@ def require_flwr() -> None:
     """
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # the simulation asks for no GPUs; opt in to Ray's future behaviour (leave the visible
+    # devices alone), which also silences its FutureWarning about the change
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     try:
         import flwr  # noqa: F401
     except ImportError as error:
@@ -431,20 +434,22 @@ def run_fleet_simulation(
     client_mods: Sequence[Callable[..., Message]] = (),
     client_cpus: float = 1.0,
     round_timeout_s: float = 600.0,
+    verbose: bool = False,
 ) -> FleetResult:
     """Run ``num_devices`` simulated devices for ``num_rounds`` with Flower's simulation engine.
 
     Arguments are those of :func:`make_client_app`; ``strategy`` defaults to ``FedAvg``
     over all devices and is wrapped in :class:`ValidatingStrategy`. Everything runs on
-    this machine (Ray backend, ``client_cpus`` per simulated device).
+    this machine (Ray backend, ``client_cpus`` per simulated device). Flower and Ray log
+    only warnings and errors unless ``verbose``.
     """
     _check_count("num_devices", num_devices, 1)
     _check_count("num_rounds", num_rounds, 1)
     if not (isinstance(client_cpus, (int, float)) and client_cpus > 0):
         raise ValueError(f"`client_cpus == {client_cpus!r}`, must be > 0")
     require_flwr()
-    from flwr.app import Array, ArrayRecord, Context
-    from flwr.serverapp import Grid, ServerApp
+    from flwr.app import Array, ArrayRecord
+    from flwr.serverapp import ServerApp
     from flwr.serverapp.strategy import FedAvg
     from flwr.simulation import run_simulation
 
@@ -464,15 +469,21 @@ def run_fleet_simulation(
         record = ArrayRecord({name: Array(array) for name, array in initial.items()})
         outcome["result"] = guard.start(grid=grid, initial_arrays=record, num_rounds=num_rounds, timeout=round_timeout_s)
 
-    run_simulation(
-        server_app=server_app,
-        client_app=client_app,
-        num_supernodes=num_devices,
-        backend_config={
-            "client_resources": {"num_cpus": client_cpus, "num_gpus": 0.0},
-            "init_args": {"logging_level": "ERROR", "log_to_driver": False},
-        },
-    )
+    flwr_logger = logging.getLogger("flwr")
+    level = flwr_logger.level
+    flwr_logger.setLevel(logging.INFO if verbose else logging.WARNING)  # a round logs ~20 INFO lines
+    try:
+        run_simulation(
+            server_app=server_app,
+            client_app=client_app,
+            num_supernodes=num_devices,
+            backend_config={
+                "client_resources": {"num_cpus": client_cpus, "num_gpus": 0.0},
+                "init_args": {"logging_level": "INFO" if verbose else "ERROR", "log_to_driver": verbose},
+            },
+        )
+    finally:
+        flwr_logger.setLevel(level)
     if "result" not in outcome:
         raise RuntimeError("the Flower simulation ended without a result; see the Flower log above")
     final = outcome["result"].arrays

@@ -26,9 +26,7 @@ def base_parser(prog: str, description: str, *, threads: int = 1) -> argparse.Ar
     Small models on a small, shared CPU run faster and far steadier on one intra-op
     thread: with two, a busy neighbour process can make each tiny op wait for a core.
     """
-    parser = argparse.ArgumentParser(
-        prog=f"taste-cl bench {prog}", description=plain_text(description), formatter_class=HelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog=f"taste-cl bench {prog}", description=plain_text(description), formatter_class=HelpFormatter)
     parser.add_argument("--out", default="bench_results", help="folder for the JSON (and PNG) results")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data, models and replay")
     parser.add_argument("--threads", type=int, default=threads, help="torch intra-op threads (0: torch's default)")

@@ -64,7 +64,7 @@ def run_soak(
     learner = OnlineLearner(
         model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
-        replay=ReservoirReplay(replay_capacity, seed=seed),
+        replay=(replay := ReservoirReplay(replay_capacity, seed=seed)),
         monitor=StabilityPlasticityMonitor(max_events=max_events),
         plugins=plugins,
     )
@@ -102,7 +102,7 @@ def run_soak(
         "rss_final_mb": after_warm_up[-1],
         "rss_peak_after_warm_up_mb": max(after_warm_up),
         "rss_growth_mb": max(after_warm_up) - after_warm_up[0],
-        "replay_len": len(learner.replay),
+        "replay_len": len(replay),
         "replay_capacity": replay_capacity,
         "monitor_events": len(learner.monitor.events),
         "max_events": max_events,

@@ -30,7 +30,11 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.option_strings and not (action.default is None or action.default is False or action.default == argparse.SUPPRESS) and "%(default)" not in text:
+        if (
+            action.option_strings
+            and not (action.default is None or action.default is False or action.default == argparse.SUPPRESS)
+            and "%(default)" not in text
+        ):
             text += " (default: %(default)s)"
         return text
 

@@ -53,8 +53,14 @@ def test_format_fields_is_one_rounded_line() -> None:
 
 def test_monitor_report_is_a_dict_printed_as_rounded_lines() -> None:
     report = MonitorReport(
-        steps=3, samples_seen=30, stability=0.8333333333333334, plasticity=0.9, forgetting=0.01234,
-        drift={"count": 1}, per_class_accuracy={0: 1.0, 1: 0.6666666666666666}, events={"drift_detected": 1, "retuned": 0},
+        steps=3,
+        samples_seen=30,
+        stability=0.8333333333333334,
+        plasticity=0.9,
+        forgetting=0.01234,
+        drift={"count": 1},
+        per_class_accuracy={0: 1.0, 1: 0.6666666666666666},
+        events={"drift_detected": 1, "retuned": 0},
     )
     assert report["stability"] == 0.8333333333333334
     assert str(report).splitlines() == [
