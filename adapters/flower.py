@@ -9,7 +9,7 @@ local. The server runs any Flower strategy (``FedAvg``, ``FedProx``, ...) wrappe
 :class:`ValidatingStrategy`, which drops malformed updates with a logged reason, keeps
 the round going, and records communication bytes, time and memory per round.
 
-Needs the ``[federated]`` extra: ``pip install 'taste-cl[federated]'``. Flower's
+Needs the ``[federated]`` extra: ``pip install '.[federated]'`` (from the checkout). Flower's
 telemetry is switched off (``FLWR_TELEMETRY_ENABLED=0``) unless the user set it.
 """
 

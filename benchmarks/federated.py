@@ -140,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_momentum=args.server_momentum,
         ),
         client_cpus=args.client_cpus,
+        verbose=args.verbose,
     )
     final = fed.final
     rows = [
