@@ -49,11 +49,57 @@ def _federated(result: Mapping[str, Any]) -> str:
     )
 
 
+_VS_AVALANCHE = {"throughput plan": "taste_cl OnlineLearner, throughput plan", "3 rehearsal steps": "taste_cl OnlineLearner, 3 rehearsal steps"}
+
+
+def _vs_avalanche(result: Mapping[str, Any]) -> str:
+    runs = result["runs"]
+    base = runs["avalanche Naive+Replay, 1 epoch"]
+    parts = [
+        f"{label}: accuracy {format_number(runs[name]['final_accuracy'])} vs {format_number(base['final_accuracy'])}, "
+        f"{format_number(runs[name]['x_avalanche_1_epoch'])}x Avalanche's samples/s"
+        for label, name in _VS_AVALANCHE.items()
+    ]
+    return "; ".join(parts) + f" (Avalanche 1 epoch per batch, median of {result['config']['repeats']} repeats)"
+
+
+def _onnx(result: Mapping[str, Any]) -> str:
+    ratios: dict[str, list[float]] = {}
+    for run in result["runs"]:
+        ratios.setdefault(run["model"], []).append(run["ort_over_torch"])
+    return (
+        "; ".join(f"{model}: ORT {format_number(min(found))}-{format_number(max(found))}x torch's samples/s" for model, found in ratios.items())
+        + f" ({result['threads']} thread(s), over the batch sizes)"
+    )
+
+
+def _batch_size(result: Mapping[str, Any]) -> str:
+    return (
+        f"tuned {result['tuned_batch']} = {format_number(result['tuned_vs_oracle'])}x the oracle's samples/s and "
+        f"{format_number(result['tuned_vs_max_batch'])}x the max batch's; cold tune {format_number(result['tuner_seconds'])} s "
+        f"vs the grid's {format_number(result['grid_seconds'])} s; warm retune {format_number(result['warm_tuner_seconds'])} s"
+    )
+
+
+def _elastic(result: Mapping[str, Any]) -> str:
+    runs = result["runs"]
+    parts = [
+        f"{name}: {format_number(run['speedup_vs_full'])}x faster per step, final accuracy {format_number(run['final_accuracy'])}"
+        for name, run in runs.items()
+        if name != "full"
+    ]
+    return "; ".join(parts) + f" (full training: {format_number(runs['full']['final_accuracy'])})"
+
+
 # headline figures for results saved without a ``summary``
 _DERIVED: dict[str, Callable[[Mapping[str, Any]], str]] = {
-    "online_digits": _online_digits,
-    "update_guard": _update_guard,
+    "batch_size": _batch_size,
+    "elastic": _elastic,
     "federated": _federated,
+    "online_digits": _online_digits,
+    "onnx_training": _onnx,
+    "update_guard": _update_guard,
+    "vs_avalanche": _vs_avalanche,
 }
 
 
