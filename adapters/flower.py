@@ -375,7 +375,10 @@ def _build_validating_strategy() -> type:
                         per_node[int(metrics.get("partition-id", msg.metadata.src_node_id))] = dict(metrics)
             if self.rounds and self.rounds[-1].server_round == server_round:
                 self.rounds[-1].seconds = time.perf_counter() - self._started
-            return self.strategy.aggregate_evaluate(server_round, replies)
+            aggregated = self.strategy.aggregate_evaluate(server_round, replies)
+            if aggregated is not None and "partition-id" in aggregated:
+                del aggregated["partition-id"]  # an id, not a metric: its weighted mean means nothing
+            return aggregated
 
     ValidatingStrategy.__module__ = __name__
     return ValidatingStrategy

@@ -136,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"`--repeats == {args.repeats}`, must be >= 1")
     warnings.filterwarnings("ignore", message=".*deprecated.*")
     warnings.filterwarnings("ignore", module="qpsolvers")
+    # the Avalanche runs are evaluated by this benchmark's own code, so they have no loggers on purpose
+    warnings.filterwarnings("ignore", message="No loggers specified")
     from taste_cl.adapters.avalanche import TasteBatchSizePlugin, benchmark_from_tasks
     from taste_cl.tuning import BatchSizeTuner
 
