@@ -30,7 +30,7 @@ def base_parser(prog: str, description: str, *, threads: int = 1) -> argparse.Ar
     parser.add_argument("--out", default="bench_results", help="folder for the JSON (and PNG) results")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data, models and replay")
     parser.add_argument("--threads", type=int, default=threads, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--verbose", action="store_true", help="show the INFO logs of third-party libraries (Flower, Ray, Avalanche, ONNX Runtime)")
+    parser.add_argument("--verbose", action="store_true", help="show the INFO logs of third-party libraries (Flower, Ray, Avalanche)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars (hidden anyway when not a terminal)")
     return parser
 
