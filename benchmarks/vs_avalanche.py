@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from taste_cl._report import format_table
-from taste_cl.benchmarks._common import base_parser, parse, save_result
+from taste_cl.benchmarks._common import base_parser, parse, progress_bar, save_result
 from taste_cl.datasets import make_mlp, split_digits
 from taste_cl.demo import build_digits_learner
 from taste_cl.evaluation import accuracy, average_forgetting, backward_transfer
@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "taste_cl OnlineLearner, throughput plan": lambda: run_taste(benchmark, tasks, seed=args.seed, throughput=True),
     }
     results: dict[str, list[StreamResult]] = {name: [] for name in variants}
-    for _ in range(args.repeats):
+    for _ in progress_bar(range(args.repeats), enabled=not args.no_progress, desc="repeats"):
         for name, run in variants.items():
             gc.collect()  # each run starts without the previous one's garbage
             results[name].append(run())
