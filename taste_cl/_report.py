@@ -1,9 +1,9 @@
 """Readable output: one number format, plain-text tables, summaries and JSON result files.
 
 Every number a user reads (tables, ``print(stats)``, ``print(monitor.report())``) goes
-through :func:`format_number`: three decimals below 10, one below 100, whole numbers from
-100 on, powers of ten from 1e7; the floats of a table column share their decimals, so a
-column never mixes ``102``, ``1.092`` and ``24.234``.
+through :func:`format_number`: three significant digits (three decimals for fractions up
+to 1, such as accuracies), whole numbers from 100 on, powers of ten from 1e7; so a table
+shows ``102``, ``1.09`` and ``24.2``, never ``102``, ``1.092`` and ``24.234``.
 """
 
 from __future__ import annotations
@@ -24,26 +24,27 @@ _NUMERIC = re.compile(r"^[-+]?(\d[\d,]*\.?\d*|\.\d+|nan|inf)(e[-+]?\d+)?\s*(x|%|
 
 
 def _decimals(magnitude: float) -> int:
-    return 3 if magnitude < 10 else 1 if magnitude < 100 else 0
+    """Three significant digits, whole from 100; fractions up to 1 (accuracies) keep three decimals."""
+    return 3 if magnitude <= 1 else 2 if magnitude < 10 else 1 if magnitude < 100 else 0
 
 
-def format_number(value: float | int, *, decimals: int | None = None) -> str:
-    """``value`` rounded for reading: ints as they are; floats with three decimals below
-    10 (``0.858``, ``1.092``), one below 100 (``24.2``), whole from 100 (``13840``) and
-    ``3.2e+08`` from 1e7. ``decimals`` fixes the decimals (a table column shares them)."""
+def format_number(value: float | int) -> str:
+    """``value`` rounded for reading: ints as they are; floats to three significant digits
+    (``1.09``, ``24.2``), with three decimals up to 1 (``0.858``, ``1.000``), whole from 100
+    (``13840``) and ``3.2e+08`` from 1e7."""
     if isinstance(value, bool) or not isinstance(value, float):
         return str(value)
     if not math.isfinite(value):
         return str(value)
     if abs(value) >= 1e7:
         return f"{value:.3g}"
-    return f"{value:.{_decimals(abs(value)) if decimals is None else decimals}f}"
+    return f"{value:.{_decimals(abs(value))}f}"
 
 
-def _cell(value: Any, decimals: int | None = None) -> str:
+def _cell(value: Any) -> str:
     if value is None:
         return "-"
-    return format_number(value, decimals=decimals) if isinstance(value, (int, float)) else str(value)
+    return format_number(value) if isinstance(value, (int, float)) else str(value)
 
 
 def _numeric(value: Any) -> bool:
@@ -52,18 +53,11 @@ def _numeric(value: Any) -> bool:
     return isinstance(value, str) and (value == "-" or _NUMERIC.match(value.strip()) is not None)
 
 
-def _column_decimals(values: Sequence[Any]) -> int | None:
-    """Decimals shared by a column's floats, set by its largest one (aligned decimal points)."""
-    floats = [abs(v) for v in values if isinstance(v, float) and math.isfinite(v) and abs(v) < 1e7]
-    return _decimals(max(floats)) if floats else None
-
-
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Align ``rows`` under ``headers``; numbers use :func:`format_number`, the floats of a
-    column with the same decimals (``None`` is ``-``). Columns whose every cell reads as a
-    number are right-aligned, header included; the others are left-aligned."""
-    decimals = [_column_decimals([row[i] for row in rows]) for i in range(len(headers))]
-    cells = [[_cell(v, d) for v, d in zip(row, decimals)] for row in rows]
+    """Align ``rows`` under ``headers``; numbers use :func:`format_number` (``None`` is
+    ``-``). Columns whose every cell reads as a number are right-aligned, header included;
+    the others are left-aligned."""
+    cells = [[_cell(v) for v in row] for row in rows]
     widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     right = [bool(rows) and all(_numeric(row[i]) for row in rows) for i in range(len(headers))]
 

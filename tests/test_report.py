@@ -11,7 +11,8 @@ from taste_cl._report import MonitorReport, format_fields, format_number, format
     ("value", "text"),
     [
         (0.72666, "0.727"),
-        (1.0918, "1.092"),
+        (1.0918, "1.09"),
+        (1.0, "1.000"),
         (24.234, "24.2"),
         (99.5, "99.5"),
         (102.4, "102"),
@@ -27,24 +28,19 @@ def test_format_number_rounds_by_magnitude(value: float, text: str) -> None:
 
 
 def test_format_table_right_aligns_numeric_columns_and_their_headers() -> None:
-    rows = [["a", 0.72666, 13840.4, 1.0], ["bb", float("nan"), 3.2e8, 24.234], ["c", None, 992.047, 102.0]]
+    rows = [["a", 0.72666, 13840.4, 1.0918], ["bb", float("nan"), 3.2e8, 24.234], ["c", None, 992.047, 102.0]]
     lines = format_table(["run", "acc", "samples/s", "x"], rows).splitlines()
-    assert lines[0] == "run    acc  samples/s    x"
+    assert lines[0] == "run    acc  samples/s     x"
     assert set(lines[1]) == {"-", " "}
-    assert lines[2] == "a    0.727      13840    1"
-    assert lines[3] == "bb     nan    3.2e+08   24"
-    assert lines[4] == "c        -        992  102"
-
-
-def test_format_table_gives_a_column_the_decimals_of_its_largest_float() -> None:
-    lines = format_table(["acc"], [[1.0], [0.95612], [0.0]]).splitlines()
-    assert lines[2:] == ["1.000", "0.956", "0.000"]
+    assert lines[2] == "a    0.727      13840  1.09"
+    assert lines[3] == "bb     nan    3.2e+08  24.2"
+    assert lines[4] == "c        -        992   102"
 
 
 def test_format_table_left_aligns_text_columns() -> None:
     lines = format_table(["measure", "value"], [["replay", "200 / 500"], ["rate", 1.5]]).splitlines()
     assert lines[2] == "replay   200 / 500"
-    assert lines[3] == "rate     1.500"
+    assert lines[3] == "rate     1.50"
 
 
 def test_format_fields_is_one_rounded_line() -> None:
