@@ -69,7 +69,7 @@ def _onnx(result: Mapping[str, Any]) -> str:
         ratios.setdefault(run["model"], []).append(run["ort_over_torch"])
     return (
         "; ".join(f"{model}: ORT {format_number(min(found))}-{format_number(max(found))}x torch's samples/s" for model, found in ratios.items())
-        + f" ({result['threads']} thread(s), over the batch sizes)"
+        + f" (threads: {result['threads']}; range over the batch sizes)"
     )
 
 
