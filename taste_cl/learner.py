@@ -120,18 +120,16 @@ class ObserveStats:
 
     def __str__(self) -> str:
         """One rounded line for ``print(stats)``."""
-        skipped = "  skipped (update not applied)" if self.skipped else ""
-        return "observe: " + format_fields(
-            {
-                "loss": self.loss,
-                "accuracy": self.accuracy,
-                "samples": self.samples,
-                "replayed": self.replay_samples,
-                "batch": self.batch_size,
-                "steps": self.steps,
-                "step ms": self.step_time_s * 1000,
-            }
-        ) + skipped
+        fields = {
+            "loss": self.loss,
+            "accuracy": self.accuracy,
+            "samples": self.samples,
+            "replayed": self.replay_samples,
+            "batch": self.batch_size,
+            "steps": self.steps,
+            "step ms": self.step_time_s * 1000,
+        }
+        return "observe: " + format_fields(fields) + ("  skipped (update not applied)" if self.skipped else "")
 
 
 class OnlineLearner:

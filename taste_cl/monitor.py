@@ -200,7 +200,7 @@ class StabilityPlasticityMonitor:
         """A dict summary: stability, plasticity, forgetting, drift, per-class accuracy
         (``print`` shows it as a few rounded lines)."""
         losses = [loss for _, _, loss in self._recent if math.isfinite(loss)]
-        return MonitorReport({
+        report = {
             "steps": self.steps,
             "samples_seen": self.samples_seen,
             "stability": self._stability,
@@ -214,7 +214,8 @@ class StabilityPlasticityMonitor:
             },
             "per_class_accuracy": dict(sorted(self._class_accuracy.items())),
             "events": dict(self._event_counts),
-        })
+        }
+        return MonitorReport(report)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
