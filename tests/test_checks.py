@@ -1,8 +1,8 @@
 """The maintainer's checks run with the tests: ruff lint, ruff format and mypy stay clean.
 
 Configured in pyproject.toml; marked ``checks`` (in the default run; ``-m checks`` runs
-only these, ``-m "not slow and not checks"`` skips them). Skipped when a tool is not installed (the
-``[test]`` extra installs both).
+only these, ``-m "not slow and not checks"`` skips them). Skipped when a tool is not
+installed (the ``[test]`` extra installs both).
 """
 
 from __future__ import annotations
