@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import psutil
@@ -151,7 +151,7 @@ def _restore(context: Context, learner: OnlineLearner) -> OnlineLearner:
     """Load the device's learner state (model, optimizer, replay, monitor) from ``context.state``."""
     saved = context.state.config_records.get(_STATE_KEY)
     if saved is not None:
-        learner.load_state_dict(torch.load(io.BytesIO(saved["learner"]), weights_only=True, map_location="cpu"))
+        learner.load_state_dict(torch.load(io.BytesIO(cast(bytes, saved["learner"])), weights_only=True, map_location="cpu"))
     return learner
 
 
@@ -197,14 +197,14 @@ def make_client_app(
         torch.set_num_threads(1)  # simulated devices share the host's cores
         partition = int(context.node_config["partition-id"])
         learner = _restore(context, build_learner(partition))
-        load_shared(learner.model, _record_to_numpy(msg.content[_ARRAYS_KEY]), personal=personal)
+        load_shared(learner.model, _record_to_numpy(msg.content.array_records[_ARRAYS_KEY]), personal=personal)
         return partition, learner
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         partition, learner = _learner(msg, context)
         start, samples, losses = time.perf_counter(), 0, []
-        for batch in train_batches(partition, int(msg.content["config"]["server-round"])):
+        for batch in train_batches(partition, int(cast(int, msg.content.config_records["config"]["server-round"]))):
             stats = learner.observe(batch)
             samples += stats.samples
             losses.append(stats.loss)
@@ -345,8 +345,8 @@ def _build_validating_strategy() -> type:
                     continue
                 kept.append(msg)
                 (metrics,) = msg.content.metric_records.values()
-                client_rss.append(float(metrics.get("rss-mb", float("nan"))))
-                client_s.append(float(metrics.get("train-seconds", float("nan"))))
+                client_rss.append(float(cast(float, metrics.get("rss-mb", float("nan")))))
+                client_s.append(float(cast(float, metrics.get("train-seconds", float("nan")))))
             accepted = sum(not m.has_error() for m in kept)
             self.rounds.append(
                 RoundStats(
@@ -372,7 +372,8 @@ def _build_validating_strategy() -> type:
             for msg in replies:
                 if not msg.has_error():
                     for metrics in msg.content.metric_records.values():
-                        per_node[int(metrics.get("partition-id", msg.metadata.src_node_id))] = dict(metrics)
+                        node = int(cast(float, metrics.get("partition-id", msg.metadata.src_node_id)))
+                        per_node[node] = {name: cast(float, value) for name, value in metrics.items()}
             if self.rounds and self.rounds[-1].server_round == server_round:
                 self.rounds[-1].seconds = time.perf_counter() - self._started
             aggregated = self.strategy.aggregate_evaluate(server_round, replies)
