@@ -290,7 +290,7 @@ def _decode(value: Any, dataset: Any, root: Any) -> Any:
         cls = getattr(_avalanche("training.storage_policy"), value["class"], None)
         if not (isinstance(cls, type) and issubclass(cls, _avalanche("training.storage_policy").ExemplarsBuffer)):
             raise ValueError(f"checkpoint names an unknown Avalanche buffer class {value['class']!r}")
-        buffer = cls.__new__(cls)
+        buffer: Any = object.__new__(cls)  # no __init__: the fields are restored below
         for name in value["skipped"]:  # non-data fields (selection strategy) come from the live policy
             setattr(buffer, name, getattr(root, name, None))
         _decode_into(buffer, value, dataset, root)
@@ -338,11 +338,11 @@ def _eval_logits(strategy: Any, x: torch.Tensor, task_labels: torch.Tensor) -> t
 
 
 @functools.cache
-def _plugin_class() -> type:
+def _plugin_class() -> type[Any]:
     core = _avalanche("core")
     metric_results = _avalanche("evaluation.metric_results")
 
-    class TasteMonitorPlugin(core.SupervisedPlugin):  # type: ignore[misc, name-defined]
+    class TasteMonitorPlugin(core.SupervisedPlugin):  # type: ignore[name-defined]
         """Feed a taste_cl stability-plasticity monitor from any Avalanche strategy.
 
         Before the strategy trains on an experience, the plugin scores the experience's
@@ -421,7 +421,7 @@ def _batch_plugin_class() -> type:
     core = _avalanche("core")
     metric_results = _avalanche("evaluation.metric_results")
 
-    class TasteBatchSizePlugin(core.SupervisedPlugin):  # type: ignore[misc, name-defined]
+    class TasteBatchSizePlugin(core.SupervisedPlugin):  # type: ignore[name-defined]
         """Train any Avalanche strategy with the throughput-best micro-batch of this machine.
 
         Before the first experience the plugin tunes the micro-batch with

@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             results[name].append(run())
     peaks = {name: _peak_bytes(run) for name, run in variants.items()}
     cache.cleanup()
-    runs = {}
+    runs: dict[str, dict[str, Any]] = {}
     for name, found in results.items():
         last = found[-1]
         runs[name] = {
