@@ -14,7 +14,7 @@
   Avalanche's evaluation plugin does.
 
 Avalanche is imported lazily: importing this module is cheap, and using it without
-``pip install 'taste-cl[avalanche]'`` raises :class:`~taste_cl.exceptions.MissingDependencyError`.
+``pip install '.[avalanche]'`` (from the checkout) raises :class:`~taste_cl.exceptions.MissingDependencyError`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import functools
 import importlib
 import random
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -55,11 +56,35 @@ _ID_ATTRIBUTE = "taste_sample_id"
 def _avalanche(module: str = "") -> ModuleType:
     """Import ``avalanche[.module]`` or raise MissingDependencyError with the install hint."""
     try:
-        return importlib.import_module("avalanche" + (f".{module}" if module else ""))
+        with warnings.catch_warnings():
+            # avalanche imports qpsolvers for GEM (unused here), which warns that no QP solver is installed
+            warnings.filterwarnings("ignore", message="no QP solver found", category=UserWarning)
+            imported = importlib.import_module("avalanche" + (f".{module}" if module else ""))
     except ImportError as error:
         if error.name is not None and error.name.split(".")[0] != "avalanche":
             raise  # avalanche is there but one of its own imports failed: show that
         raise MissingDependencyError("avalanche-lib", "avalanche") from error
+    _drop_internal_deprecation()
+    return imported
+
+
+def _drop_internal_deprecation() -> None:
+    """Stop Avalanche 0.6 warning about its own internal call.
+
+    Avalanche's ``ReplayPlugin`` calls ``ExemplarsBuffer.update``, which Avalanche itself
+    marks deprecated (removal in 0.7): every replayed experience prints a
+    DeprecationWarning the user cannot act on. A warnings filter cannot hide it, because
+    the deprecation decorator re-enables DeprecationWarning (``simplefilter("once")``) on
+    every call, ahead of any filter; so the undecorated method is restored (it already
+    calls the non-deprecated ``post_adapt``). Deprecations of the user's own calls are kept.
+    """
+    try:
+        buffer = importlib.import_module("avalanche.training.storage_policy").ExemplarsBuffer
+    except ImportError:  # a partial install: the caller's own import reports it
+        return
+    undecorated = getattr(buffer.update, "__wrapped__", None)
+    if undecorated is not None:
+        buffer.update = undecorated
 
 
 def tensor_dataset(x: torch.Tensor, y: torch.Tensor, *, task_label: int = 0) -> Any:
@@ -265,7 +290,7 @@ def _decode(value: Any, dataset: Any, root: Any) -> Any:
         cls = getattr(_avalanche("training.storage_policy"), value["class"], None)
         if not (isinstance(cls, type) and issubclass(cls, _avalanche("training.storage_policy").ExemplarsBuffer)):
             raise ValueError(f"checkpoint names an unknown Avalanche buffer class {value['class']!r}")
-        buffer = cls.__new__(cls)
+        buffer: Any = object.__new__(cls)  # no __init__: the fields are restored below
         for name in value["skipped"]:  # non-data fields (selection strategy) come from the live policy
             setattr(buffer, name, getattr(root, name, None))
         _decode_into(buffer, value, dataset, root)
@@ -313,11 +338,11 @@ def _eval_logits(strategy: Any, x: torch.Tensor, task_labels: torch.Tensor) -> t
 
 
 @functools.cache
-def _plugin_class() -> type:
+def _plugin_class() -> type[Any]:
     core = _avalanche("core")
     metric_results = _avalanche("evaluation.metric_results")
 
-    class TasteMonitorPlugin(core.SupervisedPlugin):  # type: ignore[misc, name-defined]
+    class TasteMonitorPlugin(core.SupervisedPlugin):  # type: ignore[name-defined]
         """Feed a taste_cl stability-plasticity monitor from any Avalanche strategy.
 
         Before the strategy trains on an experience, the plugin scores the experience's
@@ -396,7 +421,7 @@ def _batch_plugin_class() -> type:
     core = _avalanche("core")
     metric_results = _avalanche("evaluation.metric_results")
 
-    class TasteBatchSizePlugin(core.SupervisedPlugin):  # type: ignore[misc, name-defined]
+    class TasteBatchSizePlugin(core.SupervisedPlugin):  # type: ignore[name-defined]
         """Train any Avalanche strategy with the throughput-best micro-batch of this machine.
 
         Before the first experience the plugin tunes the micro-batch with

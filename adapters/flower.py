@@ -13,7 +13,7 @@ overflow-safe weights, a cap on claimed ``num-examples`` and on any client's sha
 and a bound on the magnitude of update values; every dropped or capped update is
 logged with its reason.
 
-Needs the ``[federated]`` extra: ``pip install 'taste-cl[federated]'``. Flower's
+Needs the ``[federated]`` extra: ``pip install '.[federated]'`` (from the checkout). Flower's
 telemetry is switched off (``FLWR_TELEMETRY_ENABLED=0``) unless the user set it.
 """
 
@@ -25,7 +25,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import psutil
@@ -81,6 +81,9 @@ def require_flwr() -> None:
     """
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # the simulation asks for no GPUs; opt in to Ray's future behaviour (leave the visible
+    # devices alone), which also silences its FutureWarning about the change
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     try:
         import flwr  # noqa: F401
     except ImportError as error:
@@ -155,7 +158,7 @@ def _restore(context: Context, learner: OnlineLearner) -> OnlineLearner:
     """Load the device's learner state (model, optimizer, replay, monitor) from ``context.state``."""
     saved = context.state.config_records.get(_STATE_KEY)
     if saved is not None:
-        learner.load_state_dict(decode_state(saved["learner"], source="the device's saved learner state"))
+        learner.load_state_dict(decode_state(cast(bytes, saved["learner"]), source="the device's saved learner state"))
     return learner
 
 
@@ -199,14 +202,14 @@ def make_client_app(
         torch.set_num_threads(1)  # simulated devices share the host's cores
         partition = int(context.node_config["partition-id"])
         learner = _restore(context, build_learner(partition))
-        load_shared(learner.model, _record_to_numpy(msg.content[_ARRAYS_KEY]), personal=personal)
+        load_shared(learner.model, _record_to_numpy(msg.content.array_records[_ARRAYS_KEY]), personal=personal)
         return partition, learner
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         partition, learner = _learner(msg, context)
         start, samples, losses = time.perf_counter(), 0, []
-        for batch in train_batches(partition, int(msg.content["config"]["server-round"])):
+        for batch in train_batches(partition, int(cast(int, msg.content.config_records["config"]["server-round"]))):
             stats = learner.observe(batch)
             samples += stats.samples
             losses.append(stats.loss)
@@ -472,8 +475,8 @@ def _build_validating_strategy() -> type:
                     continue
                 kept.append(msg)
                 (metrics,) = msg.content.metric_records.values()
-                client_rss.append(float(metrics.get("rss-mb", float("nan"))))
-                client_s.append(float(metrics.get("train-seconds", float("nan"))))
+                client_rss.append(float(cast(float, metrics.get("rss-mb", float("nan")))))
+                client_s.append(float(cast(float, metrics.get("train-seconds", float("nan")))))
             good = [m for m in kept if not m.has_error()]
             for msg, note in zip(good, apply_policy([m.content for m in good], self.weighted_by_key, self.policy)):
                 if note is not None:
@@ -505,10 +508,14 @@ def _build_validating_strategy() -> type:
             for msg in replies:
                 if not msg.has_error():
                     for metrics in msg.content.metric_records.values():
-                        per_node[int(metrics.get("partition-id", msg.metadata.src_node_id))] = dict(metrics)
+                        node = int(cast(float, metrics.get("partition-id", msg.metadata.src_node_id)))
+                        per_node[node] = {name: cast(float, value) for name, value in metrics.items()}
             if self.rounds and self.rounds[-1].server_round == server_round:
                 self.rounds[-1].seconds = time.perf_counter() - self._started
-            return self.strategy.aggregate_evaluate(server_round, replies)
+            aggregated = self.strategy.aggregate_evaluate(server_round, replies)
+            if aggregated is not None and "partition-id" in aggregated:
+                del aggregated["partition-id"]  # an id, not a metric: its weighted mean means nothing
+            return aggregated
 
     ValidatingStrategy.__module__ = __name__
     return ValidatingStrategy
@@ -569,20 +576,22 @@ def run_fleet_simulation(
     client_cpus: float = 1.0,
     round_timeout_s: float = 600.0,
     policy: AggregationPolicy | None = None,
+    verbose: bool = False,
 ) -> FleetResult:
     """Run ``num_devices`` simulated devices for ``num_rounds`` with Flower's simulation engine.
 
     Arguments are those of :func:`make_client_app`; ``strategy`` defaults to ``FedAvg``
     over all devices and is wrapped in :class:`ValidatingStrategy` with ``policy``. Everything runs on
-    this machine (Ray backend, ``client_cpus`` per simulated device).
+    this machine (Ray backend, ``client_cpus`` per simulated device). Flower and Ray log
+    only warnings and errors unless ``verbose``.
     """
     _check_count("num_devices", num_devices, 1)
     _check_count("num_rounds", num_rounds, 1)
     if not (isinstance(client_cpus, (int, float)) and client_cpus > 0):
         raise ValueError(f"`client_cpus == {client_cpus!r}`, must be > 0")
     require_flwr()
-    from flwr.app import Array, ArrayRecord, Context
-    from flwr.serverapp import Grid, ServerApp
+    from flwr.app import Array, ArrayRecord
+    from flwr.serverapp import ServerApp
     from flwr.serverapp.strategy import FedAvg
     from flwr.simulation import run_simulation
 
@@ -602,15 +611,21 @@ def run_fleet_simulation(
         record = ArrayRecord({name: Array(array) for name, array in initial.items()})
         outcome["result"] = guard.start(grid=grid, initial_arrays=record, num_rounds=num_rounds, timeout=round_timeout_s)
 
-    run_simulation(
-        server_app=server_app,
-        client_app=client_app,
-        num_supernodes=num_devices,
-        backend_config={
-            "client_resources": {"num_cpus": client_cpus, "num_gpus": 0.0},
-            "init_args": {"logging_level": "ERROR", "log_to_driver": False},
-        },
-    )
+    flwr_logger = logging.getLogger("flwr")
+    level = flwr_logger.level
+    flwr_logger.setLevel(logging.INFO if verbose else logging.WARNING)  # a round logs ~20 INFO lines
+    try:
+        run_simulation(
+            server_app=server_app,
+            client_app=client_app,
+            num_supernodes=num_devices,
+            backend_config={
+                "client_resources": {"num_cpus": client_cpus, "num_gpus": 0.0},
+                "init_args": {"logging_level": "INFO" if verbose else "ERROR", "log_to_driver": verbose},
+            },
+        )
+    finally:
+        flwr_logger.setLevel(level)
     if "result" not in outcome:
         raise RuntimeError("the Flower simulation ended without a result; see the Flower log above")
     final = outcome["result"].arrays

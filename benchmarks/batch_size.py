@@ -114,10 +114,10 @@ def _load_shift_run(seed: int, cache_dir: str, hog_at: int, hog_observes: int, t
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("batch-size", __doc__.splitlines()[0], threads=0)
-    parser.add_argument("--max-batch", type=int, default=1024)
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--max-batch", type=int, default=1024, help="largest candidate batch size")
+    parser.add_argument("--epochs", type=int, default=4, help="training epochs of the accuracy comparison")
     parser.add_argument("--large-batch", type=int, default=1024, help="large batch of the accuracy comparison")
-    parser.add_argument("--skip-load-shift", action="store_true")
+    parser.add_argument("--skip-load-shift", action="store_true", help="skip the stream with a CPU hog")
     args = parse(parser, argv)
     torch.manual_seed(args.seed)
     model = make_cnn(seed=args.seed)

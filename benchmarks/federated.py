@@ -110,7 +110,7 @@ def run_local(fleet: Fleet) -> dict[int, dict[str, float]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("federated", __doc__.splitlines()[0], threads=0)
     parser.add_argument("--devices", type=int, default=10, help="simulated devices (1-20)")
-    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=12, help="federated rounds")
     parser.add_argument("--personal", default="4.bias", help="comma-separated state_dict name prefixes kept on device")
     parser.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM server momentum (0 = FedAvg)")
     parser.add_argument("--client-cpus", type=float, default=1.0, help="CPU share of one simulated device")
@@ -140,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_momentum=args.server_momentum,
         ),
         client_cpus=args.client_cpus,
+        verbose=args.verbose,
     )
     final = fed.final
     rows = [

@@ -23,7 +23,7 @@ from taste_cl.experiment import run_class_incremental
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("online-digits", __doc__.splitlines()[0])
-    parser.add_argument("--capacity", type=int, default=200)
+    parser.add_argument("--capacity", type=int, default=200, help="reservoir replay capacity")
     args = parse(parser, argv)
     tasks = split_digits(5, seed=args.seed)
     runs = {}

@@ -19,8 +19,8 @@ import psutil
 import torch
 from torch import nn
 
-from taste_cl._report import format_table
-from taste_cl.benchmarks._common import base_parser, save_result
+from taste_cl._report import format_number, format_table
+from taste_cl.benchmarks._common import base_parser, parse, progress_bar, save_result
 from taste_cl.checkpoint import encode_state
 from taste_cl.learner import OnlineLearner
 from taste_cl.monitor import StabilityPlasticityMonitor
@@ -46,10 +46,12 @@ def run_soak(
     tuner_cache_dir: str | Path | None = None,
     rss_every: int = 100,
     seed: int = 0,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Stream ``samples`` samples; return RSS samples, growth after warm-up (first 20 %) and history sizes.
 
-    With ``tuner_cache_dir`` a :class:`BatchSizeTuner` (small, quick probes) is attached.
+    With ``tuner_cache_dir`` a :class:`BatchSizeTuner` (small, quick probes) is attached;
+    ``progress`` shows a bar on a terminal.
     """
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -60,7 +62,7 @@ def run_soak(
     learner = OnlineLearner(
         model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
-        replay=ReservoirReplay(replay_capacity, seed=seed),
+        replay=(replay := ReservoirReplay(replay_capacity, seed=seed)),
         monitor=StabilityPlasticityMonitor(max_events=max_events),
         plugins=plugins,
     )
@@ -71,7 +73,8 @@ def run_soak(
     warm_up = samples // 5
     warm_bytes = 0
     start = time.perf_counter()
-    for i, offset in enumerate(range(0, samples, batch_size)):
+    offsets = range(0, samples, batch_size)
+    for i, offset in enumerate(progress_bar(offsets, enabled=progress, desc="soak", unit="batch")):
         if offset and offset % drift_every < batch_size:
             centres = torch.randn(classes, features, generator=generator) * 2
         y = torch.randint(0, classes, (batch_size,), generator=generator)
@@ -97,7 +100,7 @@ def run_soak(
         "rss_final_mb": after_warm_up[-1],
         "rss_peak_after_warm_up_mb": max(after_warm_up),
         "rss_growth_mb": max(after_warm_up) - after_warm_up[0],
-        "replay_len": len(learner.replay),
+        "replay_len": len(replay),
         "replay_capacity": replay_capacity,
         "monitor_events": len(learner.monitor.events),
         "max_events": max_events,
@@ -112,17 +115,17 @@ def run_soak(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = base_parser("soak", __doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=200_000)
-    parser.add_argument("--batch-size", type=int, default=20)
+    parser = base_parser("soak", __doc__, threads=0)
+    parser.add_argument("--samples", type=int, default=200_000, help="stream length")
+    parser.add_argument("--batch-size", type=int, default=20, help="stream samples per observe call")
     parser.add_argument("--tuner", action="store_true", help="attach the batch-size tuner (cache under --out)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse(parser, argv)
     result = run_soak(
-        samples=args.samples, batch_size=args.batch_size, seed=args.seed,
+        samples=args.samples,
+        batch_size=args.batch_size,
+        seed=args.seed,
         tuner_cache_dir=Path(args.out) / "soak_tuner_cache" if args.tuner else None,
+        progress=not args.no_progress,
     )
     rows = [
         ["samples", result["samples"]],
@@ -138,7 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["mean loss first -> last tenth", f"{result['loss_first_tenth']:.3f} -> {result['loss_last_tenth']:.3f}"],
     ]
     print(format_table(["measure", "value"], rows))
-    save_result(args.out, "soak", result)
+    summary = (
+        f"RSS growth {format_number(result['rss_growth_mb'])} MB after warm-up over {result['samples']} samples; "
+        f"replay {result['replay_len']}/{result['replay_capacity']}, events kept {result['monitor_events']}/{result['max_events']}; "
+        f"{format_number(result['samples_per_s'])} samples/s"
+    )
+    save_result(args.out, "soak", result, summary=summary)
     return 0
 
 

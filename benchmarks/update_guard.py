@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from taste_cl._report import format_table
-from taste_cl.benchmarks._common import base_parser, save_result
+from taste_cl.benchmarks._common import base_parser, parse, progress_bar, save_result
 from taste_cl.datasets import split_digits
 from taste_cl.demo import build_digits_learner
 from taste_cl.experiment import run_class_incremental
@@ -23,13 +23,13 @@ from taste_cl.safety import UpdateGuard
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("update-guard", __doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each guard mode, interleaved")
+    args = parse(parser, argv)
     tasks = split_digits(5, seed=args.seed)
     modes = ("never", "auto", "always")
     rates: dict[str, list[float]] = {mode: [] for mode in modes}
     accuracies: dict[str, set[float]] = {mode: set() for mode in modes}
-    for _ in range(args.repeats):
+    for _ in progress_bar(range(args.repeats), enabled=not args.no_progress, desc="repeats"):
         for label in rates:
             torch.manual_seed(args.seed)
             learner = build_digits_learner(seed=args.seed)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from taste_cl._report import format_table
-from taste_cl.benchmarks._common import base_parser, parse, save_result
+from taste_cl.benchmarks._common import base_parser, parse, progress_bar, save_result
 from taste_cl.datasets import make_mlp, split_digits
 from taste_cl.demo import build_digits_learner
 from taste_cl.evaluation import accuracy, average_forgetting, backward_transfer
@@ -136,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"`--repeats == {args.repeats}`, must be >= 1")
     warnings.filterwarnings("ignore", message=".*deprecated.*")
     warnings.filterwarnings("ignore", module="qpsolvers")
+    # the Avalanche runs are evaluated by this benchmark's own code, so they have no loggers on purpose
+    warnings.filterwarnings("ignore", message="No loggers specified")
     from taste_cl.adapters.avalanche import TasteBatchSizePlugin, benchmark_from_tasks
     from taste_cl.tuning import BatchSizeTuner
 
@@ -156,13 +158,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "taste_cl OnlineLearner, throughput plan": lambda: run_taste(benchmark, tasks, seed=args.seed, throughput=True),
     }
     results: dict[str, list[StreamResult]] = {name: [] for name in variants}
-    for _ in range(args.repeats):
+    for _ in progress_bar(range(args.repeats), enabled=not args.no_progress, desc="repeats"):
         for name, run in variants.items():
             gc.collect()  # each run starts without the previous one's garbage
             results[name].append(run())
     peaks = {name: _peak_bytes(run) for name, run in variants.items()}
     cache.cleanup()
-    runs = {}
+    runs: dict[str, dict[str, Any]] = {}
     for name, found in results.items():
         last = found[-1]
         runs[name] = {

@@ -9,6 +9,8 @@ Run: python examples/custom_replay.py
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from taste_cl import BufferStorage, ReplayStrategy, ReservoirReplay
@@ -55,12 +57,15 @@ class FIFOReplay(ReplayStrategy):
 
 def main() -> None:
     check_replay_strategy(FIFOReplay(capacity=16))
+    print("FIFOReplay passes check_replay_strategy")
     tasks = split_digits(5)
+    print(f"{'replay':<9}  {'final acc':>9}  {'forgetting':>10}")
     for name, replay in (("fifo", FIFOReplay(200)), ("reservoir", ReservoirReplay(200))):
         torch.manual_seed(0)
         learner = build_digits_learner(replay=replay)
-        result = run_class_incremental(learner, tasks, batch_size=10)
-        print(f"{name:>9}: final accuracy {result.final_accuracy:.3f}, forgetting {result.forgetting:.3f}")
+        # a progress bar when someone watches (not in pipes or logs)
+        result = run_class_incremental(learner, tasks, batch_size=10, progress=sys.stderr.isatty())
+        print(f"{name:<9}  {result.final_accuracy:>9.3f}  {result.forgetting:>10.3f}")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ class MissingDependencyError(TasteCLError, ImportError):
     def __init__(self, package: str, extra: str) -> None:
         super().__init__(
             f"{package!r} is required for this feature but is not installed; "
-            f"install it with: pip install 'taste-cl[{extra}]'"
+            f"install the extra from the taste_cl checkout with: pip install '.[{extra}]'"
         )
         self.package = package
         self.extra = extra

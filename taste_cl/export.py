@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from taste_cl._console import plain_text
 from taste_cl.datasets import make_mlp, split_digits, stream
 from taste_cl.demo import build_digits_learner
 from taste_cl.learner import OnlineLearner
@@ -23,7 +24,7 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="taste-cl export", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="taste-cl export", description=plain_text(__doc__))
     parser.add_argument("--out", default="artifacts", help="artifact folder to write (replaced if it holds artifacts)")
     parser.add_argument("--checkpoint", help="folder of a saved reference digits learner to export instead of training")
     parser.add_argument("--tasks", type=int, default=2, help="split-digits tasks (of 5) to train on before exporting")
@@ -31,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, help="on-device learning rate (default: the learner's)")
     parser.add_argument("--batch-size", type=int, help="stream batch size to record in the manifest for the app")
     parser.add_argument("--last-layer-only", action="store_true", help="train only the output layer on device")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the training stream and model")
     args = parser.parse_args(argv)
     if not 1 <= args.tasks <= 5:
         parser.error(f"--tasks must be in [1, 5]; got {args.tasks}")

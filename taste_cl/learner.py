@@ -44,6 +44,7 @@ from taste_cl._batch import (
     split_batch,
     to_inputs,
 )
+from taste_cl._report import format_fields
 from taste_cl._restore import (
     CHECKPOINT_FORMAT,
     MONITOR_CONFIG,
@@ -129,6 +130,19 @@ class ObserveStats:
     skipped: bool = False
     micro_batches: int = 1
     metrics: dict[str, float] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        """One rounded line for ``print(stats)``."""
+        fields = {
+            "loss": self.loss,
+            **(self.metrics or {"accuracy": self.accuracy}),
+            "samples": self.samples,
+            "replayed": self.replay_samples,
+            "batch": self.batch_size,
+            "steps": self.steps,
+            "step ms": self.step_time_s * 1000,
+        }
+        return "observe: " + format_fields(fields) + ("  skipped (update not applied)" if self.skipped else "")
 
 
 class OnlineLearner:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from taste_cl._report import MonitorReport
 from taste_cl.drift import PageHinkley
 from taste_cl.replay import ClassBalancedReplay, ReservoirReplay
 from taste_cl.tasks import Classification, Task, TokenClassification, resolve_task
@@ -247,10 +248,11 @@ class StabilityPlasticityMonitor:
         """Average over classes of the drop of the probe score from its best so far."""
         return self._forgetting
 
-    def report(self) -> dict[str, Any]:
-        """A plain-dict summary: stability, plasticity, forgetting, drift, per-class scores."""
+    def report(self) -> MonitorReport:
+        """A dict summary: stability, plasticity, forgetting, drift, per-class scores
+        (``print`` shows it as a few rounded lines)."""
         losses = [loss for _, loss in self._recent if math.isfinite(loss)]
-        return {
+        report = {
             "task": self.task.name,
             "metric": self.task.primary,
             "steps": self.steps,
@@ -268,6 +270,7 @@ class StabilityPlasticityMonitor:
             "per_class_accuracy": dict(sorted(self._class_accuracy.items())),
             "events": dict(self._event_counts),
         }
+        return MonitorReport(report)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -85,7 +85,7 @@ def test_core_and_adapter_imports_do_not_import_avalanche():
 
 def test_missing_avalanche_raises_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "avalanche.training.storage_policy", None)
-    with pytest.raises(MissingDependencyError, match=r"pip install 'taste-cl\[avalanche\]'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install '\.\[avalanche\]'"):
         AvalancheReplay(ReservoirSamplingBuffer(5))
 
 

@@ -1,8 +1,64 @@
+"""The ``taste-cl`` command: every command's and benchmark's ``--help``, ``--version``, usage
+errors, the demo, a benchmark and the generated README performance table."""
+
 from __future__ import annotations
 
 import json
 
-from taste_cl.cli import main
+import pytest
+
+from taste_cl import __version__
+from taste_cl.benchmarks.report import BEGIN, END, replace_table
+from taste_cl.cli import BENCHMARKS, COMMANDS, build_parser, main
+
+
+def _every_command() -> list[list[str]]:
+    """Walk the parser: each sub-command, and each benchmark under ``bench``."""
+    parser, bench = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    commands = [[name] for name in sub.choices if name != "bench"]
+    benchmarks = [["bench", name] for name in next(a for a in bench._actions if a.dest == "name").choices]
+    return [[], ["bench"], *commands, *benchmarks]
+
+
+def test_the_walk_covers_every_command_and_benchmark() -> None:
+    walked = _every_command()
+    assert {tuple(c) for c in walked} >= {(n,) for n in COMMANDS} | {("bench", n) for n in BENCHMARKS}
+
+
+@pytest.mark.parametrize("command", _every_command(), ids=lambda c: " ".join(c) or "taste-cl")
+def test_every_help_exits_0_with_usage_and_option_help(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: taste-cl")
+    assert "``" not in out and ":class:" not in out  # no reST markup in descriptions
+    lines = out.splitlines()
+    for i, line in enumerate(lines):  # every option has a help text, on its line or the next
+        if line.startswith("  --"):
+            words = line.split()
+            takes_value = len(words) > 1 and words[1].isupper()
+            own_help = words[2:] if takes_value else words[1:]
+            indented = i + 1 < len(lines) and lines[i + 1].startswith(" " * 8)
+            assert own_help or indented, f"{words[0]} has no help text"
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"taste-cl {__version__}"
+
+
+def test_missing_or_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert main(["bench"]) == 2
+    assert "taste-cl bench --help" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "no-such-benchmark"])
+    assert exit_.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
 
 
 def test_demo_prints_the_accuracy_table_and_saves_a_plot(tmp_path, capsys):
@@ -15,7 +71,7 @@ def test_demo_prints_the_accuracy_table_and_saves_a_plot(tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_online_digits_writes_json(tmp_path, capsys):
+def test_bench_online_digits_writes_json_and_the_report_table(tmp_path, capsys):
     assert main(["bench", "online-digits", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "online_digits.json").read_text())
     assert result["runs"]["reservoir"]["final_accuracy"] >= 0.8
@@ -23,8 +79,20 @@ def test_bench_online_digits_writes_json(tmp_path, capsys):
     assert result["runs"]["reservoir"]["samples_per_s"] > 0
     assert "samples/s" in capsys.readouterr().out
 
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{BEGIN}\nold figures\n{END}\n\nafter\n")
+    assert main(["bench", "report", "--out", str(tmp_path), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    accuracy = format(result["runs"]["reservoir"]["final_accuracy"], ".3f")
+    assert "old figures" not in text and text.endswith("\nafter\n")
+    row = next(line for line in text.splitlines() if line.startswith("| `taste-cl bench online-digits`"))
+    assert f"final accuracy over all 10 classes {accuracy} vs" in row
 
-def test_unknown_or_missing_command_prints_usage(capsys):
-    assert main([]) == 2
-    assert main(["bench"]) == 2
-    assert "online-digits" in capsys.readouterr().out
+
+def test_report_refuses_a_file_without_markers_and_a_folder_without_results(tmp_path, capsys):
+    with pytest.raises(ValueError, match="no table markers"):
+        replace_table("# README without the markers\n", "| table |")
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "report", "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "no benchmark results" in capsys.readouterr().err

@@ -26,7 +26,7 @@ PERSONAL = ["4.bias"]
 
 def test_missing_flwr_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "flwr", None)
-    with pytest.raises(MissingDependencyError, match=r"pip install 'taste-cl\[federated\]'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install '\.\[federated\]'"):
         flower.require_flwr()
 
 

@@ -228,5 +228,5 @@ def test_missing_extra_names_the_install(monkeypatch: pytest.MonkeyPatch, tmp_pa
     from taste_cl import MissingDependencyError
 
     monkeypatch.setitem(__import__("sys").modules, "onnxruntime.training.api", None)
-    with pytest.raises(MissingDependencyError, match=r"'onnxruntime-training-cpu'.*taste-cl\[onnx\]"):
+    with pytest.raises(MissingDependencyError, match=r"'onnxruntime-training-cpu'.*pip install '\.\[onnx\]'"):
         OrtOnlineLearner.from_artifacts(tmp_path)

@@ -1,0 +1,73 @@
+"""Every fenced ```python block of README.md and docs/*.md runs on its own, so the docs cannot drift.
+
+Each block runs alone (nothing from the blocks before it), in a fresh namespace, in a
+temporary working directory, under a time limit. A block that is not meant to run alone
+(it shows a call inside a larger program) is marked by the line ``<!-- fragment -->``
+right before its opening fence. A block needing an optional extra that is not installed
+is skipped (the ``[all]`` extra installs them all).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+import pytest
+
+from taste_cl.exceptions import MissingDependencyError
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAGMENT = "<!-- fragment -->"
+TIMEOUT_S = 120
+# top-level modules of the optional extras: a block that needs a missing one is skipped
+EXTRAS = {"avalanche", "flwr", "onnx", "onnxruntime", "ray", "torchvision"}
+_FENCE = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+
+
+def python_blocks(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, code)`` of each ```python block of ``path`` not marked as a fragment."""
+    text = path.read_text()
+    for match in _FENCE.finditer(text):
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        if before.strip() != FRAGMENT:
+            yield text.count("\n", 0, match.start()) + 1, match.group(1)
+
+
+def _cases() -> list[pytest.param]:
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [pytest.param(code, id=f"{path.relative_to(ROOT)}:{line}") for path in files for line, code in python_blocks(path)]
+
+
+def test_the_extraction_finds_blocks_and_honours_the_fragment_marker(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("# t\n\n```python\nx = 1\n```\n\n<!-- fragment -->\n```python\nundefined_name\n```\n\n```bash\nls\n```\n")
+    assert list(python_blocks(page)) == [(3, "x = 1\n")]
+    assert len(_cases()) >= 10
+
+
+def _timeout(signum: int, frame: FrameType | None) -> None:
+    raise TimeoutError(f"the block ran longer than {TIMEOUT_S} s")
+
+
+@pytest.mark.parametrize("code", _cases())
+def test_block_runs_alone(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # files a block writes (ckpt/, artifacts/) land here
+    monkeypatch.setenv("TASTE_CL_CACHE_DIR", str(tmp_path / "cache"))  # tuner/profiler caches too
+    if not hasattr(signal, "SIGALRM"):
+        pytest.skip("the time limit needs SIGALRM (POSIX)")
+    previous = signal.signal(signal.SIGALRM, _timeout)
+    signal.alarm(TIMEOUT_S)
+    try:
+        exec(compile(code, "<doc block>", "exec"), {"__name__": "__main__"})
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] not in EXTRAS:
+            raise
+        pytest.skip(f"needs the optional {error.name!r}")
+    except MissingDependencyError as error:
+        pytest.skip(str(error))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
