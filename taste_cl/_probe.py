@@ -141,6 +141,19 @@ class ProbeRunner:
             return f"{type(error).__name__}: {error}"
         return None
 
+    def smallest_trainable(self, limit: int) -> tuple[int, list[tuple[int, str]]]:
+        """The smallest batch of 1, 2, 4, ... up to ``limit`` one training step works at, and the
+        ``(batch, reason)`` failures before it; ``(0, failures)`` if none works."""
+        failures: list[tuple[int, str]] = []
+        batch = 1
+        while batch <= limit:
+            reason = self.trains_at(batch)
+            if reason is None:
+                return batch, failures
+            failures.append((batch, reason))
+            batch *= 2
+        return 0, failures
+
     def measure(
         self, batch_size: int, *, threads: int | None = None, min_time: float = 0.15, min_steps: int = 3, stop_below: float | None = None
     ) -> float:

@@ -403,15 +403,12 @@ class BatchSizeTuner(LearnerPlugin):
 
     @staticmethod
     def _smallest_trainable(runner: ProbeRunner, limit: int, infeasible: list[tuple[int, int, str]]) -> int:
-        """The smallest batch (1, 2, 4, ...) one training step works at."""
-        batch = 1
-        while batch <= limit:
-            reason = runner.trains_at(batch)
-            if reason is None:
-                return batch
-            infeasible.append((batch, torch.get_num_threads(), reason))
-            batch *= 2
-        raise TuningError(f"the model did not train at any batch size from 1 to {limit}: {infeasible[-1][2]}")
+        """The smallest batch (1, 2, 4, ...) one training step works at (BatchNorm: 2)."""
+        batch, failures = runner.smallest_trainable(limit)
+        infeasible += [(b, torch.get_num_threads(), why) for b, why in failures]
+        if not batch:
+            raise TuningError(f"the model did not train at any batch size from 1 to {limit}: {failures[-1][1]}")
+        return batch
 
     def _key(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, x: Any, bucket: str) -> str:
         """Model, trainable set, input structure, optimizer and loss types, hardware and load bucket."""
