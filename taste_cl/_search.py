@@ -36,7 +36,7 @@ class GridSearch:
         # unreliable and cost 0.3 s per probe.
         scales = [per_octave / max(1, len(batches) - 1)] + ([1 / (len(threads) - 1)] if len(threads) > 1 else [])
         kernel = ConstantKernel(1.0, "fixed") * Matern(length_scale=scales, length_scale_bounds="fixed", nu=2.5)
-        surrogate = GaussianProcessRegressor(kernel=kernel, normalize_y=True, noise=0.01, optimizer=None)
+        surrogate = GaussianProcessRegressor(kernel=kernel, normalize_y=True, noise=0.2, optimizer=None)
         self._optimizer = Optimizer(
             dims,
             base_estimator=surrogate,
@@ -49,6 +49,7 @@ class GridSearch:
             acq_optimizer_kwargs={"n_points": 8 * len(batches) * len(threads)},
         )
         self._told = 0
+        self._known: set[Point] = set()
         self.rates: dict[Point, list[float]] = {}
         self.infeasible: dict[Point, str] = {}
 
@@ -67,6 +68,7 @@ class GridSearch:
         for batch, threads, rate in observations:
             if batch in self.batches and threads in self.threads:
                 grouped.setdefault((batch, threads), []).append(rate)
+        self._known |= set(grouped)
         if grouped:
             points = list(grouped)
             self._optimizer.tell([self._coords(p) for p in points], [-math.log(statistics.fmean(grouped[p])) for p in points])
@@ -123,6 +125,20 @@ class GridSearch:
         self._optimizer.tell(self._coords(point), -math.log(rate), fit=fit)
         self._told += 1
         return rate
+
+    def best(self) -> Point | None:
+        """The measured point (this search's or told as known) with the best *surrogate*
+        log-throughput: the GP smooths measurement noise across neighbouring sizes, so one
+        lucky probe on a busy machine does not win alone."""
+        from sklearn.base import clone
+
+        points = sorted(self._known | set(self.rates))
+        if not points:
+            return None
+        optimizer = self._optimizer
+        surrogate = clone(optimizer.base_estimator_).fit(optimizer.space.transform(optimizer.Xi), optimizer.yi)
+        predicted = surrogate.predict(optimizer.space.transform([self._coords(p) for p in points]))
+        return points[int(predicted.argmin())]  # y is -log(samples/s)
 
     def best_rate(self) -> float | None:
         return max((statistics.fmean(r) for r in self.rates.values()), default=None)

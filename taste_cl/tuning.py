@@ -336,7 +336,8 @@ class BatchSizeTuner(LearnerPlugin):
         if not observations:
             reasons = "; ".join(f"{b}: {why}" for (b, _), why in list(search.infeasible.items())[:3])
             raise TuningError(f"no batch size in {candidates[0]}..{candidates[-1]} trained ({reasons})")
-        (batch, best_threads), rate = best_point(known + observations)
+        batch, best_threads = search.best() or best_point(known + observations)[0]
+        rate = statistics.fmean(r for b, t, r in known + observations if (b, t) == (batch, best_threads))
         at_top = [r for b, t, r in known + observations if b == candidates[-1] and t == best_threads]
         self.cache.save(key, CachedSurface(minimum, known + observations))
         infeasible += [(b, t, why) for (b, t), why in search.infeasible.items()]
@@ -356,7 +357,8 @@ class BatchSizeTuner(LearnerPlugin):
         search = GridSearch(candidates, threads, per_octave=self.per_octave, seed=self.seed)
         if known:
             search.tell_known(known)
-            (batch, t), cached_rate = best_point(known)
+            batch, t = search.best() or best_point(known)[0]
+            cached_rate = statistics.fmean(r for b, u, r in known if (b, u) == (batch, t))
             fresh = search.record((batch, t), lambda: self._measure(runner, batch, t, None, self.min_probe_time / 2), fit=self.warm_calls > 1)
             if fresh is not None and 1 / _STALE_RATIO <= fresh / cached_rate <= _STALE_RATIO:
                 top = (candidates[-1], t)
@@ -375,10 +377,9 @@ class BatchSizeTuner(LearnerPlugin):
     def _confirm(self, search: GridSearch, runner: ProbeRunner) -> None:
         """Before a plan splits the anchor (largest candidate) into smaller micro-batches, measure
         both twice more, interleaved, so one lucky probe on a busy machine does not decide."""
-        observations = [(b, t, r) for (b, t), rates in search.rates.items() for r in rates]
-        if not observations:
+        best = search.best()
+        if best is None:
             return
-        best = best_point(observations)[0]
         top = (search.batches[-1], best[1])
         if best[0] == top[0] or top in search.infeasible:
             return
