@@ -359,11 +359,11 @@ class BatchSizeTuner(LearnerPlugin):
             search.tell_known(known)
             batch, t = search.best() or best_point(known)[0]
             cached_rate = statistics.fmean(r for b, u, r in known if (b, u) == (batch, t))
-            fresh = search.record((batch, t), lambda: self._measure(runner, batch, t, None, self.min_probe_time / 2), fit=self.warm_calls > 1)
+            fresh = search.record((batch, t), lambda: self._check_rate(runner, batch, t), fit=self.warm_calls > 1)
             if fresh is not None and 1 / _STALE_RATIO <= fresh / cached_rate <= _STALE_RATIO:
                 top = (candidates[-1], t)
                 if anchored and top not in search.rates and all((b, u) != top for b, u, _ in known):
-                    search.record(top, lambda: self._measure(runner, top[0], top[1], None, self.min_probe_time / 2), fit=False)
+                    search.record(top, lambda: self._check_rate(runner, top[0], top[1]), fit=False)
                 self._explore(search, runner, [], self.warm_calls - 1)
                 return search, known
             logger.info("cached rate %.0f at batch %d is stale (now %s): tuning cold", cached_rate, batch, fresh)
@@ -398,6 +398,10 @@ class BatchSizeTuner(LearnerPlugin):
             best = search.best_rate()
             stop_below = None if best is None else best / 2
             search.record(point, lambda p=point, s=stop_below: self._measure(runner, p[0], p[1], s, self.min_probe_time), fit=call < calls - 1)
+
+    def _check_rate(self, runner: ProbeRunner, batch: int, threads: int) -> float:
+        """A quick rate for a warm tune's checks (within 2.5x is all they need): half the probe time, one timed step at least."""
+        return runner.measure(batch, threads=threads if self.tune_threads else None, min_time=self.min_probe_time / 2, min_steps=1)
 
     def _measure(self, runner: ProbeRunner, batch: int, threads: int, stop_below: float | None, min_time: float) -> float:
         return runner.measure(batch, threads=threads if self.tune_threads else None, min_time=min_time, stop_below=stop_below)
