@@ -388,8 +388,13 @@ class BatchSizeTuner(LearnerPlugin):
                 search.record(point, lambda p=point: self._measure(runner, p[0], p[1], None, self.min_probe_time), fit=False)
 
     def _explore(self, search: GridSearch, runner: ProbeRunner, design: list[tuple[int, int]], calls: int) -> None:
-        """Measure ``design`` then surrogate suggestions, ``calls`` probes at most; slower sizes stop early."""
+        """Measure ``design`` then surrogate suggestions, ``calls`` probes at most; slower sizes stop
+        early, and the search stops once two suggestions in a row improved the best by under 2 %."""
+        stalled = 0
         for call in range(calls):
+            if stalled >= 2:
+                break
+            before = search.best_rate()
             point = design[call] if call < len(design) else search.ask()
             if point is not None and (point in search.rates or point in search.infeasible):
                 point = search.nearest_open(point) if call < len(design) else search.open_neighbour_of_best()
@@ -397,7 +402,9 @@ class BatchSizeTuner(LearnerPlugin):
                 break  # the surrogate insists on what it knows and the best point's neighbours are measured
             best = search.best_rate()
             stop_below = None if best is None else best / 2
-            search.record(point, lambda p=point, s=stop_below: self._measure(runner, p[0], p[1], s, self.min_probe_time), fit=call < calls - 1)
+            rate = search.record(point, lambda p=point, s=stop_below: self._measure(runner, p[0], p[1], s, self.min_probe_time), fit=call < calls - 1)
+            if call >= len(design):
+                stalled = 0 if before is None or (rate is not None and rate > 1.02 * before) else stalled + 1
 
     def _check_rate(self, runner: ProbeRunner, batch: int, threads: int) -> float:
         """A quick rate for a warm tune's checks (within 2.5x is all they need): half the probe time, one timed step at least."""
