@@ -170,8 +170,8 @@ class BatchSizeTuner(LearnerPlugin):
     n_calls, n_initial_points:
         Probes of a cold tune (the first ``n_initial_points`` spread by Latin hypercube).
     warm_calls:
-        Probes of a tune that starts from cached observations (the first re-measures the
-        cached best; if it is off by more than 2.5x the cache is dropped and the tune runs cold).
+        Probes of a tune that starts from cached observations (the first is a quick check of
+        the cached best; if it is off by more than 2.5x the cache is dropped and the tune runs cold).
     per_octave:
         Candidate batch sizes per doubling.
     min_probe_time:
@@ -329,11 +329,11 @@ class BatchSizeTuner(LearnerPlugin):
             threads = thread_options() if self.tune_threads else [torch.get_num_threads()]
             candidates = candidate_batch_sizes(max(limit, minimum), per_octave=self.per_octave, min_batch_size=minimum)
             known = [o for o in cached.observations if o[0] in candidates and o[1] in threads] if cached else []
-            search, known = self._search(runner, candidates, threads, known, anchor is not None)
+            search, known, checks = self._search(runner, candidates, threads, known, anchor is not None)
             if anchor is not None and not known:  # a warm tune relies on the confirmations cached by its cold one
                 self._confirm(search, runner)
         observations = [(b, t, r) for (b, t), rates in search.rates.items() for r in rates]
-        if not observations:
+        if not observations and not known:
             reasons = "; ".join(f"{b}: {why}" for (b, _), why in list(search.infeasible.items())[:3])
             raise TuningError(f"no batch size in {candidates[0]}..{candidates[-1]} trained ({reasons})")
         batch, best_threads = search.best() or best_point(known + observations)[0]
@@ -342,7 +342,7 @@ class BatchSizeTuner(LearnerPlugin):
         self.cache.save(key, CachedSurface(minimum, known + observations))
         infeasible += [(b, t, why) for (b, t), why in search.infeasible.items()]
         result = TuningResult(
-            batch, rate, observations, time.perf_counter() - start, bool(known), key, candidates, best_threads, minimum, infeasible,
+            batch, rate, checks + observations, time.perf_counter() - start, bool(known), key, candidates, best_threads, minimum, infeasible,
             statistics.fmean(at_top) if at_top else None,
         )
         logger.info("tuned batch %d x %d threads (%.0f samples/s), %d probes in %.2fs (warm=%s)",
@@ -351,28 +351,33 @@ class BatchSizeTuner(LearnerPlugin):
 
     def _search(
         self, runner: ProbeRunner, candidates: list[int], threads: list[int], known: list[tuple[int, int, float]], anchored: bool
-    ) -> tuple[GridSearch, list[tuple[int, int, float]]]:
-        """Warm: re-measure the cached best (dropping a stale cache), then ``warm_calls - 1`` more;
-        cold: an even initial design, then surrogate-guided probes, ``n_calls`` in all."""
+    ) -> tuple[GridSearch, list[tuple[int, int, float]], list[tuple[int, int, float]]]:
+        """Warm: check the cached best with one quick step (a stale cache, off by 2.5x, is dropped;
+        otherwise the check does not move the cached answer), then ``warm_calls - 1`` probes;
+        cold: an even initial design, then surrogate-guided probes, ``n_calls`` in all.
+        Returns the search, the cached observations used, and the warm check."""
         search = GridSearch(candidates, threads, per_octave=self.per_octave, seed=self.seed)
         if known:
             search.tell_known(known)
             batch, t = search.best() or best_point(known)[0]
             cached_rate = statistics.fmean(r for b, u, r in known if (b, u) == (batch, t))
-            fresh = search.record((batch, t), lambda: self._check_rate(runner, batch, t), fit=self.warm_calls > 1)
+            try:  # a staleness check only: one quick, noisy step must not move the cached answer
+                fresh: float | None = self._check_rate(runner, batch, t)
+            except Exception:  # noqa: BLE001 - the size no longer trains: the cache is stale
+                fresh = None
             if fresh is not None and 1 / _STALE_RATIO <= fresh / cached_rate <= _STALE_RATIO:
                 top = (candidates[-1], t)
                 if anchored and top not in search.rates and all((b, u) != top for b, u, _ in known):
                     search.record(top, lambda: self._check_rate(runner, top[0], top[1]), fit=False)
                 self._explore(search, runner, [], self.warm_calls - 1)
-                return search, known
+                return search, known, [(batch, t, fresh)]
             logger.info("cached rate %.0f at batch %d is stale (now %s): tuning cold", cached_rate, batch, fresh)
             search = GridSearch(candidates, threads, per_octave=self.per_octave, seed=self.seed)
         design = search.initial_design(min(self.n_calls, max(self.n_initial_points, len(threads))))
         if anchored and (candidates[-1], threads[0]) not in design:
             design.append((candidates[-1], threads[0]))
         self._explore(search, runner, design, self.n_calls)
-        return search, []
+        return search, [], []
 
     def _confirm(self, search: GridSearch, runner: ProbeRunner) -> None:
         """Before a plan splits the anchor (largest candidate) into smaller micro-batches, measure
