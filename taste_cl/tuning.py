@@ -412,8 +412,9 @@ class BatchSizeTuner(LearnerPlugin):
                 stalled = 0 if before is None or (rate is not None and rate > 1.02 * before) else stalled + 1
 
     def _check_rate(self, runner: ProbeRunner, batch: int, threads: int) -> float:
-        """A quick rate for a warm tune's checks (within 2.5x is all they need): half the probe time, one timed step at least."""
-        return runner.measure(batch, threads=threads if self.tune_threads else None, min_time=self.min_probe_time / 2, min_steps=1)
+        """A quick rate for a warm tune's checks (within 2.5x is all they need): half the probe
+        time, the faster of two timed steps at least (one step alone was held by the scheduler)."""
+        return runner.measure(batch, threads=threads if self.tune_threads else None, min_time=self.min_probe_time / 2, min_steps=2)
 
     def _measure(self, runner: ProbeRunner, batch: int, threads: int, stop_below: float | None, min_time: float) -> float:
         return runner.measure(batch, threads=threads if self.tune_threads else None, min_time=min_time, stop_below=stop_below)
