@@ -504,13 +504,10 @@ def _batch_plugin_class() -> type:
             self._pending_reason = self._pending_reason or f"stream drift at monitor step {event.step}"
 
         def _retune(self, strategy: Any, reason: str) -> None:
-            model = strategy.model
-            x = strategy.adapted_dataset[0][0]  # one training sample, train transforms applied
-            dtype = next(model.parameters()).dtype
-            logits = _eval_logits(strategy, torch.zeros((1, *x.shape), dtype=dtype), torch.zeros(1, dtype=torch.long))
-            result = self.tuner.tune(
-                model, strategy.optimizer, strategy._criterion, tuple(x.shape), int(logits.shape[1]), dtype=dtype
-            )
+            dataset = strategy.adapted_dataset  # real training samples, train transforms applied
+            items = [dataset[i] for i in range(min(len(dataset), self.tuner.probe_samples))]
+            samples = (torch.stack([item[0] for item in items]), torch.as_tensor([int(item[1]) for item in items]))
+            result = self.tuner.tune(strategy.model, strategy.optimizer, strategy._criterion, samples)
             self.result_ = result
             entry = {
                 "experience": self._experiences,

@@ -1,218 +1,251 @@
-"""Throughput-aware batch-size tuning (TASTE) on a 3-conv CNN, all measured in one run.
+"""Throughput-aware batch-size tuning (TASTE) on real models, all measured in one run.
 
-1. the full throughput curve over the tuner's candidate grid (the oracle);
-2. a cold tune and a warm (cached) retune;
-3. side by side, interleaved: oracle, tuned, max-batch and batch-32 throughput;
-4. accuracy: large batch vs tuned micro-batches with gradient accumulation (same
-   effective batch) vs tuned batch with linear learning-rate scaling;
-5. an online stream during which a bounded CPU hog starts and stops: the learner's
-   retune log shows when and why it retuned.
+For each model (``--zoo``: an MLP, the 3-conv CNN, MobileNetV2 and ResNet-18 at 32x32, an
+LSTM with AdamW and a small TransformerEncoder on token dicts; default: the CNN only):
 
-Run: ``taste-cl bench batch-size`` (about two minutes) or ``python benchmarks/batch_size.py``.
+1. the full throughput curve over the tuner's candidate grid (the oracle), timed;
+2. a cold tune and a warm (cached) retune, timed;
+3. side by side, interleaved rounds: oracle, tuned, max-batch and batch-32 throughput.
+
+Then, with a bounded CPU hog running (one busy process per core, killed by the benchmark
+and self-terminating), joint (threads, batch) tuning against torch's default thread count
+at the tuned batch, interleaved. Probes and grid use the same measurement (real samples,
+a copy of the model and optimizer). Writes ``batch_size.json`` and ``batch_size.png``
+under ``--out``. Run: ``taste-cl bench batch-size --zoo``.
 """
 
 from __future__ import annotations
 
-import math
+import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 from torch import nn
 
-from taste_cl import OnlineLearner, ReservoirReplay
+from taste_cl._probe import ProbeRunner, Samples, preserved_rng
 from taste_cl._report import format_table
 from taste_cl.benchmarks._common import base_parser, parse, save_result
-from taste_cl.datasets import make_cnn, make_pattern_images
-from taste_cl.evaluation import accuracy
-from taste_cl.tuning import BatchSizeTuner, candidate_batch_sizes, measure_throughput
+from taste_cl.datasets import make_cnn, make_mlp, make_pattern_images
+from taste_cl.tuning import BatchSizeTuner, candidate_batch_sizes
 
-INPUT_SHAPE = (3, 32, 32)
 HOG = "import time\nend = time.time() + {seconds}\nwhile time.time() < end:\n    pass\n"
+DEFAULT_THREADS = torch.get_num_threads()  # torch's own default, read before --threads applies
 
 
-def _curve(model: nn.Module, optimizer: torch.optim.Optimizer, sizes: Sequence[int], min_time: float) -> dict[int, float]:
-    loss_fn = nn.CrossEntropyLoss()
-    return {b: measure_throughput(model, optimizer, loss_fn, INPUT_SHAPE, 10, b, min_time=min_time) for b in sizes}
+class _Text(nn.Module):
+    """Embedding + 2-layer TransformerEncoder with a padding mask, over ``{"input_ids", "attention_mask"}``."""
+
+    def __init__(self, vocab: int = 100, dim: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=128, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(self.embed(input_ids), src_key_padding_mask=attention_mask == 0)
+        weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return self.head((hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0))
 
 
-def _side_by_side(model: nn.Module, optimizer: torch.optim.Optimizer, sizes: dict[str, int], rounds: int) -> dict[str, float]:
-    """Median samples/s per labelled batch size, the sizes interleaved round by round."""
-    rates: dict[str, list[float]] = {label: [] for label in sizes}
+class _LSTM(nn.Module):
+    """LSTM over ``(n, 20, 16)`` sequences, classifying from the last hidden state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(16, 64, batch_first=True)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[1][0][-1])
+
+
+def _tokens(n: int) -> Samples:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(8, 33, (n,), generator=g)
+    mask = (torch.arange(32)[None, :] < lengths[:, None]).long()
+    return {"input_ids": torch.randint(1, 100, (n, 32), generator=g) * mask, "attention_mask": mask}, torch.randint(0, 10, (n,), generator=g)
+
+
+def _torchvision(name: str) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import torchvision
+
+        return getattr(torchvision.models, name)(weights=None, num_classes=10)
+
+    return build
+
+
+@dataclass(frozen=True)
+class Case:
+    """A benchmark model: builder, optimizer, real-looking samples, and its search ceiling."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    samples: Callable[[], Samples]
+    max_batch: int
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+CASES = {
+    case.name: case
+    for case in (
+        Case("mlp", lambda: make_mlp(), _sgd, lambda: (torch.rand(256, 64), torch.randint(0, 10, (256,))), 1024),
+        Case("cnn", lambda: make_cnn(), _sgd, lambda: make_pattern_images(256), 1024),
+        Case("mobilenet_v2", _torchvision("mobilenet_v2"), _sgd, lambda: make_pattern_images(256), 256),
+        Case("resnet18", _torchvision("resnet18"), _sgd, lambda: make_pattern_images(256), 256),
+        Case("lstm", _LSTM, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+             lambda: (torch.randn(256, 20, 16), torch.randint(0, 10, (256,))), 1024),
+        Case("transformer", _Text, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), lambda: _tokens(256), 512),
+    )
+}
+
+
+def _interleaved(runner: ProbeRunner, points: dict[str, tuple[int, int | None]], rounds: int, min_time: float) -> dict[str, float]:
+    """Median samples/s per labelled (batch, threads), measured round by round."""
+    rates: dict[str, list[float]] = {label: [] for label in points}
     for _ in range(rounds):
-        for label, size in sizes.items():
-            rates[label].append(_curve(model, optimizer, [size], 0.3)[size])
+        for label, (batch, threads) in points.items():
+            rates[label].append(runner.measure(batch, threads=threads, min_time=min_time))
     return {label: statistics.median(values) for label, values in rates.items()}
 
 
-def _train_accuracy(plan: tuple[int, int, float] | None, large: int, epochs: int, seed: int) -> dict[str, float]:
-    """Offline training (Adam, lr 3e-3 at the large batch) through OnlineLearner at the large batch,
-    or with a micro-batch plan. SGD without normalisation layers diverges at batch 1024 on this CNN."""
-    x, y = make_pattern_images(6144 + 2048, noise=1.2, seed=seed)
-    x_train, y_train, x_test, y_test = x[:6144], y[:6144], x[6144:], y[6144:]
-    model = make_cnn(seed=seed)
-    learner = OnlineLearner(model, optimizer=torch.optim.Adam(model.parameters(), lr=3e-3), replay=None)
-    if plan is not None:
-        learner.set_batch_plan(plan[0], accumulation_steps=plan[1], lr_scale=plan[2])
-    generator = torch.Generator().manual_seed(seed)
-    start = time.perf_counter()
-    seen = 0
-    for epoch in range(epochs):
-        order = torch.randperm(x_train.shape[0], generator=generator)
-        for i in range(0, order.numel(), large):
-            picks = order[i : i + large]
-            learner.observe((x_train[picks], y_train[picks]))
-            seen += picks.numel()
-    seconds = time.perf_counter() - start
-    return {"final_accuracy": accuracy(learner.predict, x_test, y_test), "samples_per_s": seen / seconds}
+def run_case(case: Case, *, max_batch: int | None, rounds: int, min_time: float) -> dict[str, Any]:
+    """Grid, cold and warm tune, then the interleaved comparison, for one model."""
+    torch.manual_seed(0)
+    model, samples = case.build(), case.samples()
+    optimizer, loss_fn = case.optimizer(model), nn.CrossEntropyLoss()
+    limit = min(max_batch or case.max_batch, case.max_batch)
+    with tempfile.TemporaryDirectory() as cache_dir, preserved_rng():
+        tuner = BatchSizeTuner(max_batch_size=limit, cache_dir=cache_dir, memory_budget_bytes=16e9, min_probe_time=min_time)
+        runner = ProbeRunner(model, optimizer, loss_fn, samples)
+        start = time.perf_counter()
+        minimum = runner.smallest_trainable(limit)[0]  # what the tuner searches from (BatchNorm: 2)
+        sizes = candidate_batch_sizes(limit, per_octave=tuner.per_octave, min_batch_size=minimum)
+        grid = {b: runner.measure(b, min_time=min_time) for b in sizes}
+        grid_seconds = time.perf_counter() - start
+        cold = tuner.tune(model, optimizer, loss_fn, samples, foreign_load=0.0)
+        warm = tuner.tune(model, optimizer, loss_fn, samples, foreign_load=0.0)
+        oracle = max(grid, key=grid.__getitem__)
+        sizes = {"oracle": oracle, "tuned": cold.batch_size, "max_batch": limit, "default_32": max(minimum, min(32, limit))}
+        rates = _interleaved(runner, {k: (b, None) for k, b in sizes.items()}, rounds, 2 * min_time)
+    return {
+        "sizes": sizes,
+        "samples_per_s": rates,
+        "tuned_vs_oracle": rates["tuned"] / rates["oracle"],
+        "tuned_vs_max_batch": rates["tuned"] / rates["max_batch"],
+        "tuned_vs_default_32": rates["tuned"] / rates["default_32"],
+        "grid_ceiling_vs_max_batch": max(grid.values()) / grid[limit],
+        "grid": {str(b): r for b, r in grid.items()},
+        "grid_seconds": grid_seconds,
+        "cold_seconds": cold.seconds,
+        "cold_probes": len(cold.probes),
+        "cold_vs_grid": cold.seconds / grid_seconds,
+        "warm_seconds": warm.seconds,
+        "warm_probes": len(warm.probes),
+        "warm_vs_cold": warm.seconds / cold.seconds,
+        "warm_batch": warm.batch_size,
+    }
 
 
-def _load_shift_run(seed: int, cache_dir: str, hog_at: int, hog_observes: int, total: int) -> dict[str, Any]:
-    """Stream batches of 10 through a tuned learner; start a CPU hog mid-stream, stop it later."""
-    x, y = make_pattern_images(total * 10, seed=seed + 1)
-    model = make_cnn(seed=seed)
-    tuner = BatchSizeTuner(max_batch_size=256, n_calls=6, cache_dir=cache_dir, retune_on_drift=False)
-    learner = OnlineLearner(
-        model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), replay=ReservoirReplay(200, seed=seed),
-        replay_batch_size=10, plugins=[tuner],
-    )
-    hogs: list[subprocess.Popen[bytes]] = []
-    timeline = []
-    start = time.perf_counter()
+def run_threads_under_load(case: Case, *, hog_seconds: int, rounds: int, min_time: float) -> dict[str, Any]:
+    """With one busy-loop process per core, joint (threads, batch) tuning vs torch's default threads."""
+    import psutil
+
+    torch.manual_seed(0)
+    model, samples = case.build(), case.samples()
+    optimizer, loss_fn = case.optimizer(model), nn.CrossEntropyLoss()
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG.format(seconds=hog_seconds)]) for _ in range(psutil.cpu_count() or 2)]
     try:
-        for i in range(total):
-            if i == hog_at:
-                hogs = [
-                    subprocess.Popen([sys.executable, "-c", HOG.format(seconds=120)])
-                    for _ in range(psutil.cpu_count() or 2)
-                ]
-                timeline.append({"observe": i, "seconds": time.perf_counter() - start, "event": "cpu hog started"})
-            if i == hog_at + hog_observes and hogs:
-                for hog in hogs:
-                    hog.kill()
-                    hog.wait()
-                hogs = []
-                timeline.append({"observe": i, "seconds": time.perf_counter() - start, "event": "cpu hog stopped"})
-            retunes = len(tuner.history_)
-            learner.observe((x[i * 10 : (i + 1) * 10], y[i * 10 : (i + 1) * 10]))
-            for entry in list(tuner.history_)[retunes:]:
-                timeline.append({"observe": i, "seconds": time.perf_counter() - start, "event": f"retuned: {entry['reason']}",
-                                 "batch_size": entry["batch_size"], "probes": entry["probes"]})
+        with tempfile.TemporaryDirectory() as cache_dir, preserved_rng():
+            torch.set_num_threads(DEFAULT_THREADS)
+            tuner = BatchSizeTuner(max_batch_size=case.max_batch, cache_dir=cache_dir, tune_threads=True, min_probe_time=min_time)
+            result = tuner.tune(model, optimizer, loss_fn, samples)
+            runner = ProbeRunner(model, optimizer, loss_fn, samples)
+            points = {"joint": (result.batch_size, result.threads), "default_threads": (result.batch_size, DEFAULT_THREADS)}
+            rates = _interleaved(runner, points, rounds, 2 * min_time)
     finally:
         for hog in hogs:
             hog.kill()
             hog.wait()
-    return {"timeline": timeline, "retunes": list(tuner.history_), "load_shift_events": learner.monitor.report()["events"].get("load_shift", 0)}
+    return {
+        "model": case.name,
+        "default_threads": DEFAULT_THREADS,
+        "tuned_batch": result.batch_size,
+        "tuned_threads": result.threads,
+        "samples_per_s": rates,
+        "joint_vs_default_threads": rates["joint"] / rates["default_threads"],
+        "tune_seconds": result.seconds,
+        "probes": [list(p) for p in result.probes],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("batch-size", __doc__.splitlines()[0], threads=0)
-    parser.add_argument("--max-batch", type=int, default=1024, help="largest candidate batch size")
-    parser.add_argument("--epochs", type=int, default=4, help="training epochs of the accuracy comparison")
-    parser.add_argument("--large-batch", type=int, default=1024, help="large batch of the accuracy comparison")
-    parser.add_argument("--skip-load-shift", action="store_true", help="skip the stream with a CPU hog")
+    parser.add_argument("--zoo", action="store_true", help="all six models (default: the CNN only)")
+    parser.add_argument("--models", nargs="+", choices=sorted(CASES), help="these models instead")
+    parser.add_argument("--max-batch", type=int, default=None, help="lower every model's search ceiling to this")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the side-by-side comparison")
+    parser.add_argument("--min-probe-time", type=float, default=0.15, help="seconds each probe measures at least")
+    parser.add_argument("--threads-model", default="mlp", choices=sorted(CASES), help="model of the thread check under load")
+    parser.add_argument("--skip-threads", action="store_true", help="skip the threads-under-load check")
     args = parse(parser, argv)
-    torch.manual_seed(args.seed)
-    model = make_cnn(seed=args.seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loss_fn = nn.CrossEntropyLoss()
-
+    names = args.models or (list(CASES) if args.zoo else ["cnn"])
     start = time.perf_counter()
     import skopt  # noqa: F401  - a one-time import cost of the process, reported apart from tuning time
 
     import_seconds = time.perf_counter() - start
-    with tempfile.TemporaryDirectory() as cache_dir:
-        tuner = BatchSizeTuner(max_batch_size=args.max_batch, cache_dir=cache_dir, memory_budget_bytes=8e9)
-        start = time.perf_counter()
-        grid = _curve(model, optimizer, candidate_batch_sizes(args.max_batch, per_octave=tuner.per_octave), tuner.min_probe_time)
-        grid_seconds = time.perf_counter() - start
-        cold = tuner.tune(model, optimizer, loss_fn, INPUT_SHAPE, 10, foreign_load=0.0)
-        warm = tuner.tune(model, optimizer, loss_fn, INPUT_SHAPE, 10, foreign_load=0.0)
-        oracle_batch = max(grid, key=grid.__getitem__)
-        sizes = {"oracle": oracle_batch, "tuned": cold.batch_size, "max_batch": args.max_batch, "default_32": 32}
-        rates = _side_by_side(model, optimizer, sizes, rounds=7)
-        shift = None if args.skip_load_shift else _load_shift_run(args.seed, cache_dir, hog_at=150, hog_observes=250, total=700)
+    results: dict[str, Any] = {}
+    threads = None
+    for name in names:
+        print(f"{name} ...", flush=True)
+        results[name] = run_case(CASES[name], max_batch=args.max_batch, rounds=args.rounds, min_time=args.min_probe_time)
+        print(json.dumps({k: v for k, v in results[name].items() if k != "grid"}), flush=True)
+    if not args.skip_threads:
+        threads = run_threads_under_load(CASES[args.threads_model], hog_seconds=600, rounds=args.rounds, min_time=args.min_probe_time)
 
-    large = args.large_batch
-    # accumulate a whole number of equal micro-batches: the divisor of the large batch nearest (log scale) the tuned one
-    micro = min((d for d in range(1, large + 1) if large % d == 0), key=lambda d: abs(math.log(d / cold.batch_size)))
-    accumulation = large // micro
-    training = {
-        "large_batch": _train_accuracy(None, large, args.epochs, args.seed),
-        "tuned_accumulated": _train_accuracy((micro, accumulation, 1.0), large, args.epochs, args.seed),
-        "tuned_lr_scaled": _train_accuracy((micro, 1, micro / large), large, args.epochs, args.seed),
-    }
-
-    print(format_table(["batch", "samples/s"], [[b, r] for b, r in grid.items()]))
-    print()
-    print(format_table(
-        ["run", "batch", "samples/s", "vs oracle"],
-        [[label, sizes[label], rates[label], rates[label] / rates["oracle"]] for label in sizes],
-    ))
-    print(
-        f"\ntuned/max-batch throughput x{rates['tuned'] / rates['max_batch']:.2f}; cold tune {cold.seconds:.1f}s "
-        f"({len(cold.probes)} probes) = {cold.seconds / grid_seconds:.0%} of the grid's {grid_seconds:.1f}s; "
-        f"warm retune {warm.seconds:.2f}s ({len(warm.probes)} probes) = {warm.seconds / cold.seconds:.0%} of cold"
-    )
-    print()
-    print(format_table(
-        ["training", "micro x accum", "final acc", "samples/s"],
-        [
-            ["large batch", f"{large} x 1", training["large_batch"]["final_accuracy"], training["large_batch"]["samples_per_s"]],
-            ["tuned + accumulation", f"{micro} x {accumulation}", training["tuned_accumulated"]["final_accuracy"], training["tuned_accumulated"]["samples_per_s"]],
-            ["tuned + linear LR scaling", f"{micro} x 1", training["tuned_lr_scaled"]["final_accuracy"], training["tuned_lr_scaled"]["samples_per_s"]],
-        ],
-    ))
-    if shift is not None:
-        print("\nload-shift stream (batches of 10):")
-        for entry in shift["timeline"]:
-            print(f"  observe {entry['observe']:4d}  t={entry['seconds']:6.1f}s  {entry['event']}")
-
-    result = {
-        "oracle_batch": oracle_batch,
-        "oracle_samples_per_s": rates["oracle"],
-        "tuned_batch": cold.batch_size,
-        "tuned_samples_per_s": rates["tuned"],
-        "max_batch": args.max_batch,
-        "max_batch_samples_per_s": rates["max_batch"],
-        "default_32_samples_per_s": rates["default_32"],
-        "tuned_vs_oracle": rates["tuned"] / rates["oracle"],
-        "tuned_vs_max_batch": rates["tuned"] / rates["max_batch"],
-        "tuner_seconds": cold.seconds,
-        "tuner_probes": [list(p) for p in cold.probes],
-        "grid_seconds": grid_seconds,
-        "skopt_import_seconds": import_seconds,
-        "grid": {str(b): r for b, r in grid.items()},
-        "warm_tuner_seconds": warm.seconds,
-        "warm_tuned_batch": warm.batch_size,
-        "warm_probes": len(warm.probes),
-        "training": training,
-        "load_shift": shift,
-    }
-    save_result(args.out, "batch_size", result)
-    _plot(grid, sizes, Path(args.out) / "batch_size.png")
+    rows = []
+    for name, r in results.items():
+        s = r["sizes"]
+        rows.append([name, s["oracle"], s["tuned"], s["max_batch"], r["tuned_vs_oracle"], r["tuned_vs_max_batch"],
+                     r["grid_ceiling_vs_max_batch"], r["tuned_vs_default_32"], r["cold_seconds"], r["cold_vs_grid"], r["warm_vs_cold"]])
+    print(format_table(["model", "oracle", "tuned", "max", "tuned/oracle", "tuned/max", "grid ceil/max", "tuned/32",
+                        "cold s", "cold/grid", "warm/cold"], rows))
+    if threads is not None:
+        print(f"\nunder a CPU hog ({args.threads_model}): joint tune -> batch {threads['tuned_batch']} x {threads['tuned_threads']} "
+              f"threads = {threads['joint_vs_default_threads']:.2f}x the samples/s of torch's default {DEFAULT_THREADS} threads at that batch")
+    save_result(args.out, "batch_size", {"models": results, "threads_under_load": threads, "skopt_import_seconds": import_seconds})
+    _plot(results, Path(args.out) / "batch_size.png")
     return 0
 
 
-def _plot(grid: dict[int, float], sizes: dict[str, int], path: Path) -> None:
+def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(list(grid), list(grid.values()), marker=".", label="grid (oracle curve)")
-    for label, marker in (("tuned", "*"), ("max_batch", "x"), ("default_32", "o")):
-        ax.plot([sizes[label]], [grid.get(sizes[label], float("nan"))], marker, markersize=12, label=label)
-    ax.set(xscale="log", xlabel="batch size", ylabel="training samples/s", title="3-conv CNN, 3x32x32, SGD")
-    ax.legend()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in results.items():
+        grid = {int(b): v for b, v in r["grid"].items()}
+        peak = max(grid.values())
+        (line,) = ax.plot(list(grid), [v / peak for v in grid.values()], marker=".", label=name)
+        tuned = r["sizes"]["tuned"]
+        ax.plot([tuned], [grid.get(tuned, float("nan")) / peak], "*", markersize=12, color=line.get_color())
+    ax.set(xscale="log", xlabel="batch size", ylabel="samples/s / grid peak", title="throughput curves (* = tuned batch)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

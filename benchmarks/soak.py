@@ -80,7 +80,7 @@ def run_soak(
         y = torch.randint(0, classes, (batch_size,), generator=generator)
         x = centres[y] + torch.randn(batch_size, features, generator=generator)
         stats = learner.observe((x, y))
-        if not math.isnan(stats.loss):
+        if stats.loss is not None:
             losses.append(stats.loss)
         if i % rss_every == 0:
             rss.append((learner.samples_seen, process.memory_info().rss / 2**20))

@@ -115,7 +115,7 @@ def batch_len(x: Inputs) -> int:
 def index_batch(x: Inputs, index: Any) -> Inputs:
     """Samples ``index`` (a slice or a 1-D index tensor) of every leaf."""
     if isinstance(index, torch.Tensor):  # index_select is cheaper than advanced indexing
-        return map_leaves(lambda leaf: leaf.index_select(0, index), x)
+        return map_leaves(lambda leaf: leaf.index_select(0, index.to(leaf.device)), x)
     if isinstance(x, torch.Tensor):
         return x[index]
     return map_leaves(lambda leaf: leaf[index], x)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -387,24 +388,23 @@ def _guard(ctx: _Context) -> Apply:
 @section("training")
 def _training(ctx: _Context) -> Apply:
     training = ctx.get("training")
-    _keys("training", training, {"batch_plan", "base_lrs", "stream_batch_size", "pending", "accumulated", "window_finite", "grads"})
+    _keys("training", training, {"batch_plan", "stream_batch_size", "pending", "accumulated", "window_finite", "grads"})
     learner = ctx.learner
     plan = training["batch_plan"]
     if plan is not None:
         if not isinstance(plan, dict):
             raise _Invalid("`training.batch_plan` must be a dict or None")
-        _keys("training.batch_plan", plan, {"micro_batch_size", "accumulation_steps", "lr_scale"})
+        _keys("training.batch_plan", plan, {"micro_batch_size", "accumulation_steps", "lr_scale", "max_wait_samples", "max_wait_s"})
         plan = {
             "micro_batch_size": _int("training.batch_plan.micro_batch_size", plan["micro_batch_size"], 1, 2**31),
             "accumulation_steps": _int("training.batch_plan.accumulation_steps", plan["accumulation_steps"], 1, 2**20),
             "lr_scale": _number("training.batch_plan.lr_scale", plan["lr_scale"], positive=True),
+            "max_wait_samples": None
+            if plan["max_wait_samples"] is None
+            else _int("training.batch_plan.max_wait_samples", plan["max_wait_samples"], 1, 2**31),
+            "max_wait_s": None if plan["max_wait_s"] is None else _number("training.batch_plan.max_wait_s", plan["max_wait_s"], positive=True),
         }
         ctx.accumulation_steps = plan["accumulation_steps"]
-    base_lrs = training["base_lrs"]
-    if base_lrs is not None:
-        if not isinstance(base_lrs, list) or len(base_lrs) != len(learner.optimizer.param_groups):
-            raise _Invalid(f"`training.base_lrs` must be None or a list of {len(learner.optimizer.param_groups)} numbers")
-        base_lrs = [_number("training.base_lrs", lr, low=0.0) for lr in base_lrs]
     stream = training["stream_batch_size"]
     if stream is not None:
         _int("training.stream_batch_size", stream, 1, 2**31)
@@ -442,9 +442,12 @@ def _training(ctx: _Context) -> Apply:
         from taste_cl.learner import BatchPlan
 
         learner.batch_plan = None if plan is None else BatchPlan(**plan)
-        learner._base_lrs = base_lrs
         learner._stream_batch_size = stream
         learner._pending = None if pending is None else _placed(learner, pending)
+        learner._arrivals.clear()  # arrival times do not survive a process: pending samples count from now
+        learner._window_stream = 0
+        if plan is not None and pending is not None:
+            learner._arrivals.append([time.monotonic(), pending[1].shape[0]])
         learner._accumulated, learner._window_finite = accumulated, window_finite
         for param, grad in zip(parameters, grads):
             param.grad = None if grad is None else grad.to(param.device).clone()

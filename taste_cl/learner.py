@@ -22,6 +22,7 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,11 +67,18 @@ __all__ = ["BatchPlan", "ObserveStats", "OnlineLearner"]
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How stream samples become optimizer steps (set by the batch-size tuner)."""
+    """How stream samples become optimizer steps (set by the batch-size tuner).
+
+    ``lr_scale`` is the factor the learning rates carry relative to the optimizer's own
+    configuration. ``max_wait_samples`` / ``max_wait_s`` bound how long stream samples
+    may wait for an optimizer step (None: no bound of that kind).
+    """
 
     micro_batch_size: int
     accumulation_steps: int = 1
     lr_scale: float = 1.0
+    max_wait_samples: int | None = None
+    max_wait_s: float | None = None
 
 
 @dataclass
@@ -99,8 +107,8 @@ class _Totals:
         self.scores = [a + b for a, b in zip(self.scores, stats)] if self.scores else list(stats)
 
     @property
-    def mean_loss(self) -> float:
-        return sum(self.losses) / len(self.losses) if self.losses else math.nan
+    def mean_loss(self) -> float | None:
+        return sum(self.losses) / len(self.losses) if self.losses else None
 
     def metrics(self, task: Task | None) -> dict[str, float]:
         return task.metrics(self.scores) if self.scores and task is not None else {}
@@ -116,12 +124,13 @@ class ObserveStats:
     ``skipped`` is true when a non-finite loss or gradient was detected, or a step that
     made a parameter non-finite was rolled back, so an update was not applied. ``batch_size`` is the largest micro-batch trained (stream plus
     replay); ``micro_batches`` counts forward/backward passes, ``steps`` optimizer steps.
-    With a batch plan, samples may wait for a full micro-batch: then ``loss`` and
-    ``accuracy`` are NaN and ``micro_batches`` is 0.
+    With a batch plan, samples may wait for a full micro-batch: ``pending`` counts the
+    stream samples waiting after this call, and when nothing was trained ``loss`` and
+    ``accuracy`` are None and ``micro_batches`` is 0.
     """
 
-    loss: float
-    accuracy: float
+    loss: float | None
+    accuracy: float | None
     samples: int
     replay_samples: int
     batch_size: int
@@ -130,6 +139,7 @@ class ObserveStats:
     skipped: bool = False
     micro_batches: int = 1
     metrics: dict[str, float] = field(default_factory=dict)
+    pending: int = 0
 
     def __str__(self) -> str:
         """One rounded line for ``print(stats)``."""
@@ -142,7 +152,8 @@ class ObserveStats:
             "steps": self.steps,
             "step ms": self.step_time_s * 1000,
         }
-        return "observe: " + format_fields(fields) + ("  skipped (update not applied)" if self.skipped else "")
+        waiting = f"  pending {self.pending}" if self.pending else ""
+        return "observe: " + format_fields(fields) + waiting + ("  skipped (update not applied)" if self.skipped else "")
 
 
 class OnlineLearner:
@@ -248,9 +259,10 @@ class OnlineLearner:
         self.samples_seen = 0
         self.steps = 0
         self.batch_plan: BatchPlan | None = None
-        self._base_lrs: list[float] | None = None
         self._stream_batch_size: int | None = None
         self._pending: tuple[Inputs, torch.Tensor] | None = None
+        self._arrivals: deque[list[float]] = deque()  # [monotonic time, count] of stream samples not yet stepped on
+        self._window_stream = 0  # stream samples in the accumulation window in progress
         self._accumulated = 0
         self._window_finite = True
         self._lock = threading.RLock()
@@ -276,27 +288,50 @@ class OnlineLearner:
         return first.device, first.dtype
 
     # -------------------------------------------------------------- learning
-    def set_batch_plan(self, micro_batch_size: int | None, *, accumulation_steps: int = 1, lr_scale: float = 1.0) -> None:
+    def set_batch_plan(
+        self,
+        micro_batch_size: int | None,
+        *,
+        accumulation_steps: int = 1,
+        lr_scale: float = 1.0,
+        max_wait_samples: int | None = None,
+        max_wait_s: float | None = None,
+    ) -> None:
         """Train in micro-batches of ``micro_batch_size`` samples (stream plus replay share),
-        ``accumulation_steps`` micro-batches per optimizer step, at ``lr_scale`` times the
-        learning rates the optimizer had when the first plan was set.
+        ``accumulation_steps`` micro-batches per optimizer step.
 
-        Stream samples are buffered until a micro-batch is full, whatever ``observe``
-        receives. ``None`` returns to one step per ``observe``. The batch-size tuner
-        calls this; an accumulation window in progress is applied first.
+        ``lr_scale`` is the plan's learning-rate factor relative to the optimizer's own
+        configuration: the *live* learning rates (whatever a scheduler has set) are
+        multiplied by ``lr_scale / previous lr_scale``, so scheduler decay is kept and
+        ``None`` (back to one step per ``observe``) divides the previous factor out.
+        Stream samples are buffered until a micro-batch is full; ``max_wait_samples``
+        (waiting stream samples) and ``max_wait_s`` (age of the oldest) force a step on
+        what is there, weighted by its share of stream samples. An accumulation window in
+        progress is applied first. The batch-size tuner calls this.
         """
         with self._lock:
-            if micro_batch_size is not None and micro_batch_size < 1:
-                raise ValueError(f"`micro_batch_size == {micro_batch_size}`, must be >= 1 or None")
-            if accumulation_steps < 1 or not lr_scale > 0:
-                raise ValueError(f"need accumulation_steps >= 1 and lr_scale > 0; got {accumulation_steps}, {lr_scale}")
+            for label, value in (("micro_batch_size", micro_batch_size), ("max_wait_samples", max_wait_samples)):
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ValueError(f"`{label} == {value!r}`, must be an int >= 1 or None")
+            if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+                raise ValueError(f"`accumulation_steps == {accumulation_steps!r}`, must be an int >= 1")
+            if not isinstance(lr_scale, (int, float)) or not math.isfinite(lr_scale) or lr_scale <= 0:
+                raise ValueError(f"`lr_scale == {lr_scale!r}`, must be a finite number > 0")
+            if max_wait_s is not None and (not isinstance(max_wait_s, (int, float)) or not math.isfinite(max_wait_s) or max_wait_s <= 0):
+                raise ValueError(f"`max_wait_s == {max_wait_s!r}`, must be a finite number > 0 or None")
             self._apply_accumulated()
-            if self._base_lrs is None:
-                self._base_lrs = [group["lr"] for group in self.optimizer.param_groups]
-            plan = None if micro_batch_size is None else BatchPlan(micro_batch_size, accumulation_steps, lr_scale)
-            scale = 1.0 if plan is None else plan.lr_scale
-            for group, base in zip(self.optimizer.param_groups, self._base_lrs):
-                group["lr"] = base * scale
+            plan = None
+            if micro_batch_size is not None:
+                plan = BatchPlan(micro_batch_size, accumulation_steps, float(lr_scale), max_wait_samples, max_wait_s)
+            factor = (1.0 if plan is None else plan.lr_scale) / (1.0 if self.batch_plan is None else self.batch_plan.lr_scale)
+            if factor != 1.0:
+                for group in self.optimizer.param_groups:
+                    if isinstance(group["lr"], torch.Tensor):
+                        group["lr"].mul_(factor)
+                    else:
+                        group["lr"] = group["lr"] * factor
+            if plan is None:
+                self._arrivals.clear()
             self.batch_plan = plan
 
     def observe(self, batch: BatchLike) -> ObserveStats:
@@ -313,11 +348,15 @@ class OnlineLearner:
             if self._stream_batch_size is None:
                 self._stream_batch_size = n
                 for plugin in self.plugins:
-                    plugin.on_first_batch(self, x)
+                    plugin.on_first_batch(self, x, y=y)
             start = time.perf_counter()
             totals = _Totals()
+            if self.batch_plan is not None:
+                self._arrivals.append([time.monotonic(), x.shape[0]])
             for chunk_x, chunk_y, n_replay in self._chunks(x, y):
                 self._learn_chunk(chunk_x, chunk_y, n_replay, totals)
+            if self._waited_too_long():
+                self._flush(totals)
             elapsed = time.perf_counter() - start
             self.samples_seen += n
             self.steps += 1
@@ -333,6 +372,7 @@ class OnlineLearner:
                 skipped=totals.skipped,
                 micro_batches=totals.micro_batches,
                 metrics=metrics,
+                pending=0 if self._pending is None else self._pending[1].shape[0],
             )
             for plugin in self.plugins:
                 plugin.after_observe(self, stats)
@@ -343,12 +383,10 @@ class OnlineLearner:
         """Split the stream into training chunks: the batch itself, or full micro-batches of the plan."""
         stored = len(self.replay) if self.replay is not None else 0
         if self.batch_plan is None:
+            if self._pending is not None:  # left by a plan that was removed
+                (x, y), self._pending = (torch.cat([self._pending[0], x]), torch.cat([self._pending[1], y])), None
             return [(x, y, min(self.replay_batch_size, stored))]
-        micro = self.batch_plan.micro_batch_size
-        assert self._stream_batch_size is not None
-        share = self.replay_batch_size / (self._stream_batch_size + self.replay_batch_size) if self.replay else 0.0
-        replay_part = min(int(round(micro * share)), micro - 1)
-        stream_part = micro - replay_part
+        stream_part, replay_part = self._micro_split()
         pending_x = x if self._pending is None else cat_batches([self._pending[0], x])
         pending_y = y if self._pending is None else torch.cat([self._pending[1], y])
         total = pending_y.shape[0]
@@ -360,19 +398,62 @@ class OnlineLearner:
             for i in range(0, full, stream_part)
         ]
 
+    def _micro_split(self) -> tuple[int, int]:
+        """Stream and replay samples of a full micro-batch of the plan (the learner's stream:replay ratio)."""
+        assert self.batch_plan is not None and self._stream_batch_size is not None
+        micro = self.batch_plan.micro_batch_size
+        share = self.replay_batch_size / (self._stream_batch_size + self.replay_batch_size) if self.replay else 0.0
+        replay_part = min(round(micro * share), micro - 1)
+        return micro - replay_part, replay_part
+
+    def _waited_too_long(self) -> bool:
+        """Whether the plan's freshness bound asks for a step now."""
+        plan = self.batch_plan
+        if plan is None or not self._arrivals:
+            return False
+        waiting = sum(int(count) for _, count in self._arrivals)
+        if plan.max_wait_samples is not None and waiting >= plan.max_wait_samples:
+            return True
+        return plan.max_wait_s is not None and time.monotonic() - self._arrivals[0][0] >= plan.max_wait_s
+
+    def _flush(self, totals: _Totals) -> None:
+        """Train the pending stream samples as one smaller micro-batch and apply the window."""
+        if self._pending is not None:
+            (x, y), self._pending = self._pending, None
+            stream_part, replay_part = self._micro_split()
+            stored = len(self.replay) if self.replay is not None else 0
+            self._learn_chunk(x, y, min(round(y.shape[0] * replay_part / stream_part), stored), totals)
+        totals.add_step(self._apply_accumulated())
+
+    def _consume_arrivals(self, count: int) -> None:
+        """Forget the arrival times of ``count`` stream samples an applied step has trained on."""
+        while count > 0 and self._arrivals:
+            taken = min(count, int(self._arrivals[0][1]))
+            self._arrivals[0][1] -= taken
+            count -= taken
+            if self._arrivals[0][1] <= 0:
+                self._arrivals.popleft()
+
     def _learn_chunk(self, x: Inputs, y: torch.Tensor, n_replay: int, totals: _Totals) -> None:
         """Score ``x`` (test), train ``train_iterations`` micro-batches on it with replay, then store it.
 
         The score comes from an eval-mode forward (what :meth:`predict` returns) when the
         model's output depends on the train/eval mode, else from the first training forward.
         A chunk whose loss overflowed is scored but never stored: it would poison later steps.
+        With a plan, each micro-batch's loss is weighted by its stream samples over those
+        of a full accumulation window: a full window is the mean, a forced smaller step
+        (freshness bound) is proportionally smaller.
         """
         n = y.shape[0]
+        weight = 1.0
+        if self.batch_plan is not None:
+            weight = n / (self._micro_split()[0] * self.batch_plan.accumulation_steps)
+            self._window_stream += n
         finite = True
         stream_outputs = self._logits(x) if self._score_eval else None
         for iteration in range(self.train_iterations):
             train_x, train_y = self._with_replay(x, y, n_replay)
-            outputs, loss = self._micro_step(train_x, train_y)
+            outputs, loss = self._micro_step(train_x, train_y, weight)
             finite &= math.isfinite(loss)
             if stream_outputs is None:
                 stream_outputs = outputs[:n]  # scored before any update on this chunk
@@ -404,8 +485,8 @@ class OnlineLearner:
         device, dtype = self._placement()
         return map_leaves(lambda t: t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device), x)
 
-    def _micro_step(self, x: Inputs, y: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """Forward and backward one micro-batch, adding its share to the accumulated gradient."""
+    def _micro_step(self, x: Inputs, y: torch.Tensor, weight: float = 1.0) -> tuple[torch.Tensor, float]:
+        """Forward and backward one micro-batch, adding ``weight`` times its loss's gradient to the window."""
         if self._accumulated == 0:
             for plugin in self.plugins:
                 plugin.before_step(self)
@@ -416,8 +497,7 @@ class OnlineLearner:
         loss_value = float(loss.detach())
         self.guard.record_loss(loss_value)
         if math.isfinite(loss_value):
-            steps = self._accumulation_steps
-            (loss if steps == 1 else loss / steps).backward()
+            (loss if weight == 1.0 else loss * weight).backward()
         else:
             self._window_finite = False
         self._accumulated += 1
@@ -434,9 +514,8 @@ class OnlineLearner:
             return None
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         grads = [p.grad for p in params]
-        if self._accumulated < self._accumulation_steps:  # partial window: make it a mean again
-            for grad in grads:
-                grad.mul_(self._accumulation_steps / self._accumulated)
+        self._consume_arrivals(self._window_stream)
+        self._window_stream = 0
         applied = self.guard.step(self, params, _total_norm(grads), self._window_finite)
         self.optimizer.zero_grad(set_to_none=True)
         self._accumulated, self._window_finite = 0, True
@@ -540,7 +619,6 @@ class OnlineLearner:
                 "counters": {"samples_seen": self.samples_seen, "steps": self.steps},
                 "training": {
                     "batch_plan": None if self.batch_plan is None else vars(self.batch_plan).copy(),
-                    "base_lrs": self._base_lrs,
                     "stream_batch_size": self._stream_batch_size,
                     "pending": None if self._pending is None else [*leaves(self._pending[0]), self._pending[1]],
                     "accumulated": self._accumulated,

@@ -1,23 +1,23 @@
-"""Throughput-aware batch-size tuning (the TASTE method).
+"""Throughput-aware batch-size tuning (the TASTE method), for real models and real streams.
 
 Training throughput (samples/s) rises with the batch size up to a ceiling set by the
-hardware and often falls beyond it. :class:`BatchSizeTuner` measures real training
-steps of the user's model on this machine and finds the best batch with Bayesian
-optimisation: a Gaussian-process surrogate of log-throughput over a log-spaced grid of
-batch sizes (scikit-optimize's ask/tell ``Optimizer``). Observations are cached on disk
-(JSON) per model signature and hardware fingerprint, so a later tune warm-starts and
-needs one or two probes instead of ten.
+hardware and often falls beyond it. :class:`BatchSizeTuner` times real training steps of
+a private copy of the user's model and optimizer on real samples, and finds the fastest
+batch (optionally jointly with torch's intra-op thread count) by Bayesian optimisation
+on a Gaussian-process surrogate of log-throughput. Observations are cached on disk per
+model, optimizer, hardware and load bucket, so a retune re-measures one point.
 
-As a :class:`~taste_cl.plugins.LearnerPlugin` it tunes on the learner's first batch,
-then trains with micro-batches of the tuned size, gradient accumulation up to the
-effective batch, and linear learning-rate scaling; it retunes (warm, bounded probes)
-when the monitor reports drift, when the observed step time departs from the tuned
-prediction or the foreign CPU load changes bucket, and optionally on a schedule.
+As a :class:`~taste_cl.plugins.LearnerPlugin` it changes *how* a step is computed, not
+*what* a step is: micro-batches of (at most) the tuned size, accumulated up to the
+effective batch (default: the learner's own stream batch plus replay share), the live
+learning rates scaled by an optimizer-aware rule when the effective batch changes, and a
+freshness bound so stream samples never wait long for a step. A tune that fails leaves
+the learner exactly as it was, warns, and is retried later.
 """
 
 from __future__ import annotations
 
-import copy
+import hashlib
 import json
 import logging
 import math
@@ -26,16 +26,33 @@ import statistics
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
-from taste_cl._fingerprint import default_cache_dir, hardware_fingerprint, model_signature
-from taste_cl.checkpoint import atomic_write_bytes
+from taste_cl._batch import batch_len, index_batch
+from taste_cl._fingerprint import hardware_fingerprint, model_signature
+from taste_cl._probe import (
+    ProbeRunner,
+    Samples,
+    max_batch_for_memory,
+    measure_throughput,
+    num_threads,
+    preserved_rng,
+    thread_options,
+)
+from taste_cl._search import GridSearch, best_point
+from taste_cl._tuner_cache import (
+    MAX_SAMPLES_PER_S,
+    CachedSurface,
+    SurrogateCache,
+    TunerCacheWarning,
+    check_observations,
+)
 from taste_cl.load import LoadMeter, load_bucket
 from taste_cl.plugins import LearnerPlugin
 
@@ -47,19 +64,30 @@ __all__ = [
     "BatchSizeTuner",
     "SurrogateCache",
     "TunerCacheWarning",
+    "TuningError",
     "TuningResult",
+    "TuningWarning",
     "candidate_batch_sizes",
+    "lr_scale_for",
     "max_batch_for_memory",
     "measure_throughput",
 ]
 
 logger = logging.getLogger(__name__)
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]
+LrRule = str | Callable[[float], float]
+_LINEAR_OPTIMIZERS = (torch.optim.SGD, torch.optim.ASGD)
+_LR_RULES = ("auto", "linear", "sqrt", "none")
+_STALE_RATIO = 2.5  # a re-measured incumbent this far from its cached rate invalidates the cache
+_SPLIT_GAIN = 1.1  # micro-batches must beat one effective-batch step by this factor to be used
 
 
-class TunerCacheWarning(UserWarning):
-    """A tuner cache file was unreadable and has been ignored (the tune ran cold)."""
+class TuningError(RuntimeError):
+    """No batch size could be tuned (every probe failed, or no samples to probe with)."""
 
+
+class TuningWarning(UserWarning):
+    """A (re)tune failed; the learner kept its previous plan and the tuner will retry."""
 
 
 def candidate_batch_sizes(max_batch_size: int, *, per_octave: int = 4, min_batch_size: int = 1) -> list[int]:
@@ -67,136 +95,47 @@ def candidate_batch_sizes(max_batch_size: int, *, per_octave: int = 4, min_batch
     if min_batch_size < 1 or max_batch_size < min_batch_size:
         raise ValueError(f"need 1 <= min_batch_size <= max_batch_size; got {min_batch_size}, {max_batch_size}")
     steps = math.log2(max_batch_size / min_batch_size) * per_octave
-    sizes = {round(min_batch_size * 2 ** (k / per_octave)) for k in range(int(math.floor(steps)) + 1)}
+    sizes = {round(min_batch_size * 2 ** (k / per_octave)) for k in range(math.floor(steps) + 1)}
     return sorted(sizes | {max_batch_size})
 
 
-def max_batch_for_memory(model: nn.Module, input_shape: Sequence[int], *, budget_bytes: float, dtype: torch.dtype = torch.float32) -> int:
-    """Largest batch whose estimated training memory fits ``budget_bytes``.
+def lr_scale_for(optimizer: torch.optim.Optimizer, ratio: float, rule: LrRule = "auto") -> float:
+    """Learning-rate factor for an effective batch ``ratio`` times the reference one.
 
-    Estimate: parameters x4 (weights, gradients, two optimizer moments) plus, per sample,
-    three times the bytes of every module output at batch 1 (activation, its gradient, slack).
+    ``"linear"`` (SGD, Goyal et al.), ``"sqrt"`` (Adam family and other adaptive
+    optimizers), ``"none"``, or a callable ``ratio -> factor``. ``"auto"``: linear for
+    SGD/ASGD, sqrt for every other optimizer.
     """
-    activation_bytes = 0
-
-    def count(_module: nn.Module, _inputs: Any, output: Any) -> None:
-        nonlocal activation_bytes
-        if isinstance(output, torch.Tensor):
-            activation_bytes += output.numel() * output.element_size()
-
-    probe = copy.deepcopy(model).eval()
-    handles = [m.register_forward_hook(count) for m in probe.modules() if not list(m.children())]
-    try:
-        with torch.no_grad():
-            probe(torch.zeros((1, *input_shape), dtype=dtype))
-    finally:
-        for handle in handles:
-            handle.remove()
-    fixed = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
-    per_sample = 3 * max(activation_bytes, 1)
-    return max(1, int((budget_bytes - fixed) // per_sample))
-
-
-def measure_throughput(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
-    input_shape: Sequence[int],
-    num_classes: int,
-    batch_size: int,
-    *,
-    min_time: float = 0.15,
-    warmup: int = 1,
-    blocks: int = 3,
-    dtype: torch.dtype = torch.float32,
-) -> float:
-    """Training samples/s of full steps (forward, backward, optimizer) at ``batch_size``.
-
-    Runs on copies of ``model`` and ``optimizer``: the caller's model and optimizer state
-    are untouched. The result is the median of ``blocks`` timed blocks of at least
-    ``min_time / blocks`` seconds each, after ``warmup`` untimed steps.
-    """
-    twin = copy.deepcopy(model).train()
-    twin_optimizer = type(optimizer)([p for p in twin.parameters() if p.requires_grad], **optimizer.defaults)
-    generator = torch.Generator().manual_seed(batch_size)
-    device = next(twin.parameters()).device
-    x = torch.randn((batch_size, *input_shape), generator=generator).to(device=device, dtype=dtype)
-    y = torch.randint(0, num_classes, (batch_size,), generator=generator).to(device)
-
-    def step() -> None:
-        loss = loss_fn(twin(x), y)
-        loss.backward()
-        twin_optimizer.step()
-        twin_optimizer.zero_grad(set_to_none=True)
-
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        step()
-    synchronize()
-    rates = []
-    for _ in range(blocks):
-        steps, start = 0, time.perf_counter()
-        while True:
-            step()
-            steps += 1
-            synchronize()
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_time / blocks:
-                break
-        rates.append(steps * batch_size / elapsed)
-    return statistics.median(rates)
-
-
-class SurrogateCache:
-    """Throughput observations per (model signature, hardware fingerprint), as JSON files.
-
-    Unreadable or foreign files are ignored with a :class:`TunerCacheWarning`; they are
-    never unpickled or executed. Writes are atomic.
-    """
-
-    FORMAT = 1
-
-    def __init__(self, directory: str | os.PathLike[str] | None = None, *, max_observations: int = 64) -> None:
-        self.directory = Path(directory) if directory is not None else default_cache_dir()
-        self.max_observations = max_observations
-
-    def path(self, key: str) -> Path:
-        return self.directory / f"batch-{key}.json"
-
-    def load(self, key: str) -> list[tuple[int, float]]:
-        """Cached ``(batch_size, samples_per_s)`` observations for ``key``; empty on a miss."""
-        path = self.path(key)
-        if not path.exists():
-            return []
-        try:
-            data = json.loads(path.read_text())
-            if data.get("format") != self.FORMAT or data.get("key") != key:
-                raise ValueError("format or key does not match")
-            observations = [(int(b), float(s)) for b, s in data["observations"]]
-            if any(b < 1 or not math.isfinite(s) or s <= 0 for b, s in observations):
-                raise ValueError("observations out of range")
-            return observations
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
-            warnings.warn(f"ignoring corrupt tuner cache {str(path)!r} ({error}); tuning from scratch", TunerCacheWarning, stacklevel=3)
-            return []
-
-    def save(self, key: str, observations: Sequence[tuple[int, float]]) -> None:
-        recent = [[int(b), float(s)] for b, s in observations][-self.max_observations :]
-        payload = {"format": self.FORMAT, "key": key, "observations": recent}
-        atomic_write_bytes(self.path(key), json.dumps(payload, indent=1).encode())
+    if callable(rule):
+        factor = float(rule(ratio))
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"lr_rule returned {factor!r} for ratio {ratio}; must be a finite number > 0")
+        return factor
+    if rule == "auto":
+        rule = "linear" if isinstance(optimizer, _LINEAR_OPTIMIZERS) else "sqrt"
+    return {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
 
 
 @dataclass(frozen=True)
 class TuningResult:
-    """The outcome of one tune: the chosen batch and how it was found."""
+    """The outcome of one tune: the chosen batch (and threads) and how they were found.
+
+    ``probes`` are ``(batch, threads, samples/s)`` measured by this tune; ``infeasible``
+    the ``(batch, threads, reason)`` that failed to train; ``top_samples_per_s`` the rate
+    at the largest candidate (the anchor) and the chosen threads, if measured.
+    """
 
     batch_size: int
     samples_per_s: float
-    probes: list[tuple[int, float]]
+    probes: list[tuple[int, int, float]]
     seconds: float
     warm: bool
     key: str
     candidates: list[int] = field(default_factory=list)
+    threads: int = 1
+    min_batch_size: int = 1
+    infeasible: list[tuple[int, int, str]] = field(default_factory=list)
+    top_samples_per_s: float | None = None
 
     def predicted_step_time(self) -> float:
         """Seconds one training step at ``batch_size`` should take."""
@@ -211,8 +150,15 @@ class _LoadBaseline:
     bucket: str
 
 
+def _int_arg(label: str, value: Any, low: int, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{label} == {value!r}`, must be an int >= {low}" + (" or None" if optional else ""))
+
+
 class BatchSizeTuner(LearnerPlugin):
-    """Find the training batch size with the highest throughput, and keep it up to date.
+    """Find the training batch size (and optionally thread count) with the highest throughput.
 
     Parameters
     ----------
@@ -220,27 +166,40 @@ class BatchSizeTuner(LearnerPlugin):
         Upper end of the search; lowered further to fit ``memory_budget_bytes``.
     memory_budget_bytes:
         Memory the training step may use; default a quarter of the memory available now.
-    n_calls:
+    n_calls, n_initial_points:
         Probes of a cold tune (the first ``n_initial_points`` spread by Latin hypercube).
     warm_calls:
-        Probes of a tune that starts from cached observations (bounded retune cost).
+        Probes of a tune that starts from cached observations (the first is a quick check of
+        the cached best; if it is off by more than 2.5x the cache is dropped and the tune runs cold).
+    per_octave:
+        Candidate batch sizes per doubling.
+    min_probe_time:
+        Seconds each probe times at least (at least three steps; clearly slower sizes stop early).
     effective_batch_size:
-        Samples per optimizer step. ``None``: one micro-batch per step (the effective
-        batch follows the tuned one). Otherwise micro-batches are accumulated up to it
-        (rounded up to a whole number of micro-batches).
-    scale_lr:
-        Scale the learning rate linearly with the effective batch relative to the
-        reference batch the optimizer was configured for (``reference_batch_size``,
-        default the learner's first stream batch plus its replay share).
-    retune_every:
-        Also retune every this many ``observe`` calls (None: only on events).
-    retune_on_drift:
-        Retune when the monitor reports ``drift_detected``.
-    load_tolerance:
-        Relative departure of the observed step time from its calibrated baseline that
-        counts as a hardware load shift (0.5 = 50 % slower or faster).
+        Samples per optimizer step. ``None``: the learner's own step (its first stream
+        batch plus ``replay_batch_size``), so the tuner changes how a step is computed but
+        not what it is. Micro-batches never exceed it.
+    lr_rule:
+        How learning rates follow the effective batch relative to ``reference_batch_size``:
+        ``"auto"`` (linear for SGD, square root for Adam and other adaptive optimizers),
+        ``"linear"``, ``"sqrt"``, ``"none"`` or a callable ``ratio -> factor``. The live
+        learning rates are rescaled by the ratio of new to old factor at every retune.
+    reference_batch_size:
+        The batch the optimizer's learning rate was chosen for; default the learner's first
+        stream batch plus its replay share.
+    max_wait_samples, max_wait_s:
+        Freshness bound: a step is forced once this many stream samples wait, or the
+        oldest has waited this long (checked at each ``observe``). Default 1 s.
+    tune_threads:
+        Also tune torch's intra-op thread count (applied with ``torch.set_num_threads``).
+    retune_every, retune_on_drift, load_tolerance, calibration_window, min_retune_interval:
+        Retune triggers: a schedule in observes, the monitor's ``drift_detected``, and a
+        load shift (median training rate off its baseline by more than ``load_tolerance``,
+        or the foreign-CPU-load bucket changing), at most once per ``min_retune_interval`` observes.
+    probe_samples:
+        Real samples kept for probes (tiled to the probed batch size).
     cache_dir:
-        Where surrogate observations are cached (default :func:`default_cache_dir`).
+        Where observations are cached (default ``$TASTE_CL_CACHE_DIR`` or ``~/.cache/taste_cl``).
     """
 
     name = "batch_size_tuner"
@@ -256,13 +215,17 @@ class BatchSizeTuner(LearnerPlugin):
         per_octave: int = 4,
         min_probe_time: float = 0.15,
         effective_batch_size: int | None = None,
-        scale_lr: bool = True,
+        lr_rule: LrRule = "auto",
         reference_batch_size: int | None = None,
+        max_wait_samples: int | None = None,
+        max_wait_s: float | None = 1.0,
+        tune_threads: bool = False,
         retune_every: int | None = None,
         retune_on_drift: bool = True,
         load_tolerance: float = 0.5,
         calibration_window: int = 8,
         min_retune_interval: int = 100,
+        probe_samples: int = 256,
         cache_dir: str | os.PathLike[str] | None = None,
         seed: int = 0,
     ) -> None:
@@ -270,17 +233,21 @@ class BatchSizeTuner(LearnerPlugin):
             ("max_batch_size", max_batch_size, 1),
             ("n_calls", n_calls, 1),
             ("n_initial_points", n_initial_points, 1),
-            ("warm_calls", warm_calls, 0),
+            ("warm_calls", warm_calls, 1),
             ("per_octave", per_octave, 1),
             ("calibration_window", calibration_window, 2),
             ("min_retune_interval", min_retune_interval, 0),
+            ("probe_samples", probe_samples, 1),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{label} == {value!r}`, must be an int >= {low}")
-        if effective_batch_size is not None and effective_batch_size < 1:
-            raise ValueError(f"`effective_batch_size == {effective_batch_size}`, must be >= 1 or None")
-        if load_tolerance <= 0:
-            raise ValueError(f"`load_tolerance == {load_tolerance}`, must be > 0")
+            _int_arg(label, value, low)
+        for label, value in (("effective_batch_size", effective_batch_size), ("reference_batch_size", reference_batch_size),
+                             ("max_wait_samples", max_wait_samples), ("retune_every", retune_every)):
+            _int_arg(label, value, 1, optional=True)
+        if not callable(lr_rule) and lr_rule not in _LR_RULES:
+            raise ValueError(f"`lr_rule == {lr_rule!r}`, must be one of {', '.join(map(repr, _LR_RULES))} or a callable")
+        for label, number in (("load_tolerance", load_tolerance), ("min_probe_time", min_probe_time), ("max_wait_s", max_wait_s)):
+            if number is not None and (not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0):
+                raise ValueError(f"`{label} == {number!r}`, must be a finite number > 0")
         self.max_batch_size = max_batch_size
         self.memory_budget_bytes = memory_budget_bytes
         self.n_calls = n_calls
@@ -289,25 +256,34 @@ class BatchSizeTuner(LearnerPlugin):
         self.per_octave = per_octave
         self.min_probe_time = min_probe_time
         self.effective_batch_size = effective_batch_size
-        self.scale_lr = scale_lr
+        self.lr_rule = lr_rule
         self.reference_batch_size = reference_batch_size
+        self.max_wait_samples = max_wait_samples
+        self.max_wait_s = max_wait_s
+        self.tune_threads = tune_threads
         self.retune_every = retune_every
         self.retune_on_drift = retune_on_drift
         self.load_tolerance = load_tolerance
         self.calibration_window = calibration_window
         self.min_retune_interval = min_retune_interval
+        self.probe_samples = probe_samples
         self.cache_dir = cache_dir
         self.seed = seed
         self.cache = SurrogateCache(cache_dir)
         self.result_: TuningResult | None = None
-        self.history_: deque[dict[str, Any]] = deque(maxlen=100)  # (re)tunes: when, why, what
+        self.reference_: int | None = reference_batch_size
+        self.history_: deque[dict[str, Any]] = deque(maxlen=100)  # (re)tunes and failures: when, why, what
+        self._base_threads = torch.get_num_threads()  # torch's count before this tuner set any
         self._load_meter = LoadMeter()
         self._rates: deque[float] = deque(maxlen=calibration_window)
         self._foreign: deque[float] = deque(maxlen=calibration_window)
         self._baseline: _LoadBaseline | None = None  # None until calibrated after a tune
         self._pending_reason: str | None = None
+        self._recent: Samples | None = None  # real stream samples for probes
         self._observes = 0
         self._last_retune = 0
+        self._failures = 0
+        self._retry_at = 0
 
     # ------------------------------------------------------------ standalone
     def tune(
@@ -315,89 +291,156 @@ class BatchSizeTuner(LearnerPlugin):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
-        input_shape: Sequence[int],
-        num_classes: int,
+        samples: Samples,
         *,
-        dtype: torch.dtype = torch.float32,
         foreign_load: float | None = None,
+        anchor: int | None = None,
     ) -> TuningResult:
-        """Measure and return the best batch size for this model on this machine now."""
-        from skopt import Optimizer  # imported here: `import taste_cl` stays light
-        from skopt.space import Integer
+        """Measure and return the best batch size (and threads) for this model on this machine now.
 
+        ``samples`` is ``(x, y)``: real inputs (a tensor, or a dict/tuple/list of tensors)
+        and targets, batch first; probes tile them to each probed size. ``anchor`` (the
+        effective batch of a plan) caps the search and is always measured, so a plan can
+        tell whether smaller micro-batches pay. Nothing passed in is modified. Raises
+        :class:`TuningError` when no size trains.
+        """
         start = time.perf_counter()
-        bucket = load_bucket(self._load_meter.read() if foreign_load is None else foreign_load)
-        trainable = "".join("1" if p.requires_grad else "0" for p in model.parameters())
-        key = f"{model_signature(model, input_shape, dtype)}-{trainable}-{hardware_fingerprint(load=bucket)}"
-        budget = self.memory_budget_bytes
-        if budget is None:
-            import psutil
+        x, y = samples
+        if batch_len(x) != batch_len(y):
+            raise ValueError(f"samples: x has {batch_len(x)} rows, y has {batch_len(y)}")
+        with preserved_rng():
+            runner = ProbeRunner(model, optimizer, loss_fn, samples)
+            bucket = load_bucket(self._load_meter.read() if foreign_load is None else foreign_load)
+            key = self._key(model, optimizer, loss_fn, x, bucket)
+            budget = self.memory_budget_bytes
+            if budget is None:
+                import psutil
 
-            budget = psutil.virtual_memory().available / 4
-        limit = min(self.max_batch_size, max_batch_for_memory(model, input_shape, budget_bytes=budget, dtype=dtype))
-        candidates = candidate_batch_sizes(limit, per_octave=self.per_octave)
-        cached = [(b, s) for b, s in self.cache.load(key) if b in candidates]
-        index = {b: i for i, b in enumerate(candidates)}
-        calls = self.warm_calls if cached else self.n_calls
-        probes: list[tuple[int, float]] = []
-        measured = {b for b, _ in cached}
-        search = None
-        budget = min(calls, len(candidates))
-        for call in range(budget):
-            if cached and call == 0:
-                batch = self._best(cached)[0]  # re-measure the incumbent first: has this machine changed?
-            else:
-                if search is None:
-                    search = self._surrogate(Optimizer, Integer, len(candidates), warm=bool(cached))
-                    if cached or probes:
-                        known = cached + probes
-                        search.tell([[index[b]] for b, _ in known], [-math.log(r) for _, r in known])
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message="The objective has been evaluated", category=UserWarning)
-                    suggested = int(search.ask()[0])
-                batch = candidates[suggested]
-                if batch in measured and not cached:
-                    if len(probes) >= self.n_initial_points + 2:
-                        break  # the surrogate insists on a point it knows: converged
-                    unmeasured = [b for b in candidates if b not in measured]
-                    if unmeasured:  # else re-measure the suggestion
-                        batch = min(unmeasured, key=lambda b: abs(index[b] - suggested))
-            measured.add(batch)
-            rate = measure_throughput(
-                model, optimizer, loss_fn, input_shape, num_classes, batch, min_time=self.min_probe_time, dtype=dtype
-            )
-            probes.append((batch, rate))
-            if search is not None:
-                search.tell([index[batch]], -math.log(rate), fit=call < budget - 1)  # no refit after the last probe
-        observations = cached + probes
-        best, rate = self._best(observations)
-        self.cache.save(key, observations)
-        result = TuningResult(best, rate, probes, time.perf_counter() - start, bool(cached), key, candidates)
-        logger.info("tuned batch size %d (%.0f samples/s) with %d probes in %.2fs (warm=%s)", best, rate, len(probes), result.seconds, result.warm)
+                budget = psutil.virtual_memory().available / 4
+            limit = min(self.max_batch_size, anchor or self.max_batch_size)
+            try:
+                limit = min(limit, max_batch_for_memory(runner.model, x, budget_bytes=budget))
+            except Exception as error:  # noqa: BLE001 - the probes below find out what trains
+                logger.info("no memory estimate (%s); searching up to max_batch_size", error)
+            cached = self.cache.load(key)
+            infeasible: list[tuple[int, int, str]] = []
+            minimum = cached.min_batch_size if cached is not None else self._smallest_trainable(runner, limit, infeasible)
+            threads = thread_options() if self.tune_threads else [torch.get_num_threads()]
+            candidates = candidate_batch_sizes(max(limit, minimum), per_octave=self.per_octave, min_batch_size=minimum)
+            known = [o for o in cached.observations if o[0] in candidates and o[1] in threads] if cached else []
+            search, known, checks = self._search(runner, candidates, threads, known, anchor is not None)
+            if anchor is not None and not known:  # a warm tune relies on the confirmations cached by its cold one
+                self._confirm(search, runner)
+        observations = [(b, t, r) for (b, t), rates in search.rates.items() for r in rates]
+        if not observations and not known:
+            reasons = "; ".join(f"{b}: {why}" for (b, _), why in list(search.infeasible.items())[:3])
+            raise TuningError(f"no batch size in {candidates[0]}..{candidates[-1]} trained ({reasons})")
+        batch, best_threads = search.best() or best_point(known + observations)[0]
+        rate = statistics.fmean(r for b, t, r in known + observations if (b, t) == (batch, best_threads))
+        at_top = [r for b, t, r in known + observations if b == candidates[-1] and t == best_threads]
+        self.cache.save(key, CachedSurface(minimum, known + observations))
+        infeasible += [(b, t, why) for (b, t), why in search.infeasible.items()]
+        result = TuningResult(
+            batch, rate, checks + observations, time.perf_counter() - start, bool(known), key, candidates, best_threads, minimum, infeasible,
+            statistics.fmean(at_top) if at_top else None,
+        )
+        logger.info("tuned batch %d x %d threads (%.0f samples/s), %d probes in %.2fs (warm=%s)",
+                    batch, best_threads, rate, len(observations), result.seconds, result.warm)
         return result
 
-    def _surrogate(self, optimizer_cls: Any, integer_cls: Any, n_candidates: int, *, warm: bool) -> Any:
-        """A GP ask/tell optimizer over candidate indices (log-spaced batch sizes)."""
-        return optimizer_cls(
-            [integer_cls(0, n_candidates - 1)],
-            base_estimator="GP",
-            n_initial_points=1 if warm else min(self.n_initial_points, n_candidates),
-            initial_point_generator="random" if warm else "lhs",
-            acq_func="EI",
-            random_state=self.seed,
-            model_queue_size=1,
-            avoid_duplicates=False,
-            acq_optimizer="sampling",  # the space is a few dozen points: 10,000 samples is waste
-            acq_optimizer_kwargs={"n_points": 8 * n_candidates},
-        )
+    def _search(
+        self, runner: ProbeRunner, candidates: list[int], threads: list[int], known: list[tuple[int, int, float]], anchored: bool
+    ) -> tuple[GridSearch, list[tuple[int, int, float]], list[tuple[int, int, float]]]:
+        """Warm: check the cached best with one quick step (a stale cache, off by 2.5x, is dropped;
+        otherwise the check does not move the cached answer), then ``warm_calls - 1`` probes;
+        cold: an even initial design, then surrogate-guided probes, ``n_calls`` in all.
+        Returns the search, the cached observations used, and the warm check."""
+        search = GridSearch(candidates, threads, per_octave=self.per_octave, seed=self.seed)
+        if known:
+            search.tell_known(known)
+            batch, t = search.best() or best_point(known)[0]
+            cached_rate = statistics.fmean(r for b, u, r in known if (b, u) == (batch, t))
+            try:  # a staleness check only: one quick, noisy step must not move the cached answer
+                fresh: float | None = self._check_rate(runner, batch, t)
+            except Exception:  # noqa: BLE001 - the size no longer trains: the cache is stale
+                fresh = None
+            if fresh is not None and 1 / _STALE_RATIO <= fresh / cached_rate <= _STALE_RATIO:
+                top = (candidates[-1], t)
+                if anchored and top not in search.rates and all((b, u) != top for b, u, _ in known):
+                    search.record(top, lambda: self._check_rate(runner, top[0], top[1]), fit=False)
+                self._explore(search, runner, [], self.warm_calls - 1)
+                return search, known, [(batch, t, fresh)]
+            logger.info("cached rate %.0f at batch %d is stale (now %s): tuning cold", cached_rate, batch, fresh)
+            search = GridSearch(candidates, threads, per_octave=self.per_octave, seed=self.seed)
+        design = search.initial_design(min(self.n_calls, max(self.n_initial_points, len(threads))))
+        if anchored and (candidates[-1], threads[0]) not in design:
+            design.append((candidates[-1], threads[0]))
+        self._explore(search, runner, design, self.n_calls)
+        return search, [], []
+
+    def _confirm(self, search: GridSearch, runner: ProbeRunner) -> None:
+        """Before a plan splits the anchor (largest candidate) into smaller micro-batches, measure
+        both twice more, interleaved, so one lucky probe on a busy machine does not decide."""
+        best = search.best()
+        if best is None:
+            return
+        top = (search.batches[-1], best[1])
+        if best[0] == top[0] or top in search.infeasible:
+            return
+        for _ in range(2):
+            for point in (top, best):
+                search.record(point, lambda p=point: self._measure(runner, p[0], p[1], None, self.min_probe_time), fit=False)
+
+    def _explore(self, search: GridSearch, runner: ProbeRunner, design: list[tuple[int, int]], calls: int) -> None:
+        """Measure ``design`` then surrogate suggestions, ``calls`` probes at most; slower sizes stop
+        early, and the search stops once two suggestions in a row improved the best by under 2 %."""
+        stalled = 0
+        for call in range(calls):
+            if stalled >= 2:
+                break
+            before = search.best_rate()
+            point = design[call] if call < len(design) else search.ask()
+            if point is not None and (point in search.rates or point in search.infeasible):
+                point = search.nearest_open(point) if call < len(design) else search.open_neighbour_of_best()
+            if point is None:
+                break  # the surrogate insists on what it knows and the best point's neighbours are measured
+            best = search.best_rate()
+            stop_below = None if best is None else best / 2
+            rate = search.record(point, lambda p=point, s=stop_below: self._measure(runner, p[0], p[1], s, self.min_probe_time), fit=call < calls - 1)
+            if call >= len(design):
+                stalled = 0 if before is None or (rate is not None and rate > 1.02 * before) else stalled + 1
+
+    def _check_rate(self, runner: ProbeRunner, batch: int, threads: int) -> float:
+        """A quick rate for a warm tune's checks (within 2.5x is all they need): half the probe
+        time, the faster of two timed steps at least (one step alone was held by the scheduler)."""
+        return runner.measure(batch, threads=threads if self.tune_threads else None, min_time=self.min_probe_time / 2, min_steps=2)
+
+    def _measure(self, runner: ProbeRunner, batch: int, threads: int, stop_below: float | None, min_time: float) -> float:
+        return runner.measure(batch, threads=threads if self.tune_threads else None, min_time=min_time, stop_below=stop_below)
 
     @staticmethod
-    def _best(observations: list[tuple[int, float]]) -> tuple[int, float]:
-        """The batch with the highest mean measured throughput (repeats average out noise)."""
-        by_batch: dict[int, list[float]] = {}
-        for batch, rate in observations:
-            by_batch.setdefault(batch, []).append(rate)
-        return max(((b, statistics.fmean(r)) for b, r in by_batch.items()), key=lambda item: item[1])
+    def _smallest_trainable(runner: ProbeRunner, limit: int, infeasible: list[tuple[int, int, str]]) -> int:
+        """The smallest batch (1, 2, 4, ...) one training step works at (BatchNorm: 2)."""
+        batch, failures = runner.smallest_trainable(limit)
+        infeasible += [(b, torch.get_num_threads(), why) for b, why in failures]
+        if not batch:
+            raise TuningError(f"the model did not train at any batch size from 1 to {limit}: {failures[-1][1]}")
+        return batch
+
+    def _key(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, x: Any, bucket: str) -> str:
+        """Model, trainable set, input structure, optimizer and loss types, hardware and load bucket."""
+        leaves, spec = tree_flatten(x)
+        payload = {
+            "model": model_signature(model, (), torch.float32),
+            "trainable": "".join("1" if p.requires_grad else "0" for p in model.parameters()),
+            "inputs": [str(spec), [[list(t.shape[1:]), str(t.dtype)] for t in leaves if isinstance(t, torch.Tensor)]],
+            "optimizer": type(optimizer).__name__,
+            "loss": type(loss_fn).__name__,
+            "threads_tuned": self.tune_threads,
+        }
+        with num_threads(self._base_threads if self.tune_threads else None):  # key independent of the count it set
+            hardware = hardware_fingerprint(load=bucket)
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + f"-{hardware}"
 
     # ------------------------------------------------------------ as a plugin
     def on_attach(self, learner: OnlineLearner, **kwargs: Any) -> None:
@@ -407,15 +450,22 @@ class BatchSizeTuner(LearnerPlugin):
     def _on_drift(self, event: MonitorEvent) -> None:
         self._pending_reason = self._pending_reason or f"stream drift at step {event.step}"
 
-    def on_first_batch(self, learner: OnlineLearner, x: torch.Tensor, **kwargs: Any) -> None:
+    def on_first_batch(self, learner: OnlineLearner, x: Any, y: Any = None, **kwargs: Any) -> None:
+        if self.reference_ is None:
+            self.reference_ = batch_len(x) + (learner.replay_batch_size if learner.replay is not None else 0)
+        if y is not None:
+            keep = torch.arange(min(batch_len(x), self.probe_samples))
+            self._recent = (index_batch(x, keep), index_batch(y, keep))
         if self.result_ is None:
-            self._retune(learner, "first batch", reference=x.shape[0] + learner.replay_batch_size)
+            self._retune(learner, "first batch")
 
     def after_observe(self, learner: OnlineLearner, stats: ObserveStats, **kwargs: Any) -> None:
         self._observes += 1
         if stats.micro_batches and stats.step_time_s > 0:
             self._rates.append(stats.micro_batches * stats.batch_size / stats.step_time_s)
             self._foreign.append(self._load_meter.read())
+        if self._observes < self._retry_at:
+            return
         reason = self._pending_reason or self._load_shift_reason(learner)
         if reason is None and self.retune_every and self._observes % self.retune_every == 0:
             reason = f"schedule (every {self.retune_every} observes)"
@@ -444,26 +494,74 @@ class BatchSizeTuner(LearnerPlugin):
             learner.monitor.emit("load_shift", ratio=ratio, bucket=bucket)
         return reason
 
-    def _retune(self, learner: OnlineLearner, reason: str, *, reference: int | None = None) -> None:
-        assert learner.input_shape is not None and learner.num_classes is not None
-        result = self.tune(
-            learner.model, learner.optimizer, learner.loss_fn, learner.input_shape, learner.num_classes, dtype=learner.dtype
-        )
+    def _probe_samples(self, learner: OnlineLearner) -> Samples:
+        """Real samples: the replay buffer's (its RNG left as it was), else the first stream batch."""
+        replay = learner.replay
+        stored = 0 if replay is None else len(replay)
+        if stored and (self._recent is None or stored >= batch_len(self._recent[0])):
+            with preserved_rng(replay):
+                return replay.sample(min(stored, self.probe_samples))
+        if self._recent is None:
+            raise TuningError("no real samples to probe with yet (empty replay buffer and no stream batch since loading)")
+        return self._recent
+
+    def plan_for(self, result: TuningResult, optimizer: torch.optim.Optimizer) -> tuple[int, int, float] | None:
+        """``(micro_batch, accumulation_steps, lr_scale)`` for ``result``, or None to keep the
+        learner's own step (one per ``observe``, the default when it is also the fastest).
+
+        The effective batch goes in one micro-batch unless balanced micro-batches of at most
+        the tuned size are at least 10 % faster; a micro-batch never exceeds the effective batch.
+        """
+        reference = self.reference_ or result.batch_size
+        effective = max(self.effective_batch_size or reference, result.min_batch_size)
+        top = result.top_samples_per_s
+        if result.batch_size >= effective or (top is not None and result.samples_per_s < _SPLIT_GAIN * top):
+            if self.effective_batch_size is None:
+                return None
+            micro, accumulation = effective, 1
+        else:
+            accumulation = math.ceil(effective / result.batch_size)
+            micro = max(math.ceil(effective / accumulation), result.min_batch_size)
+        return micro, accumulation, lr_scale_for(optimizer, micro * accumulation / reference, self.lr_rule)
+
+    def _retune(self, learner: OnlineLearner, reason: str) -> None:
+        """Tune and apply; on any failure keep the learner as it was, warn, and retry later."""
+        try:
+            effective = self.effective_batch_size or self.reference_
+            result = self.tune(learner.model, learner.optimizer, learner.loss_fn, self._probe_samples(learner), anchor=effective)
+            plan = self.plan_for(result, learner.optimizer)
+            micro, accumulation, lr_scale = plan if plan is not None else (None, 1, 1.0)
+            learner.set_batch_plan(
+                micro, accumulation_steps=accumulation, lr_scale=lr_scale,
+                max_wait_samples=self.max_wait_samples, max_wait_s=self.max_wait_s,
+            )
+        except Exception as error:  # noqa: BLE001 - a failed tune must never break observe
+            self._failures += 1
+            self._retry_at = self._observes + 2 ** min(self._failures, 10)
+            self._pending_reason = reason if reason.startswith("retry") else f"retry after a failed tune ({reason})"
+            self.history_.append({"step": learner.steps, "reason": reason, "failed": f"{type(error).__name__}: {error}"})
+            warnings.warn(
+                f"batch-size tuning failed ({reason}): {type(error).__name__}: {error}; the learner keeps its plan "
+                f"{learner.batch_plan}; retrying in {self._retry_at - self._observes} observes",
+                TuningWarning,
+                stacklevel=2,
+            )
+            return
+        if self.tune_threads:
+            torch.set_num_threads(result.threads)
         self.result_ = result
+        self._failures = 0
         self._last_retune = self._observes
-        if self.reference_batch_size is None and reference is not None:
-            self.reference_batch_size = reference
-        accumulation = max(1, math.ceil((self.effective_batch_size or result.batch_size) / result.batch_size))
-        effective = accumulation * result.batch_size  # the requested effective batch, rounded up to whole micro-batches
-        lr_scale = effective / self.reference_batch_size if self.scale_lr and self.reference_batch_size else 1.0
-        learner.set_batch_plan(result.batch_size, accumulation_steps=accumulation, lr_scale=lr_scale)
         self._rates.clear()
         self._foreign.clear()
         self._baseline = None
         entry = {
             "step": learner.steps,
             "reason": reason,
-            "batch_size": result.batch_size,
+            "batch_size": micro or self.reference_,  # what each forward pass now trains on
+            "tuned_batch_size": result.batch_size,
+            "threads": result.threads,
+            "micro_batch_size": micro,
             "accumulation_steps": accumulation,
             "lr_scale": lr_scale,
             "samples_per_s": result.samples_per_s,
@@ -473,37 +571,61 @@ class BatchSizeTuner(LearnerPlugin):
         }
         self.history_.append(entry)
         learner.monitor.emit("retuned", **entry)
-        logger.info("retuned at step %d because %s: batch %d x%d, lr x%.3g", learner.steps, reason, result.batch_size, accumulation, lr_scale)
+        logger.info("retuned at step %d because %s: plan %s", learner.steps, reason, learner.batch_plan)
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        result = None if self.result_ is None else {
-            "batch_size": self.result_.batch_size,
-            "samples_per_s": self.result_.samples_per_s,
-            "probes": [list(p) for p in self.result_.probes],
-            "seconds": self.result_.seconds,
-            "warm": self.result_.warm,
-            "key": self.result_.key,
-            "candidates": list(self.result_.candidates),
-        }
-        cache = {} if self.result_ is None else {"key": self.result_.key, "observations": [list(o) for o in self.cache.load(self.result_.key)]}
+        result = None if self.result_ is None else asdict(self.result_)
         return {
             "result": result,
-            "reference_batch_size": self.reference_batch_size,
+            "reference": self.reference_,
             "history": list(self.history_),
             "observes": self._observes,
-            "cache": cache,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state["result"]
-        self.result_ = None if saved is None else TuningResult(
-            int(saved["batch_size"]), float(saved["samples_per_s"]), [(int(b), float(s)) for b, s in saved["probes"]],
-            float(saved["seconds"]), bool(saved["warm"]), str(saved["key"]), [int(c) for c in saved["candidates"]],
-        )
-        self.reference_batch_size = state["reference_batch_size"]
+        """Restore :meth:`state_dict` output; every field is validated before anything changes
+        (``ValueError`` naming the field). The result's observations re-seed a missing cache."""
+        if not isinstance(state, dict) or set(state) != {"result", "reference", "history", "observes"}:
+            raise ValueError("batch_size_tuner state must have keys result, reference, history, observes")
+        result = None if state["result"] is None else _result_from_state(state["result"])
+        reference, observes, history = state["reference"], state["observes"], state["history"]
+        _int_arg("tuner state reference", reference, 1, optional=True)
+        _int_arg("tuner state observes", observes, 0)
+        if not isinstance(history, list) or len(history) > 100 or not all(isinstance(h, dict) for h in history):
+            raise ValueError("tuner state history must be a list of at most 100 dicts")
+        self.result_, self.reference_, self._observes = result, reference, observes
         self.history_.clear()
-        self.history_.extend(dict(entry) for entry in state["history"])
-        self._observes = int(state["observes"])
-        if state["cache"] and not self.cache.path(state["cache"]["key"]).exists():
-            self.cache.save(state["cache"]["key"], [(int(b), float(s)) for b, s in state["cache"]["observations"]])
+        self.history_.extend(dict(entry) for entry in history)
+        if result is not None and result.probes and not self.cache.path(result.key).exists():
+            self.cache.save(result.key, CachedSurface(result.min_batch_size, list(result.probes)))
+
+
+def _result_from_state(saved: Any) -> TuningResult:
+    """A :class:`TuningResult` from checkpoint values, each checked (ValueError naming the field)."""
+    names = {f for f in TuningResult.__dataclass_fields__}
+    if not isinstance(saved, dict) or set(saved) != names:
+        raise ValueError(f"tuner state result must have exactly the keys {sorted(names)}")
+    for label in ("batch_size", "threads", "min_batch_size"):
+        _int_arg(f"tuner state result.{label}", saved[label], 1)
+    probes = check_observations([list(p) for p in saved["probes"]] if isinstance(saved["probes"], (list, tuple)) else None, limit=4096)
+    for label in ("samples_per_s", "seconds"):
+        value = saved[label]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"tuner state result.{label} must be a finite number >= 0; got {value!r}")
+    if not isinstance(saved["key"], str) or not isinstance(saved["warm"], bool):
+        raise ValueError("tuner state result.key must be a str and result.warm a bool")  # noqa: TRY004 - one error type for bad state
+    candidates = saved["candidates"]
+    if not isinstance(candidates, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in candidates):
+        raise ValueError("tuner state result.candidates must be a list of ints >= 1")
+    infeasible = saved["infeasible"]
+    if not isinstance(infeasible, list) or not all(isinstance(i, (list, tuple)) and len(i) == 3 for i in infeasible):
+        raise ValueError("tuner state result.infeasible must be a list of (batch, threads, reason)")
+    top = saved["top_samples_per_s"]
+    if top is not None and (isinstance(top, bool) or not isinstance(top, (int, float)) or not 0 < top <= MAX_SAMPLES_PER_S):
+        raise ValueError(f"tuner state result.top_samples_per_s must be None or a rate in (0, {MAX_SAMPLES_PER_S:g}]; got {top!r}")
+    return TuningResult(
+        saved["batch_size"], float(saved["samples_per_s"]), probes, float(saved["seconds"]), saved["warm"], saved["key"],
+        list(candidates), saved["threads"], saved["min_batch_size"], [(int(b), int(t), str(r)) for b, t, r in infeasible],
+        None if top is None else float(top),
+    )

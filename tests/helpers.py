@@ -55,11 +55,11 @@ def fake_hardware(monkeypatch: Any, curve: Callable[[int], float]) -> list[int]:
 
     probes: list[int] = []
 
-    def measure(*args: Any, **kwargs: Any) -> float:
-        probes.append(args[5])
-        return curve(args[5])
+    def measure(self: Any, batch_size: int, **kwargs: Any) -> float:
+        probes.append(batch_size)
+        return curve(batch_size)
 
-    monkeypatch.setattr(tuning, "measure_throughput", measure)
+    monkeypatch.setattr(tuning.ProbeRunner, "measure", measure)
     monkeypatch.setattr(tuning.LoadMeter, "read", lambda self: 0.0)
     return probes
 

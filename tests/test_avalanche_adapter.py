@@ -280,7 +280,7 @@ def test_batch_size_plugin_tunes_and_accumulates_to_the_same_parameters(tiny_tas
     plugin = adapter.TasteBatchSizePlugin(BatchSizeTuner(cache_dir=tmp_path))
     tuned = _train_naive(tiny_tasks[:2], plugin, tuned_sizes)
     micro = plugin.result_.batch_size
-    assert micro == max(set(fake_hardware), key=_small_batch_curve)
+    assert _small_batch_curve(micro) >= 0.95 * max(map(_small_batch_curve, fake_hardware))  # the surrogate's best
     assert 3 <= micro <= 5 and len(plugin.history_) == 1 and not plugin.history_[0]["warm"]
     assert max(plain_sizes.sizes) == 20  # 10 stream + 10 replayed samples per step
     assert max(tuned_sizes.sizes) == micro and len(tuned_sizes.sizes) > 3 * len(plain_sizes.sizes)

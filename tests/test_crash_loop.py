@@ -20,7 +20,7 @@ import torch
 
 from taste_cl import OnlineLearner
 from taste_cl.checkpoint import CHECKPOINT_FILE
-from taste_cl.tuning import SurrogateCache
+from taste_cl._tuner_cache import CachedSurface, SurrogateCache
 from helpers import batch, tiny_learner
 
 ROUNDS = 20
@@ -39,7 +39,7 @@ def _child(directory: Path, cache: SurrogateCache) -> None:
         learner.observe(batch(seed=count))
         count = learner.samples_seen
         learner.save(directory)
-        cache.save(KEY, [(1 + i % 64, float(count + i)) for i in range(count % 64 + 1)])
+        cache.save(KEY, CachedSurface(1, [(1 + i % 64, 1, float(count + i)) for i in range(count % 64 + 1)]))
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (POSIX)")
@@ -48,7 +48,7 @@ def test_sigkill_during_saves_never_leaves_an_unloadable_checkpoint(tmp_path):
     learner = tiny_learner()
     learner.observe(batch())
     learner.save(directory)
-    cache.save(KEY, [(1, 1.0)])
+    cache.save(KEY, CachedSurface(1, [(1, 1, 1.0)]))
     rng = random.Random(0)
     last_seen, mid_write = learner.samples_seen, 0
     for _ in range(ROUNDS):
@@ -73,7 +73,7 @@ def test_sigkill_during_saves_never_leaves_an_unloadable_checkpoint(tmp_path):
         resumed.observe(batch(seed=1))  # and it trains on
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            observations = cache.load(KEY)
-        assert observations and all(b >= 1 and s > 0 for b, s in observations)
+            surface = cache.load(KEY)
+        assert surface is not None and surface.observations and all(b >= 1 and s > 0 for b, _, s in surface.observations)
     assert last_seen > learner.samples_seen  # the children made progress across kills
     print(f"\n{ROUNDS} SIGKILLs, {mid_write} landed while a temp file was open; checkpoint reached {last_seen} samples")

@@ -257,7 +257,7 @@ def test_elastic_reprofiles_at_the_tuned_batch_after_each_retune(tmp_path, monke
     model = _mlp()
     learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), plugins=[elastic, tuner])
     learner.observe(_batch())
-    assert sizes[-1] == tuner.result_.batch_size == learner.batch_plan.micro_batch_size
+    assert sizes[-1] == tuner.history_[-1]["batch_size"]  # the micro-batch now trained on
     learner.monitor.emit("drift_detected")
     learner.monitor.dispatch()
     for _ in range(3):

@@ -121,7 +121,7 @@ CASES: list[tuple[str, Edit, str]] = [
     ("batch plan micro-batch 0", _set("training.batch_plan.micro_batch_size", 0), "micro_batch_size == 0"),
     ("batch plan lr_scale NaN", _set("training.batch_plan.lr_scale", math.nan), "lr_scale == nan"),
     ("accumulated past the window", _set("training.accumulated", 2), "accumulated == 2"),
-    ("base_lrs wrong length", _set("training.base_lrs", [0.1, 0.1]), "list of 1 numbers"),
+    ("unknown training key", _set("training.base_lrs", [0.1, 0.1]), r"unexpected \['base_lrs'\]"),
     ("stream batch size 0", _set("training.stream_batch_size", 0), "stream_batch_size == 0"),
     ("NaN weights", _set(("model", "0.weight"), _nan_first), r"model.0.weight` holds 1 non-finite"),
     ("inf bias", _set(("model", "3.bias"), lambda b: b + math.inf), "non-finite"),

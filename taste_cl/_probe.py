@@ -1,0 +1,211 @@
+"""Probes of the batch-size tuner: real training steps on a private copy of the user's setup.
+
+A :class:`ProbeRunner` deep-copies the model, the loss and the optimizer together (so the
+copy's optimizer holds the copy's parameters, with the user's class, param-group
+hyperparameters and state, whatever its constructor accepts) and trains the copy on real
+samples tiled to the probed batch size, keeping their dtypes and structure (a tensor, or a
+dict/tuple/list of tensors). Nothing the caller owns is touched: not the model, the
+optimizer, the RNG state nor the thread count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from taste_cl._batch import batch_len, call_model, index_batch
+
+__all__ = ["ProbeRunner", "Samples", "max_batch_for_memory", "measure_throughput", "num_threads", "preserved_rng", "thread_options"]
+
+Samples = tuple[Any, Any]  # (inputs, targets): tensors or dicts/tuples/lists of tensors, batch first
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def tile(samples: Samples, size: int) -> Samples:
+    """``size`` samples made by cycling through the real ones."""
+    return index_batch(samples, torch.arange(size) % batch_len(samples[0]))
+
+
+@contextlib.contextmanager
+def num_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` torch intra-op threads (None: unchanged), then restore the count."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def preserved_rng(*owners: object) -> Iterator[None]:
+    """Restore torch's, numpy's and Python's global RNGs, and every ``torch.Generator``
+    attribute of ``owners`` (a replay buffer's), when the block ends."""
+    cuda = torch.cuda.is_initialized()
+    saved = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None, np.random.get_state(), random.getstate())
+    generators = [g for owner in owners for g in vars(owner).values() if isinstance(g, torch.Generator)]
+    states = [g.get_state() for g in generators]
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        if cuda:
+            torch.cuda.set_rng_state_all(saved[1])
+        np.random.set_state(saved[2])
+        random.setstate(saved[3])
+        for generator, state in zip(generators, states):
+            generator.set_state(state)
+
+
+def thread_options() -> list[int]:
+    """Intra-op thread counts worth trying here: powers of two below the usable cores, and the cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return sorted({1, cores} | {2**k for k in range(cores.bit_length()) if 2**k < cores})
+
+
+class ProbeRunner:
+    """Time training steps of a private copy of ``(model, loss_fn, optimizer)`` on real samples.
+
+    The copy is made once; its parameters are reset before every probe, so probes do not
+    drift the weights they time.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, samples: Samples) -> None:
+        batch_len(samples[0])
+        self.model, self.loss_fn, self.optimizer = copy.deepcopy((model, loss_fn, optimizer))
+        self.model.train()
+        self.samples = samples
+        self._params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        with torch.no_grad():
+            self._initial = [p.detach().clone() for p in self._params]
+        first = self._params[0] if self._params else next(self.model.parameters(), None)
+        self._sync = torch.cuda.synchronize if first is not None and first.device.type == "cuda" else None
+
+    def _reset(self) -> None:
+        with torch.no_grad():
+            for param, initial in zip(self._params, self._initial):
+                param.copy_(initial)
+                param.grad = None
+
+    def _step(self, x: Any, y: Any) -> float:
+        start = time.perf_counter()
+        loss = self.loss_fn(call_model(self.model, x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self._sync is not None:
+            self._sync()
+        return time.perf_counter() - start
+
+    def trains_at(self, batch_size: int) -> str | None:
+        """None if one training step at ``batch_size`` works, else why not."""
+        x, y = tile(self.samples, batch_size)
+        self._reset()
+        try:
+            self._step(x, y)
+        except Exception as error:  # noqa: BLE001 - any failure of the user's model makes the size infeasible
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    def smallest_trainable(self, limit: int) -> tuple[int, list[tuple[int, str]]]:
+        """The smallest batch of 1, 2, 4, ... up to ``limit`` one training step works at, and the
+        ``(batch, reason)`` failures before it; ``(0, failures)`` if none works."""
+        failures: list[tuple[int, str]] = []
+        batch = 1
+        while batch <= limit:
+            reason = self.trains_at(batch)
+            if reason is None:
+                return batch, failures
+            failures.append((batch, reason))
+            batch *= 2
+        return 0, failures
+
+    def measure(
+        self, batch_size: int, *, threads: int | None = None, min_time: float = 0.15, min_steps: int = 3, stop_below: float | None = None
+    ) -> float:
+        """Training samples/s at ``batch_size``: ``batch_size`` over the lower-quartile step
+        time of at least ``min_steps`` steps and ``min_time`` seconds, after one warm-up step.
+
+        With ``stop_below``, a size clearly slower than that rate stops early, once its
+        steps have taken a third of ``min_time`` (so a preempted sub-millisecond step on a
+        busy machine cannot end a probe): after the warm-up if it ran at under half of
+        ``stop_below``, else as soon as the median step is under it. Raises whatever the
+        model raises (the caller marks the size infeasible).
+        """
+        x, y = tile(self.samples, batch_size)
+        self._reset()
+        with num_threads(threads):
+            warm = self._step(x, y)
+            if stop_below is not None and warm >= min_time / 3 and batch_size / warm < stop_below / 2:
+                return batch_size / warm
+            times: list[float] = []
+            while len(times) < min_steps or sum(times) < min_time:
+                times.append(self._step(x, y))
+                slow = stop_below is not None and batch_size / _typical(times) < stop_below
+                if slow and sum(times) >= min_time / 3:
+                    break
+        return batch_size / _typical(times)
+
+
+def _typical(times: list[float]) -> float:
+    """The lower-quartile step time: on a shared, oversubscribed CPU a step is often held
+    for a whole scheduler period, which a median over a few dozen milliseconds still
+    catches; the lower quartile keeps the step's own cost and still sees a slowdown that
+    hits every step (too many threads under a busy neighbour)."""
+    return sorted(times)[len(times) // 4]
+
+
+def measure_throughput(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    samples: Samples,
+    batch_size: int,
+    *,
+    threads: int | None = None,
+    min_time: float = 0.15,
+) -> float:
+    """Training samples/s of full steps (forward, backward, optimizer) at ``batch_size`` on
+    ``samples`` (tiled), on copies: the caller's model and optimizer are untouched."""
+    with preserved_rng():
+        return ProbeRunner(model, optimizer, loss_fn, samples).measure(batch_size, threads=threads, min_time=min_time)
+
+
+def max_batch_for_memory(model: nn.Module, x: Any, *, budget_bytes: float) -> int:
+    """Largest batch whose estimated training memory fits ``budget_bytes``.
+
+    Estimate: parameters x4 (weights, gradients, two optimizer moments) plus, per sample,
+    three times the bytes of every leaf module's outputs for one sample of ``x``.
+    """
+    activation_bytes = 0
+
+    def count(_module: nn.Module, _inputs: Any, output: Any) -> None:
+        nonlocal activation_bytes
+        activation_bytes += sum(t.numel() * t.element_size() for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor))
+
+    handles = [m.register_forward_hook(count) for m in model.modules() if not list(m.children())]
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()  # one sample: BatchNorm cannot run it in training mode
+        with torch.no_grad(), preserved_rng():
+            call_model(model, index_batch(x, torch.arange(1)))
+    finally:
+        for module, mode in modes:
+            module.training = mode
+        for handle in handles:
+            handle.remove()
+    fixed = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    return max(1, int((budget_bytes - fixed) // (3 * max(activation_bytes, 1))))
