@@ -17,6 +17,7 @@ momentum buffers; the batch dimension has a lower bound of 2, so a single-sample
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -203,7 +204,9 @@ class EtTrainer:
         self._buffers = (program, data)
         self.spec = spec
         self.sgd = check_sgd(sgd)
-        self.module = TrainingModule(runtime._load_for_executorch_from_buffer(program, data))
+        with warnings.catch_warnings():  # every ExecuTorch training API is marked experimental
+            warnings.simplefilter("ignore")
+            self.module = TrainingModule(runtime._load_for_executorch_from_buffer(program, data))
         warm = [
             torch.zeros((MIN_BATCH, *leaf.shape), dtype=_DTYPES[leaf.dtype]) for leaf in spec.inputs
         ]  # parameters are reachable only after one forward_backward

@@ -286,8 +286,9 @@ def export(
 ) -> Path:
     """Export an :class:`~taste_cl.OnlineLearner` for ExecuTorch training (see :func:`export_model`).
 
-    The learning rate defaults to the learner's times its batch plan's ``lr_scale`` (the
-    plan is recorded); ``example`` defaults to the replay buffer's contents.
+    The learning rate defaults to the learner's current one, which a batch plan has already
+    scaled by its ``lr_scale`` (the plan is recorded; the device takes one step per
+    ``observe``); ``example`` defaults to the replay buffer's contents.
     """
     if not isinstance(learner, OnlineLearner):
         raise TypeError(f"learner must be a taste_cl.OnlineLearner; got {type(learner).__name__}")
@@ -295,9 +296,6 @@ def export(
         model = copy.deepcopy(learner.model)
         optimizer = learner.optimizer
         plan = learner.batch_plan
-        rate = lr
-        if rate is None and isinstance(optimizer, torch.optim.SGD):
-            rate = float(optimizer.param_groups[0]["lr"]) * (plan.lr_scale if plan is not None else 1.0)
         replay = copy.deepcopy(learner.replay) if include_replay else None
         base = _learner_example(learner, example)
         extra = {
@@ -310,16 +308,15 @@ def export(
             "train_iterations": learner.train_iterations,
             "counters": {"samples_seen": learner.samples_seen, "steps": learner.steps},
         }
-        sgd = copy.deepcopy(optimizer) if isinstance(optimizer, torch.optim.SGD) else optimizer
     return export_model(
         model,
         learner.loss_fn,
-        sgd,
+        optimizer,  # only its hyper-parameters are read
         base,
         directory,
         num_classes=learner.num_classes,
         transforms=transforms,
-        lr=rate,
+        lr=lr,
         max_batch_size=max_batch_size,
         extra=extra,
         write_extra=_replay_writer(learner, replay),

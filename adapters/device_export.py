@@ -1,0 +1,120 @@
+"""Export a learner for on-device training through ONNX Runtime, ExecuTorch, or whichever passes the parity gate.
+
+The two runtimes are complementary: ONNX Runtime trains BatchNorm (with batch statistics)
+and pooling, has AdamW, but is deprecated upstream (1.19.2 was its last release, with no
+wheels for Linux aarch64 or Python 3.13) and cannot differentiate Hardswish; ExecuTorch is
+maintained and trains Hardswish, LayerNorm and attention, but ships only SGD, needs BatchNorm
+frozen (``transforms=("freeze_batchnorm",)``) and gets MaxPool2d gradients wrong, which its
+parity gate catches. ``backend="auto"`` tries them in :data:`AUTO_ORDER` and publishes the
+first whose export passes its parity gate; the manifest's ``"selection"`` records the chosen
+backend and why each earlier one was refused.
+
+Options are passed to each backend that accepts them (``transforms``, ``example`` and
+``max_batch_size`` only reach ExecuTorch; ``trainable``, ``optimizer``, ``opset`` only ONNX
+Runtime); an option no tried backend accepts is a ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from taste_cl.adapters._artifacts import (
+    ExportError,
+    read_manifest,
+    staged_folder,
+    write_manifest,
+)
+
+__all__ = ["AUTO_ORDER", "BACKENDS", "export"]
+
+BACKENDS = ("onnxruntime", "executorch")
+# ExecuTorch first: the maintained runtime (wheels for aarch64 and new Pythons), and
+# `taste-cl bench device` measured its SGD step faster than ONNX Runtime's on the zoo
+# models both can train; ONNX Runtime is the fallback for what ExecuTorch refuses (pools,
+# BatchNorm with batch statistics, AdamW). A refusal is cheap: capability checks come first.
+AUTO_ORDER = ("executorch", "onnxruntime")
+
+
+def _exporter(backend: str) -> Callable[..., Path]:
+    if backend == "executorch":
+        from taste_cl.adapters.executorch import export as et_export
+
+        return et_export
+    from taste_cl.adapters.onnx import export as ort_export
+
+    return ort_export
+
+
+def _accepted(function: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
+    names = inspect.signature(function).parameters
+    return {key: value for key, value in options.items() if key in names}
+
+
+def export(learner: Any, directory: str | os.PathLike[str], *, backend: str = "auto", **options: Any) -> Path:
+    """Write on-device training artifacts for ``learner`` with ``backend``; return the folder.
+
+    ``backend`` is ``"onnxruntime"``, ``"executorch"`` or ``"auto"``. A single backend's
+    refusal propagates unchanged; under ``"auto"`` an :class:`ExportError` lists every
+    backend's refusal when none passes. ``directory`` is written only on success.
+    """
+    if backend not in (*BACKENDS, "auto"):
+        raise ValueError(f"`backend == {backend!r}`, must be one of {[*BACKENDS, 'auto']}")
+    order = AUTO_ORDER if backend == "auto" else (backend,)
+    exporters = {name: _exporter_or_none(name) for name in order}
+    unknown = set(options)
+    for function in exporters.values():
+        if function is not None:
+            unknown -= set(_accepted(function, options))
+    if unknown and any(exporters.values()):
+        raise TypeError(f"export options {sorted(unknown)} are accepted by none of the backends {list(order)}")
+    if backend != "auto":
+        return _exporter(backend)(learner, directory, **_accepted(_exporter(backend), options))
+    refused: dict[str, str] = {}
+    with staged_folder(directory) as stage:
+        for name in order:
+            function = exporters[name]
+            if function is None:
+                refused[name] = f"not installed (pip install 'taste-cl[{'onnx' if name == 'onnxruntime' else name}]')"
+                continue
+            trial = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=stage.parent))
+            try:
+                function(learner, trial / "out", **_accepted(function, options))
+            except (ValueError, ImportError) as error:  # ExportError/ParityError are ValueErrors
+                refused[name] = f"{type(error).__name__}: {error}"
+                continue
+            else:
+                for item in (trial / "out").iterdir():
+                    os.replace(item, stage / item.name)
+                manifest = {k: v for k, v in read_manifest(stage).items() if k != "files"}
+                manifest["selection"] = {"backend": name, "order": list(order), "refused": refused}
+                write_manifest(stage, manifest)
+                return Path(directory).absolute()
+            finally:
+                shutil.rmtree(trial, ignore_errors=True)
+        raise ExportError(
+            "no device backend can train this model with parity: "
+            + "; ".join(f"{name}: {reason}" for name, reason in refused.items())
+        )
+
+
+def _exporter_or_none(backend: str) -> Callable[..., Path] | None:
+    """The backend's export function, or None when its package is not installed."""
+    try:
+        function = _exporter(backend)
+        if backend == "executorch":
+            from taste_cl.adapters._et_runtime import executorch_runtime
+
+            executorch_runtime()
+        else:
+            from taste_cl.adapters.onnx import _ort
+
+            _ort()
+    except ImportError:
+        return None
+    return function
