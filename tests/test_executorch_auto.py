@@ -1,0 +1,88 @@
+"""``learner.export(backend="auto")``: the first backend passing its parity gate is published, refusals recorded."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("executorch.extension.training")
+pytest.importorskip("onnxruntime.training")
+
+from taste_cl import OnlineLearner, ReservoirReplay
+from taste_cl.adapters._artifacts import ExportError
+from taste_cl.adapters.device_export import AUTO_ORDER
+from taste_cl.adapters.executorch import EtOnlineLearner
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _trained(model: nn.Module, shape: tuple[int, ...], optimizer: torch.optim.Optimizer | None = None) -> OnlineLearner:
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.05)
+    learner = OnlineLearner(model, optimizer=optimizer, replay=ReservoirReplay(capacity=32), replay_batch_size=4)
+    for _ in range(3):
+        learner.observe((torch.randn(8, *shape), torch.randint(0, 3, (8,))))
+    return learner
+
+
+def _manifest(folder) -> dict:
+    return json.loads((folder / "manifest.json").read_text())
+
+
+def test_auto_tries_executorch_first():
+    assert AUTO_ORDER == ("executorch", "onnxruntime")
+
+
+def test_maxpool_cnn_is_refused_by_executorch_and_published_through_onnxruntime(tmp_path):
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(6 * 4 * 4, 3))
+    folder = _trained(model, (3, 8, 8)).export(tmp_path / "art", backend="auto")
+    selection = _manifest(folder)["selection"]
+    assert selection["backend"] == "onnxruntime"
+    assert "executorch parity FAILED" in selection["refused"]["executorch"]
+    assert (folder / "training_model.onnx").is_file() and not (folder / "model.pte").exists()
+
+
+def test_hardswish_mlp_is_published_through_executorch(tmp_path):
+    model = nn.Sequential(nn.Linear(6, 16), nn.Hardswish(), nn.Linear(16, 3))
+    folder = _trained(model, (6,)).export(tmp_path / "art", backend="auto")
+    manifest = _manifest(folder)
+    assert manifest["selection"] == {"backend": "executorch", "order": list(AUTO_ORDER), "refused": {}}
+    assert EtOnlineLearner.from_artifacts(folder).observe((np.zeros((4, 6), np.float32), np.zeros(4, np.int64))).steps == 1
+
+
+def test_no_backend_passing_is_an_error_naming_each_refusal_and_writes_nothing(tmp_path):
+    # Hardswish: ONNX Runtime has no gradient; MaxPool2d: ExecuTorch's gradient is wrong
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.Hardswish(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(96, 3))
+    learner = _trained(model, (3, 8, 8))
+    with pytest.raises(ExportError, match="executorch: .*parity FAILED.*; onnxruntime: .*HardSwish"):
+        learner.export(tmp_path / "art", backend="auto")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_mobilenet_v3_small_trains_on_device_through_auto_with_parity(tmp_path):
+    from zoo import ZOO
+
+    model, loss_fn, _ = ZOO["mobilenet_v3_small"].build(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    learner = OnlineLearner(model, loss_fn=loss_fn, optimizer=optimizer, replay=ReservoirReplay(capacity=32))
+    for seed in range(2):
+        learner.observe(ZOO["mobilenet_v3_small"].batch(8, seed))
+    folder = learner.export(tmp_path / "art", backend="auto", transforms=["freeze_batchnorm", "disable_dropout"])
+    manifest = _manifest(folder)
+    assert manifest["selection"]["backend"] == "executorch"
+    assert manifest["transforms"] == ["freeze_batchnorm", "disable_dropout"]
+    assert manifest["parity"]["max_param_diff"] < 1e-4 and manifest["parity"]["steps"] == 20
+    device = EtOnlineLearner.from_artifacts(folder)
+    x, y = ZOO["mobilenet_v3_small"].batch(8, 5)
+    losses = [device.observe((x.numpy(), y.numpy())).loss for _ in range(5)]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
