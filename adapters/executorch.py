@@ -443,6 +443,16 @@ class EtOnlineLearner:
                 skipped=steps < self.train_iterations,
             )
 
+    def train_step(self, x: Any, y: Any) -> tuple[np.ndarray, float, bool]:
+        """One SGD step on a batch (no replay, no counters); return ``(outputs, loss, skipped)``.
+
+        A non-finite loss or gradient skips the update, as in the PyTorch learner.
+        """
+        with self._lock:
+            inputs = self.spec.flat_inputs(x)
+            loss, outputs, skipped = self.trainer.run(inputs, self.spec.targets(y, inputs[0].shape[0]), step=True)
+            return outputs.numpy(), loss, skipped
+
     def _accuracy(self, outputs: torch.Tensor, y: torch.Tensor) -> float:
         if self.spec.num_classes is None or y.is_floating_point() or outputs.dim() != 2:
             return math.nan

@@ -16,6 +16,7 @@ __all__ = ["BENCHMARKS", "main"]
 # benchmark name -> module with a ``main(argv) -> int``
 BENCHMARKS: dict[str, str] = {
     "batch-size": "taste_cl.benchmarks.batch_size",
+    "device": "taste_cl.benchmarks.device_runtimes",
     "elastic": "taste_cl.benchmarks.elastic",
     "federated": "taste_cl.benchmarks.federated",
     "online-digits": "taste_cl.benchmarks.online_digits",
