@@ -52,7 +52,8 @@ def test_maxpool_cnn_is_refused_by_executorch_and_published_through_onnxruntime(
 
 def test_hardswish_mlp_is_published_through_executorch(tmp_path):
     model = nn.Sequential(nn.Linear(6, 16), nn.Hardswish(), nn.Linear(16, 3))
-    folder = _trained(model, (6,)).export(tmp_path / "art", backend="auto")
+    example = (torch.randn(10, 6), torch.randint(0, 3, (10,)))  # an ExecuTorch-only option: ONNX Runtime skips it
+    folder = _trained(model, (6,)).export(tmp_path / "art", backend="auto", example=example)
     manifest = _manifest(folder)
     assert manifest["selection"]["backend"] == "executorch"
     assert "HardSwish" in manifest["selection"]["refused"]["onnxruntime"]
