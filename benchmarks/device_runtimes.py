@@ -88,7 +88,7 @@ def _export_all(learner: OnlineLearner, folder: Path) -> tuple[dict[str, Any], d
         start = time.perf_counter()
         try:
             target = learner.export(folder / backend, backend=backend, **options)
-        except (ValueError, ImportError) as error:
+        except Exception as error:  # noqa: BLE001 - any failure to export is reported as that backend's refusal
             facts[backend] = {"refused": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
             continue
         seconds = time.perf_counter() - start
@@ -113,8 +113,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="steps per timed round")
     parser.add_argument("--repeats", type=int, default=5, help="alternating rounds per variant")
     parser.add_argument("--zoo", action="store_true", help="add MobileNetV3-small and the BatchNorm+Dropout MLP")
+    parser.add_argument("--models", nargs="+", metavar="WORD", help="only the models whose name contains one of these words")
     args = parse(parser, argv)
     models = {**MODELS, **(ZOO_MODELS if args.zoo else {})}
+    if args.models:
+        models = {name: spec for name, spec in models.items() if any(word in name for word in args.models)}
+        if not models:
+            parser.error(f"--models {args.models} matches none of {sorted({**MODELS, **ZOO_MODELS})}")
     rows: list[list[Any]] = []
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:

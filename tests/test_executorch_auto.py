@@ -98,3 +98,14 @@ def test_mobilenet_v3_small_trains_on_device_through_auto_with_parity(tmp_path):
     assert all(np.isfinite(s.loss) and s.steps == 1 for s in stats)
     after = device.parameters()
     assert any(not np.array_equal(before[name], after[name]) for name in before)
+
+
+def test_bench_device_reports_both_backends(tmp_path, capsys):
+    from taste_cl.cli import main
+
+    argv = ["bench", "device", "--models", "layernorm", "--steps", "2", "--repeats", "1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    (run,) = json.loads((tmp_path / "device_runtimes.json").read_text())["runs"]
+    assert "HardSwish" in run["backends"]["onnxruntime"]["refused"]
+    assert run["backends"]["executorch"]["samples_per_s"] > 0 and run["backends"]["executorch"]["artifact_bytes"] > 0
+    assert "device/torch" in capsys.readouterr().out
