@@ -30,7 +30,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,17 @@ def _write_program(lowered: Any, folder: Path) -> None:
     (folder / f"{next(iter(data))}.ptd").rename(folder / WEIGHTS)
 
 
+def _cpu_example(example: tuple[Any, Any], limit: int) -> tuple[Any, torch.Tensor]:
+    """The example on the CPU, floats as float32 (integers keep their dtype), at most ``limit`` rows."""
+
+    def leaf(value: Any) -> torch.Tensor:
+        tensor = torch.as_tensor(value).detach().cpu()[:limit]
+        return tensor.float() if tensor.is_floating_point() else tensor
+
+    x, y = example
+    return ({key: leaf(value) for key, value in x.items()} if isinstance(x, Mapping) else leaf(x)), leaf(y)
+
+
 def _as_numpy(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {key: _as_numpy(item) for key, item in value.items()}
@@ -185,6 +196,7 @@ def export_model(
     executorch_runtime()
     names = _validate_options(max_batch_size, transforms, parity_steps)
     sgd = sgd_config(optimizer, lr)
+    example = _cpu_example(example, max_batch_size)
     x, y = example
     if y.shape[0] < MIN_BATCH:
         raise ValueError(f"`example` has {y.shape[0]} samples, must have at least {MIN_BATCH}")
@@ -428,7 +440,7 @@ class EtOnlineLearner:
                 losses.append(loss)
             elapsed = time.perf_counter() - start
             if self.replay is not None:
-                self.replay.add(raw_x if isinstance(raw_x, Mapping) else inputs[0], y)
+                self.replay.add(dict(zip(self.spec.keys, inputs)) if self.spec.keys is not None else inputs[0], y)
             self.samples_seen += n
             self.steps += 1
             return ObserveStats(
@@ -493,7 +505,3 @@ def _count(value: Any, name: str, low: int) -> int:
         raise ArtifactError(f"manifest `{name} == {value!r}`, must be an int >= {low}")
     return value
 
-
-def parity_batches(example: tuple[Any, torch.Tensor], steps: int = PARITY_STEPS) -> Iterable[tuple[Any, np.ndarray]]:
-    """The batches the gate trains on (sizes 3 and 8 in turn, drawn from ``example``); for benchmarks."""
-    return _parity_batches(example, steps)
