@@ -289,3 +289,19 @@ def test_importing_taste_cl_does_not_import_executorch():
 
     code = "import sys, taste_cl; print('executorch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+@pytest.mark.slow
+def test_zoo_text_transformer_trains_with_parity_without_dropout(tmp_path):
+    from zoo import ZOO
+
+    model, loss_fn, _ = ZOO["text_transformer"].build(0)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    folder = export_model(
+        model, loss_fn, sgd, ZOO["text_transformer"].batch(16, 0), tmp_path / "art", num_classes=4, transforms=["disable_dropout"]
+    )
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["transforms"] == ["disable_dropout"] and manifest["parity"]["max_param_diff"] < 1e-5
+    x, y = ZOO["text_transformer"].batch(6, 1)
+    stats = EtOnlineLearner.from_artifacts(folder).observe(({k: v.numpy() for k, v in x.items()}, y.numpy()))
+    assert stats.steps == 1 and math.isfinite(stats.loss)
