@@ -34,12 +34,13 @@ from taste_cl.adapters._artifacts import (
 __all__ = ["AUTO_ORDER", "BACKENDS", "export"]
 
 BACKENDS = ("onnxruntime", "executorch")
-# ONNX Runtime first, measured (`taste-cl bench device`, 1 thread, batch 32): on the models
-# both runtimes train, its SGD step ran 2.3x (MLP) and 1.8x (stride-2 CNN) eager PyTorch's
-# samples/s, ExecuTorch's (the Python runtime's portable kernels) 0.44x and 0.11x, and its
-# export took about a second against tens of seconds. ExecuTorch is the fallback for what
-# ONNX Runtime refuses (Hardswish, some LayerNorm graphs) and where ONNX Runtime has no
-# wheel (Linux aarch64, Python 3.13): there it is refused as not installed. Pass
+# ONNX Runtime first, measured (`taste-cl bench device --zoo`, 1 thread, batch 32, see
+# docs/executorch.md): on the models both runtimes train, its SGD step ran 2.4x (MLP) and
+# 1.4x (stride-2 CNN) eager PyTorch's samples/s, ExecuTorch's (the Python runtime's
+# portable kernels) 0.33x and 0.08x, and its export took under a second against 10-20 s.
+# ExecuTorch is the fallback for what ONNX Runtime refuses (Hardswish, HardSigmoid,
+# BatchNorm eval graphs, some LayerNorm graphs) and where ONNX Runtime has no wheel (Linux
+# aarch64, Python 3.13): there it is refused as not installed. Pass
 # ``order=("executorch", "onnxruntime")`` to prefer the maintained runtime.
 AUTO_ORDER = ("onnxruntime", "executorch")
 
