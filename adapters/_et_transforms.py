@@ -38,6 +38,9 @@ class FrozenBatchNorm(nn.Module):
     which is what ``BatchNorm`` computes in eval mode; the statistics are buffers and never change.
     """
 
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+
     def __init__(self, source: nn.modules.batchnorm._BatchNorm) -> None:
         super().__init__()
         channels = source.num_features

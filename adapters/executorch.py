@@ -271,6 +271,7 @@ def _learner_example(learner: OnlineLearner, example: tuple[Any, Any] | None) ->
             "exporting for ExecuTorch needs example data to fix shapes and check parity: pass example=(x, y) "
             f"or export after the replay buffer holds at least 8 samples (it holds {size})"
         )
+    assert isinstance(storage, dict)  # size > 0 was read from it
     return storage["x"][:size].cpu(), storage["y"][:size].cpu()
 
 
@@ -440,7 +441,8 @@ class EtOnlineLearner:
                 losses.append(loss)
             elapsed = time.perf_counter() - start
             if self.replay is not None:
-                self.replay.add(dict(zip(self.spec.keys, inputs)) if self.spec.keys is not None else inputs[0], y)
+                stored: Any = dict(zip(self.spec.keys, inputs)) if self.spec.keys is not None else inputs[0]
+                self.replay.add(stored, y)
             self.samples_seen += n
             self.steps += 1
             return ObserveStats(
@@ -484,7 +486,8 @@ class EtOnlineLearner:
         with self._lock, staged_folder(directory) as stage:
             for name in (PROGRAM, WEIGHTS):
                 (stage / name).write_bytes(read_verified(self.directory, self.manifest, name))
-            np.savez(stage / PARAMS, **self.trainer.parameters())
+            params: dict[str, Any] = self.trainer.parameters()
+            np.savez(stage / PARAMS, **params)
             manifest = {key: value for key, value in self.manifest.items() if key != "files"}
             manifest.update(
                 params=PARAMS,

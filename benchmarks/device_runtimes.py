@@ -80,7 +80,10 @@ def _export_all(learner: OnlineLearner, folder: Path) -> tuple[dict[str, Any], d
     from taste_cl.adapters.executorch import EtOnlineLearner
     from taste_cl.adapters.onnx import OrtOnlineLearner
 
-    loaders = {"onnxruntime": OrtOnlineLearner.from_artifacts, "executorch": EtOnlineLearner.from_artifacts}
+    loaders: dict[str, Callable[[Path], Any]] = {
+        "onnxruntime": OrtOnlineLearner.from_artifacts,
+        "executorch": EtOnlineLearner.from_artifacts,
+    }
     devices: dict[str, Any] = {}
     facts: dict[str, dict[str, Any]] = {}
     for backend in BACKENDS:
@@ -103,8 +106,12 @@ def _variants(learner: OnlineLearner, devices: dict[str, Any], x: torch.Tensor, 
     x_np, y_np = x.numpy(), y.numpy()
     variants: dict[str, Callable[[], Any]] = {"torch": lambda: learner.train_step(x, y)}
     for name, device in devices.items():
-        variants[name] = lambda d=device: d.train_step(x_np, y_np)
+        variants[name] = _device_step(device, x_np, y_np)
     return variants
+
+
+def _device_step(device: Any, x: Any, y: Any) -> Callable[[], Any]:
+    return lambda: device.train_step(x, y)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
