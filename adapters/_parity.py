@@ -189,19 +189,23 @@ def check_parity(
     *,
     backend: str,
     tolerance: float | None = None,
+    param_tolerance: float | None = None,
 ) -> ParityReport:
     """Train ``reference`` and ``candidate`` on the same ``batches``; raise :class:`ParityError` if they differ.
 
     Compares the outputs on the first batch before training and on every batch after it,
     every step's loss, and every parameter of the reference (the candidate must report all
     of them under the same names). ``tolerance`` (default: from the reference's output
-    dtype, 1e-4 for float32) applies to all three scaled differences. Returns the report.
+    dtype, 1e-4 for float32) applies to all three scaled differences; ``param_tolerance``
+    (default: ``tolerance``) overrides it for parameters, e.g. for Adam-type optimizers,
+    which turn rounding noise in a zero gradient into a full ``lr`` step. Returns the report.
     """
     batches = list(batches)
     if not batches:
         raise ValueError("`batches` is empty, must hold at least one (x, y) batch")
-    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance > 0):
-        raise ValueError(f"`tolerance == {tolerance!r}`, must be None or a number > 0")
+    for name, value in (("tolerance", tolerance), ("param_tolerance", param_tolerance)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ValueError(f"`{name} == {value!r}`, must be None or a number > 0")
     first = reference.predict(batches[0][0])
     tol = float(tolerance) if tolerance is not None else default_tolerance(np.asarray(first).dtype)
     output_diff = _scaled_diff(first, candidate.predict(batches[0][0]))
@@ -215,7 +219,8 @@ def check_parity(
     if missing:
         raise ValueError(f"{backend} reports no values for the trainable parameters {missing}")
     param_diff = max((_scaled_diff(expected[name], got[name]) for name in expected), default=0.0)
-    report = ParityReport(backend, len(batches), output_diff, loss_diff, param_diff, tol, tol, tol)
+    param_tol = float(param_tolerance) if param_tolerance is not None else tol
+    report = ParityReport(backend, len(batches), output_diff, loss_diff, param_diff, tol, tol, param_tol)
     if not report.passed:
         raise ParityError(report)
     return report
