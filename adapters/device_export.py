@@ -16,6 +16,7 @@ Runtime); an option no tried backend accepts is a ``TypeError``.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import shutil
@@ -55,8 +56,17 @@ def _exporter(backend: str) -> Callable[..., Path]:
     return ort_export
 
 
+_PACKAGES = {"onnxruntime": ("onnx", "onnxruntime"), "executorch": ("executorch",)}
+# what ``taste_cl.adapters.onnx.export`` passes on to its ``export_model`` through ``**options``
+_ORT_PASSTHROUGH = frozenset({"trainable", "batchnorm", "lr", "verify", "parity_steps", "tolerance", "opset"})
+
+
 def _accepted(function: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
-    names = inspect.signature(function).parameters
+    """The options ``function`` takes: its keyword parameters, plus the documented pass-through of a ``**``."""
+    parameters = inspect.signature(function).parameters
+    names = {name for name, p in parameters.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        names |= _ORT_PASSTHROUGH
     return {key: value for key, value in options.items() if key in names}
 
 
@@ -119,17 +129,7 @@ def export(
 
 
 def _exporter_or_none(backend: str) -> Callable[..., Path] | None:
-    """The backend's export function, or None when its package is not installed."""
-    try:
-        function = _exporter(backend)
-        if backend == "executorch":
-            from taste_cl.adapters._et_runtime import executorch_runtime
-
-            executorch_runtime()
-        else:
-            from taste_cl.adapters.onnx import _ort
-
-            _ort()
-    except ImportError:
+    """The backend's export function, or None when its packages are not installed."""
+    if any(importlib.util.find_spec(package) is None for package in _PACKAGES[backend]):
         return None
-    return function
+    return _exporter(backend)

@@ -48,6 +48,7 @@ from taste_cl.adapters._artifacts import (
     staged_folder,
     write_manifest,
 )
+from taste_cl.adapters._et_replay import load_replay, save_replay
 from taste_cl.adapters._et_runtime import (
     MIN_BATCH,
     EtTrainer,
@@ -59,7 +60,7 @@ from taste_cl.adapters._et_runtime import (
 from taste_cl.adapters._et_transforms import apply_transforms, needed_transforms
 from taste_cl.adapters._parity import ParityReport, TorchTrainer, check_parity
 from taste_cl.learner import ObserveStats, OnlineLearner
-from taste_cl.replay import ReservoirReplay
+from taste_cl.replay import ReplayStrategy, ReservoirReplay
 
 __all__ = ["BACKEND", "EtOnlineLearner", "UnsupportedModelError", "export", "export_model"]
 
@@ -275,14 +276,9 @@ def _learner_example(learner: OnlineLearner, example: tuple[Any, Any] | None) ->
     return storage["x"][:size].cpu(), storage["y"][:size].cpu()
 
 
-def _replay_writer(learner: OnlineLearner, replay: Any) -> Callable[[Path], dict[str, Any]]:
+def _replay_writer(replay: ReplayStrategy | None) -> Callable[[Path], dict[str, Any]]:
     def write(stage: Path) -> dict[str, Any]:
-        if replay is None:
-            return {"replay": None}
-        # one replay file format for every device backend
-        from taste_cl.adapters.onnx import _save_replay
-
-        return {"replay": _save_replay(stage / REPLAY, replay)}
+        return {"replay": None if replay is None else save_replay(stage / REPLAY, replay)}
 
     return write
 
@@ -332,19 +328,15 @@ def export(
         lr=lr,
         max_batch_size=max_batch_size,
         extra=extra,
-        write_extra=_replay_writer(learner, replay),
+        write_extra=_replay_writer(replay),
     )
 
 
 # --------------------------------------------------------- on-device learner
-def _load_replay(folder: Path, manifest: dict[str, Any]) -> ReservoirReplay | None:
-    info = manifest.get("replay")
-    if info is None:
+def _load_replay(folder: Path, manifest: dict[str, Any], spec: IOSpec) -> ReservoirReplay | None:
+    if manifest.get("replay") is None:
         return None
-    from taste_cl.adapters.onnx import _load_replay as load
-
-    read_verified(folder, manifest, REPLAY)  # re-check the hash right before parsing
-    return load(folder / REPLAY)
+    return load_replay(read_verified(folder, manifest, REPLAY), spec)
 
 
 class EtOnlineLearner:
@@ -397,7 +389,7 @@ class EtOnlineLearner:
                     trainer.load_parameters({name: saved[name] for name in saved.files})
                 except ValueError as error:
                     raise ArtifactError(f"{str(folder)!r}: {error}") from None
-        return cls(directory=folder, manifest=manifest, trainer=trainer, replay=_load_replay(folder, manifest))
+        return cls(directory=folder, manifest=manifest, trainer=trainer, replay=_load_replay(folder, manifest, spec))
 
     @property
     def lr(self) -> float:
@@ -496,9 +488,7 @@ class EtOnlineLearner:
                 replay=None,
             )
             if self.replay is not None:
-                from taste_cl.adapters.onnx import _save_replay
-
-                manifest["replay"] = _save_replay(stage / REPLAY, self.replay)
+                manifest["replay"] = save_replay(stage / REPLAY, self.replay)
             write_manifest(stage, manifest)
         return Path(directory).absolute()
 

@@ -50,13 +50,24 @@ def test_maxpool_cnn_is_refused_by_executorch_and_published_through_onnxruntime(
     assert (folder / "training_model.onnx").is_file() and not (folder / "model.pte").exists()
 
 
-def test_hardswish_mlp_is_published_through_executorch(tmp_path):
-    model = nn.Sequential(nn.Linear(6, 16), nn.Hardswish(), nn.Linear(16, 3))
-    example = (torch.randn(10, 6), torch.randint(0, 3, (10,)))  # an ExecuTorch-only option: ONNX Runtime skips it
-    folder = _trained(model, (6,)).export(tmp_path / "art", backend="auto", example=example)
+class Bilinear(nn.Module):
+    """A bilinear classifier written with ``torch.einsum``: ONNX Runtime has no Einsum gradient, ExecuTorch trains it."""
+
+    def __init__(self, features: int = 6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, features, features) * 0.1)
+        self.bias = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("ni,kij,nj->nk", x, self.weight, x) + self.bias
+
+
+def test_einsum_model_refused_by_onnxruntime_is_published_through_executorch(tmp_path):
+    example = (torch.randn(10, 6), torch.randint(0, 3, (10,)))  # both backends take example=
+    folder = _trained(Bilinear(), (6,)).export(tmp_path / "art", backend="auto", example=example)
     manifest = _manifest(folder)
     assert manifest["selection"]["backend"] == "executorch"
-    assert "HardSwish" in manifest["selection"]["refused"]["onnxruntime"]
+    assert "Einsum" in manifest["selection"]["refused"]["onnxruntime"]
     assert EtOnlineLearner.from_artifacts(folder).observe((np.zeros((4, 6), np.float32), np.zeros(4, np.int64))).steps == 1
 
 
@@ -68,10 +79,11 @@ def test_bad_order_is_refused(tmp_path):
 
 
 def test_no_backend_passing_is_an_error_naming_each_refusal_and_writes_nothing(tmp_path):
-    # Hardswish: ONNX Runtime has no gradient; MaxPool2d: ExecuTorch's gradient is wrong
-    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.Hardswish(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(96, 3))
-    learner = _trained(model, (3, 8, 8))
-    with pytest.raises(ExportError, match="onnxruntime: .*HardSwish.*; executorch: .*parity FAILED"):
+    # Einsum: ONNX Runtime has no gradient; MaxPool2d: ExecuTorch's gradient is wrong
+    conv = nn.Conv2d(3, 6, 3, padding=1)
+    model = nn.Sequential(conv, nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), Bilinear(36))  # (3, 4, 6) -> (6, 2, 3)
+    learner = _trained(model, (3, 4, 6))
+    with pytest.raises(ExportError, match="onnxruntime: .*Einsum.*; executorch: .*parity FAILED"):
         learner.export(tmp_path / "art", backend="auto")
     assert list(tmp_path.iterdir()) == []
 
@@ -85,11 +97,13 @@ def test_mobilenet_v3_small_trains_on_device_through_auto_with_parity(tmp_path):
     learner = OnlineLearner(model, loss_fn=loss_fn, optimizer=optimizer, replay=ReservoirReplay(capacity=32))
     for seed in range(2):
         learner.observe(ZOO["mobilenet_v3_small"].batch(8, seed))
-    folder = learner.export(tmp_path / "art", backend="auto", transforms=["freeze_batchnorm", "disable_dropout"])
+    transforms = ["freeze_batchnorm", "disable_dropout"]
+    chosen = _manifest(learner.export(tmp_path / "default", backend="auto", transforms=transforms))
+    assert chosen["selection"]["backend"] in AUTO_ORDER  # ONNX Runtime with its own transforms, when it passes
+    folder = learner.export(tmp_path / "art", backend="auto", transforms=transforms, order=["executorch", "onnxruntime"])
     manifest = _manifest(folder)
-    assert manifest["selection"]["backend"] == "executorch"
-    assert "HardSwish" in manifest["selection"]["refused"]["onnxruntime"]
-    assert manifest["transforms"] == ["freeze_batchnorm", "disable_dropout"]
+    assert manifest["selection"] == {"backend": "executorch", "order": ["executorch", "onnxruntime"], "refused": {}}
+    assert manifest["transforms"] == transforms
     assert manifest["parity"]["max_param_diff"] < 1e-4 and manifest["parity"]["steps"] == 20
     device = EtOnlineLearner.from_artifacts(folder)
     before = device.parameters()
@@ -106,6 +120,6 @@ def test_bench_device_reports_both_backends(tmp_path, capsys):
     argv = ["bench", "device", "--models", "layernorm", "--steps", "2", "--repeats", "1", "--out", str(tmp_path)]
     assert main(argv) == 0
     (run,) = json.loads((tmp_path / "device_runtimes.json").read_text())["runs"]
-    assert "HardSwish" in run["backends"]["onnxruntime"]["refused"]
+    assert set(run["backends"]) == {"onnxruntime", "executorch"}
     assert run["backends"]["executorch"]["samples_per_s"] > 0 and run["backends"]["executorch"]["artifact_bytes"] > 0
     assert "device/torch" in capsys.readouterr().out
