@@ -1,17 +1,19 @@
 """Export a learner for on-device training through ONNX Runtime, ExecuTorch, or whichever passes the parity gate.
 
-The two runtimes are complementary: ONNX Runtime trains BatchNorm (with batch statistics)
-and pooling, has AdamW, but is deprecated upstream (1.19.2 was its last release, with no
-wheels for Linux aarch64 or Python 3.13) and cannot differentiate Hardswish; ExecuTorch is
-maintained and trains Hardswish, LayerNorm and attention, but ships only SGD, needs BatchNorm
-frozen (``transforms=("freeze_batchnorm",)``) and gets MaxPool2d gradients wrong, which its
-parity gate catches. ``backend="auto"`` tries them in :data:`AUTO_ORDER` (ONNX Runtime
-first: measured faster, see there) and publishes the first whose export passes its parity gate; the manifest's ``"selection"`` records the chosen
-backend and why each earlier one was refused.
+The two runtimes are complementary: ONNX Runtime trains pooling and AdamW and, with its
+exporter's transforms, BatchNorm, Hardswish and LayerNorm, but is deprecated upstream
+(1.19.2 was its last release, no wheels for Linux aarch64 or Python 3.13) and has no Einsum
+gradient; ExecuTorch is maintained and trains Hardswish, LayerNorm, attention and Einsum,
+but ships only SGD, needs BatchNorm frozen (``transforms=("freeze_batchnorm",)``) and gets
+some MaxPool2d gradients wrong, which its parity gate catches. ``backend="auto"`` tries them
+in :data:`AUTO_ORDER` (ONNX Runtime first: measured faster, see there) and publishes the
+first whose export passes its parity gate; the manifest's ``"selection"`` records the
+chosen backend and why each earlier one was refused.
 
-Options are passed to each backend that accepts them (``transforms``, ``example`` and
-``max_batch_size`` only reach ExecuTorch; ``trainable``, ``optimizer``, ``opset`` only ONNX
-Runtime); an option no tried backend accepts is a ``TypeError``.
+Options are passed to each backend that accepts them (``transforms`` and
+``max_batch_size`` only reach ExecuTorch; ``trainable``, ``batchnorm``, ``optimizer``,
+``opset`` only ONNX Runtime; ``example`` and ``lr`` both); an option no tried backend
+accepts is a ``TypeError``.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ BACKENDS = ("onnxruntime", "executorch")
 # docs/executorch.md): on the models both runtimes train, its SGD step ran 2.4x (MLP) and
 # 1.4x (stride-2 CNN) eager PyTorch's samples/s, ExecuTorch's (the Python runtime's
 # portable kernels) 0.33x and 0.08x, and its export took under a second against 10-20 s.
-# ExecuTorch is the fallback for what ONNX Runtime refuses (Hardswish, HardSigmoid,
-# BatchNorm eval graphs, some LayerNorm graphs) and where ONNX Runtime has no wheel (Linux
-# aarch64, Python 3.13): there it is refused as not installed. Pass
+# ExecuTorch is the fallback for what ONNX Runtime refuses (Einsum; before the ONNX
+# exporter's transforms also Hardswish, HardSigmoid and BatchNorm eval graphs) and where ONNX
+# Runtime has no wheel (Linux aarch64, Python 3.13): there it is refused as not installed. Pass
 # ``order=("executorch", "onnxruntime")`` to prefer the maintained runtime.
 AUTO_ORDER = ("onnxruntime", "executorch")
 
