@@ -272,37 +272,54 @@ def _write_adamw_state(folder: Path, spec: device.DeviceSpec, state: dict[str, d
 
 
 # --------------------------------------------------------------------- graphs
-def _module_path(node_name: str) -> str:
-    """The module path in a legacy-exporter node name (``/features/features.0/Conv`` -> ``features.0``)."""
-    scopes = [part for part in node_name.split("/") if part][:-1]
-    return scopes[-1].removeprefix(_PREFIX) if scopes else "<model>"
+def _module_path(node_name: str, modules: Sequence[str] = ()) -> str:
+    """The module path in a legacy-exporter node name (``/model/features/features.0/Conv`` -> ``features.0``).
+
+    Scopes of containers already carry their parent's name (``features.0``), attributes do not.
+    """
+    parts: list[str] = []
+    for scope in [part for part in node_name.split("/") if part][:-1]:  # the op's own name is last
+        if parts and scope.startswith(parts[-1] + "."):
+            parts[-1] = scope
+        else:
+            parts.append(scope)
+    path = ".".join(parts)
+    path = path.removeprefix(_PREFIX) if path.startswith(_PREFIX) else "<model>"
+    # a module called directly through an uncalled parent is scoped by its own name only
+    matches = [name for name in modules if name == path or name.endswith("." + path)]
+    return matches[0] if len(matches) == 1 else path
 
 
 def _trace(graph_module: _Graph, tensors: list[torch.Tensor], names: list[str], opset: int) -> Any:
     """Trace model + loss in training mode with every batch axis dynamic; refuse ops without a gradient."""
     import onnx
 
+    modules = [name for name, _ in graph_module.model.named_modules() if name]
     buffer = io.BytesIO()
     axes = {name: {0: "batch"} for name in [*names, device.LABEL_NAME, device.OUTPUT_NAME]}
     with warnings.catch_warnings():  # the legacy exporter (what ORT 1.19 training takes) warns on every call
         warnings.simplefilter("ignore")
-        torch.onnx.export(
-            graph_module,
-            tuple(tensors),
-            buffer,
-            input_names=[*names, device.LABEL_NAME],
-            output_names=[device.LOSS_NAME, device.OUTPUT_NAME],
-            dynamic_axes=axes,
-            opset_version=opset,
-            do_constant_folding=False,
-            training=torch.onnx.TrainingMode.TRAINING,
-            export_params=True,
-            dynamo=False,
-        )
+        try:
+            torch.onnx.export(
+                graph_module,
+                tuple(tensors),
+                buffer,  # type: ignore[arg-type]
+                input_names=[*names, device.LABEL_NAME],
+                output_names=[device.LOSS_NAME, device.OUTPUT_NAME],
+                dynamic_axes=axes,
+                opset_version=opset,
+                do_constant_folding=False,
+                training=torch.onnx.TrainingMode.TRAINING,
+                export_params=True,
+                dynamo=False,
+            )
+        except Exception as error:  # the exporter raises many kinds; keep its first line, chain the rest
+            first = (str(error).strip().splitlines() or [repr(error)])[0][:400]
+            raise ExportError(f"torch.onnx.export could not trace the model: {first}") from error
     model = onnx.load_from_string(buffer.getvalue())
     for node in model.graph.node:
         if node.op_type in NON_DIFFERENTIABLE_OPS:
-            raise UnsupportedOperatorError(node.op_type, _module_path(node.name))
+            raise UnsupportedOperatorError(node.op_type, _module_path(node.name, modules))
     _complete_outputs(model)
     return model
 

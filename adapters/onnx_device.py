@@ -216,8 +216,10 @@ def _replay_info(value: Any) -> dict[str, Any] | None:
     seen = _int(value, "seen", size, 2**62, where)
     rng = value.get("rng")
     if rng is not None:
-        if not isinstance(rng, Mapping) or set(rng) != {"state", "inc"}:
-            raise _fail("replay.rng", rng, "null or {state, inc} decimal strings")
+        if not isinstance(rng, Mapping) or set(rng) != {"state", "inc", "has_uint32", "uinteger"}:
+            raise _fail("replay.rng", rng, "null or {state, inc, has_uint32, uinteger}")
+        _int(rng, "has_uint32", 0, 1, "replay.rng.")
+        _int(rng, "uinteger", 0, 2**32 - 1, "replay.rng.")
         for key in ("state", "inc"):
             text = rng[key]
             if not isinstance(text, str) or not text.isdigit() or len(text) > 40 or int(text) >= 2**128:
@@ -401,9 +403,11 @@ class NumpyReplay:
         return buffer.getvalue()
 
     def info(self) -> dict[str, Any]:
-        state = self._rng.bit_generator.state["state"]
+        state = self._rng.bit_generator.state
+        rng = {"state": str(state["state"]["state"]), "inc": str(state["state"]["inc"]),
+               "has_uint32": int(state["has_uint32"]), "uinteger": int(state["uinteger"])}  # fmt: skip
         return {"file": REPLAY_FILE, "capacity": self.capacity, "size": self.size, "seen": self.seen, "seed": self.seed,
-                "rng": {"state": str(state["state"]), "inc": str(state["inc"])}}  # fmt: skip
+                "rng": rng}  # fmt: skip
 
     @classmethod
     def from_bytes(cls, data: bytes, info: dict[str, Any], spec: DeviceSpec) -> NumpyReplay:
@@ -444,8 +448,8 @@ class NumpyReplay:
             replay._rng.bit_generator.state = {
                 "bit_generator": "PCG64",
                 "state": {"state": int(info["rng"]["state"]), "inc": int(info["rng"]["inc"])},
-                "has_uint32": 0,
-                "uinteger": 0,
+                "has_uint32": info["rng"]["has_uint32"],
+                "uinteger": info["rng"]["uinteger"],
             }
         return replay
 
