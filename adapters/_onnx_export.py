@@ -142,7 +142,7 @@ def _leaves(x: Any) -> tuple[str, list[tuple[str, torch.Tensor]]]:
     raise ExportError(f"example x must be a tensor, a dict or a list/tuple of tensors; got {type(x).__name__}")
 
 
-def _rebuild(structure: str, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> Any:
+def _rebuild(structure: str, names: Sequence[str], tensors: Sequence[Any]) -> Any:
     if structure == "tensor":
         return tensors[0]
     if structure == "dict":
@@ -465,8 +465,20 @@ def _replay_bytes(rows: ReplayRows, dtypes: list[torch.dtype], label_dtype: torc
     if size > rows.capacity or any(array.shape[0] != size for array in arrays.values()):
         raise ValueError(f"replay rows: {size} targets for capacity {rows.capacity}, every input must have as many rows")
     buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]
     return buffer.getvalue(), size
+
+
+def _sgd_buffers(model: nn.Module, optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, np.ndarray]:
+    """PyTorch SGD momentum buffers of the trainable parameters, by graph name (empty for AdamW)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return {}
+    buffers = {}
+    for name, parameter in model.named_parameters():
+        buffer = optimizer.state.get(parameter, {}).get("momentum_buffer")
+        if _PREFIX + name in names and buffer is not None:
+            buffers[_PREFIX + name] = buffer.detach().cpu().float().numpy()
+    return buffers
 
 
 class _SessionTrainer:
@@ -629,16 +641,10 @@ def export_model(
         if adamw and work_optimizer.state:
             state = {name: work_optimizer.state[p] for name, p in work.named_parameters() if p in work_optimizer.state}
             _write_adamw_state(stage, spec, state, feed)
-        sgd = {}
-        if config["type"] == "sgd":
-            sgd = {_PREFIX + name: work_optimizer.state[p]["momentum_buffer"].numpy()
-                   for name, p in work.named_parameters()
-                   if _PREFIX + name in requires_grad and work_optimizer.state.get(p, {}).get("momentum_buffer") is not None}  # fmt: skip
-        session = device.OrtSession(stage, spec, sgd)
-        session.module.export_model_for_inferencing(str(stage / device.INFERENCE_MODEL), [device.OUTPUT_NAME])
-        if sgd:
-            manifest["sgd_state"] = session._sgd_order()
-            np.savez(stage / device.SGD_STATE_FILE, **{f"m{i}": sgd[name] for i, name in enumerate(manifest["sgd_state"])})
+        session = device.OrtSession(stage, spec, _sgd_buffers(work, work_optimizer, requires_grad))
+        session.save(stage)  # the checkpoint (AdamW state included), SGD buffers, inference model
+        if session.sgd_state:
+            manifest["sgd_state"] = session.sgd_order()
         del session
         if replay is not None:
             data, size = _replay_bytes(replay, dtypes, label_dtype)
