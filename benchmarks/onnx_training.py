@@ -14,6 +14,7 @@ Run: ``taste-cl bench onnx [--zoo]`` (needs the ``[onnx]`` extra).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import tempfile
@@ -134,9 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for module in model.modules():  # frozen statistics, as exported
                 if isinstance(module, nn.modules.batchnorm._BatchNorm):
                     module.eval()
-            variants = {
-                "torch": lambda: _torch_step(model, loss_fn, optimizer, x, y),
-                "ort": lambda: device.train_step(x_np, y_np),
+            variants: dict[str, Callable[[], Any]] = {
+                "torch": functools.partial(_torch_step, model, loss_fn, optimizer, x, y),
+                "ort": functools.partial(device.train_step, x_np, y_np),
             }
             for step in variants.values():  # warm-up: first-call allocations and graph setup
                 step()
@@ -159,8 +160,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     save_result(
         args.out,
         "onnx_training_zoo" if args.zoo else "onnx_training",
-        {"threads": threads, "batch_size": args.batch_size, "steps": args.steps, "repeats": args.repeats,
-         "onnxruntime": onnxruntime.__version__, "runs": runs},  # fmt: skip
+        {
+            "threads": threads,
+            "batch_size": args.batch_size,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "onnxruntime": onnxruntime.__version__,
+            "runs": runs,
+        },
     )
     return 0
 

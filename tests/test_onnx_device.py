@@ -19,12 +19,12 @@ from torch import nn
 
 pytest.importorskip("onnxruntime.training")
 
-import onnx  # noqa: E402
+import onnx
 
-from taste_cl.adapters._artifacts import ArtifactError  # noqa: E402
-from taste_cl.adapters.onnx import ReplayRows, export_model  # noqa: E402
-from taste_cl.adapters.onnx_device import OrtOnlineLearner  # noqa: E402
-from taste_cl.exceptions import InvalidBatchError  # noqa: E402
+from taste_cl.adapters._artifacts import ArtifactError
+from taste_cl.adapters.onnx import ReplayRows, export_model
+from taste_cl.adapters.onnx_device import OrtOnlineLearner
+from taste_cl.exceptions import InvalidBatchError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def test_device_runtime_runs_with_torch_unimportable(artifacts: Path, tmp_path: 
         """
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "OK 25"
     assert "[I:onnxruntime" not in result.stderr  # INFO logs silenced

@@ -13,11 +13,11 @@ from torch import nn
 
 pytest.importorskip("onnxruntime.training")
 
-from zoo import ZOO  # noqa: E402
+from zoo import ZOO
 
-from taste_cl.adapters import _onnx_export  # noqa: E402
-from taste_cl.adapters.onnx import ParityError, UnsupportedOperatorError, export_model  # noqa: E402
-from taste_cl.adapters.onnx_device import OrtOnlineLearner  # noqa: E402
+from taste_cl.adapters import _onnx_export
+from taste_cl.adapters.onnx import ParityError, UnsupportedOperatorError, export_model
+from taste_cl.adapters.onnx_device import OrtOnlineLearner
 
 
 def _mlp() -> nn.Module:
