@@ -158,3 +158,9 @@ def test_frozen_batchnorm_needs_running_statistics(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, track_running_stats=False), nn.Linear(8, 3))
     with pytest.raises(ValueError, match="module '1' is a BatchNorm without running statistics"):
         _export(model, tmp_path / "art")
+
+
+def test_export_prints_no_onnxruntime_info_logs(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    _export(_mlp(), tmp_path / "art")
+    OrtOnlineLearner.from_artifacts(tmp_path / "art").observe(tuple(t.numpy() for t in _example()))
+    assert "[I:onnxruntime" not in capfd.readouterr().err
