@@ -142,7 +142,7 @@ def _leaves(x: Any) -> tuple[str, list[tuple[str, torch.Tensor]]]:
     raise ExportError(f"example x must be a tensor, a dict or a list/tuple of tensors; got {type(x).__name__}")
 
 
-def _rebuild(structure: str, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> Any:
+def _rebuild(structure: str, names: Sequence[str], tensors: Sequence[Any]) -> Any:
     if structure == "tensor":
         return tensors[0]
     if structure == "dict":
@@ -272,37 +272,54 @@ def _write_adamw_state(folder: Path, spec: device.DeviceSpec, state: dict[str, d
 
 
 # --------------------------------------------------------------------- graphs
-def _module_path(node_name: str) -> str:
-    """The module path in a legacy-exporter node name (``/features/features.0/Conv`` -> ``features.0``)."""
-    scopes = [part for part in node_name.split("/") if part][:-1]
-    return scopes[-1].removeprefix(_PREFIX) if scopes else "<model>"
+def _module_path(node_name: str, modules: Sequence[str] = ()) -> str:
+    """The module path in a legacy-exporter node name (``/model/features/features.0/Conv`` -> ``features.0``).
+
+    Scopes of containers already carry their parent's name (``features.0``), attributes do not.
+    """
+    parts: list[str] = []
+    for scope in [part for part in node_name.split("/") if part][:-1]:  # the op's own name is last
+        if parts and scope.startswith(parts[-1] + "."):
+            parts[-1] = scope
+        else:
+            parts.append(scope)
+    path = ".".join(parts)
+    path = path.removeprefix(_PREFIX) if path.startswith(_PREFIX) else "<model>"
+    # a module called directly through an uncalled parent is scoped by its own name only
+    matches = [name for name in modules if name == path or name.endswith("." + path)]
+    return matches[0] if len(matches) == 1 else path
 
 
 def _trace(graph_module: _Graph, tensors: list[torch.Tensor], names: list[str], opset: int) -> Any:
     """Trace model + loss in training mode with every batch axis dynamic; refuse ops without a gradient."""
     import onnx
 
+    modules = [name for name, _ in graph_module.model.named_modules() if name]
     buffer = io.BytesIO()
     axes = {name: {0: "batch"} for name in [*names, device.LABEL_NAME, device.OUTPUT_NAME]}
     with warnings.catch_warnings():  # the legacy exporter (what ORT 1.19 training takes) warns on every call
         warnings.simplefilter("ignore")
-        torch.onnx.export(
-            graph_module,
-            tuple(tensors),
-            buffer,
-            input_names=[*names, device.LABEL_NAME],
-            output_names=[device.LOSS_NAME, device.OUTPUT_NAME],
-            dynamic_axes=axes,
-            opset_version=opset,
-            do_constant_folding=False,
-            training=torch.onnx.TrainingMode.TRAINING,
-            export_params=True,
-            dynamo=False,
-        )
+        try:
+            torch.onnx.export(
+                graph_module,
+                tuple(tensors),
+                buffer,  # type: ignore[arg-type]
+                input_names=[*names, device.LABEL_NAME],
+                output_names=[device.LOSS_NAME, device.OUTPUT_NAME],
+                dynamic_axes=axes,
+                opset_version=opset,
+                do_constant_folding=False,
+                training=torch.onnx.TrainingMode.TRAINING,
+                export_params=True,
+                dynamo=False,
+            )
+        except Exception as error:  # the exporter raises many kinds; keep its first line, chain the rest
+            first = (str(error).strip().splitlines() or [repr(error)])[0][:400]
+            raise ExportError(f"torch.onnx.export could not trace the model: {first}") from error
     model = onnx.load_from_string(buffer.getvalue())
     for node in model.graph.node:
         if node.op_type in NON_DIFFERENTIABLE_OPS:
-            raise UnsupportedOperatorError(node.op_type, _module_path(node.name))
+            raise UnsupportedOperatorError(node.op_type, _module_path(node.name, modules))
     _complete_outputs(model)
     return model
 
@@ -448,8 +465,20 @@ def _replay_bytes(rows: ReplayRows, dtypes: list[torch.dtype], label_dtype: torc
     if size > rows.capacity or any(array.shape[0] != size for array in arrays.values()):
         raise ValueError(f"replay rows: {size} targets for capacity {rows.capacity}, every input must have as many rows")
     buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]
     return buffer.getvalue(), size
+
+
+def _sgd_buffers(model: nn.Module, optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, np.ndarray]:
+    """PyTorch SGD momentum buffers of the trainable parameters, by graph name (empty for AdamW)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return {}
+    buffers = {}
+    for name, parameter in model.named_parameters():
+        buffer = optimizer.state.get(parameter, {}).get("momentum_buffer")
+        if _PREFIX + name in names and buffer is not None:
+            buffers[_PREFIX + name] = buffer.detach().cpu().float().numpy()
+    return buffers
 
 
 class _SessionTrainer:
@@ -612,16 +641,10 @@ def export_model(
         if adamw and work_optimizer.state:
             state = {name: work_optimizer.state[p] for name, p in work.named_parameters() if p in work_optimizer.state}
             _write_adamw_state(stage, spec, state, feed)
-        sgd = {}
-        if config["type"] == "sgd":
-            sgd = {_PREFIX + name: work_optimizer.state[p]["momentum_buffer"].numpy()
-                   for name, p in work.named_parameters()
-                   if _PREFIX + name in requires_grad and work_optimizer.state.get(p, {}).get("momentum_buffer") is not None}  # fmt: skip
-        session = device.OrtSession(stage, spec, sgd)
-        session.module.export_model_for_inferencing(str(stage / device.INFERENCE_MODEL), [device.OUTPUT_NAME])
-        if sgd:
-            manifest["sgd_state"] = session._sgd_order()
-            np.savez(stage / device.SGD_STATE_FILE, **{f"m{i}": sgd[name] for i, name in enumerate(manifest["sgd_state"])})
+        session = device.OrtSession(stage, spec, _sgd_buffers(work, work_optimizer, requires_grad))
+        session.save(stage)  # the checkpoint (AdamW state included), SGD buffers, inference model
+        if session.sgd_state:
+            manifest["sgd_state"] = session.sgd_order()
         del session
         if replay is not None:
             data, size = _replay_bytes(replay, dtypes, label_dtype)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,15 @@ ARTIFACT_FILES = (TRAINING_MODEL, EVAL_MODEL, OPTIMIZER_MODEL, CHECKPOINT, INFER
 _EXAMPLE_ROWS = 8
 
 
+def _slice(x: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of a tensor or of every leaf of a dict/tuple/list (``index_batch`` after the core merge)."""
+    if isinstance(x, Mapping):
+        return {key: value[start:stop] for key, value in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(value[start:stop] for value in x)
+    return x[start:stop]
+
+
 def _replay_rows(learner: OnlineLearner) -> ReplayRows | None:
     """The learner's buffered rows (read from its state, so its random stream is not advanced)."""
     if learner.replay is None:
@@ -90,7 +100,7 @@ def _replay_rows(learner: OnlineLearner) -> ReplayRows | None:
         return None
     seen = state.get("seen")
     return ReplayRows(
-        x=storage["x"][:size],
+        x=_slice(storage["x"], 0, size),
         y=storage["y"][:size],
         capacity=int(learner.replay.capacity),
         seen=int(seen) if isinstance(seen, int) else size,
@@ -135,13 +145,13 @@ def export(
     if example is None:
         if rows is None or rows.y.shape[0] < 2:
             raise ValueError("the learner's buffer holds fewer than 2 rows; pass example=(x, y) with at least 2 rows")
-        example = (rows.x[:_EXAMPLE_ROWS], rows.y[:_EXAMPLE_ROWS])
+        example = (_slice(rows.x, 0, _EXAMPLE_ROWS), rows.y[:_EXAMPLE_ROWS])
     batches = None
     if rows is not None and rows.y.shape[0] >= 2:
         steps = options.get("parity_steps", 3)
         size = rows.y.shape[0]
         starts = [(i * _EXAMPLE_ROWS) % max(1, size - 1) for i in range(steps)]
-        batches = [(rows.x[s : s + _EXAMPLE_ROWS], rows.y[s : s + _EXAMPLE_ROWS]) for s in starts]
+        batches = [(_slice(rows.x, s, s + _EXAMPLE_ROWS), rows.y[s : s + _EXAMPLE_ROWS]) for s in starts]
     return export_model(
         model,
         learner.loss_fn,

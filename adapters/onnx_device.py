@@ -178,7 +178,7 @@ def _tensor(value: Any, what: str, dtypes: Sequence[str]) -> TensorSpec:
     dtype = value.get("dtype")
     if dtype not in dtypes:
         raise _fail(f"{what}.dtype", dtype, f"one of {tuple(dtypes)}")
-    return TensorSpec(_name(value.get("name"), f"{what}.name"), dtype, tuple(dims))
+    return TensorSpec(_name(value.get("name"), f"{what}.name"), str(dtype), tuple(dims))
 
 
 def _optimizer(value: Any) -> dict[str, Any]:
@@ -216,8 +216,10 @@ def _replay_info(value: Any) -> dict[str, Any] | None:
     seen = _int(value, "seen", size, 2**62, where)
     rng = value.get("rng")
     if rng is not None:
-        if not isinstance(rng, Mapping) or set(rng) != {"state", "inc"}:
-            raise _fail("replay.rng", rng, "null or {state, inc} decimal strings")
+        if not isinstance(rng, Mapping) or set(rng) != {"state", "inc", "has_uint32", "uinteger"}:
+            raise _fail("replay.rng", rng, "null or {state, inc, has_uint32, uinteger}")
+        _int(rng, "has_uint32", 0, 1, "replay.rng.")
+        _int(rng, "uinteger", 0, 2**32 - 1, "replay.rng.")
         for key in ("state", "inc"):
             text = rng[key]
             if not isinstance(text, str) or not text.isdigit() or len(text) > 40 or int(text) >= 2**128:
@@ -235,7 +237,7 @@ def _running_stat(entry: Mapping[str, Any], i: int, param_names: Mapping[str, st
         raise _fail(where + "stat", entry.get("stat"), "'mean' or 'var'")
     return RunningStat(
         _name(entry.get("output"), where + "output"),
-        parameter,
+        str(parameter),
         entry["stat"],
         _number(entry, "momentum", 0.0, 1.0, open_low=True, where=where),
         _int(entry, "per_sample", 1, MAX_ROW_ELEMENTS, where),
@@ -397,13 +399,15 @@ class NumpyReplay:
     def to_bytes(self) -> bytes:
         buffer = io.BytesIO()
         arrays = {f"x{i}": store[: self.size] for i, store in enumerate(self._x)}
-        np.savez(buffer, y=self._y[: self.size], **arrays)
+        np.savez(buffer, y=self._y[: self.size], **arrays)  # type: ignore[arg-type]
         return buffer.getvalue()
 
     def info(self) -> dict[str, Any]:
-        state = self._rng.bit_generator.state["state"]
+        state = self._rng.bit_generator.state
+        rng = {"state": str(state["state"]["state"]), "inc": str(state["state"]["inc"]),
+               "has_uint32": int(state["has_uint32"]), "uinteger": int(state["uinteger"])}  # fmt: skip
         return {"file": REPLAY_FILE, "capacity": self.capacity, "size": self.size, "seen": self.seen, "seed": self.seed,
-                "rng": {"state": str(state["state"]), "inc": str(state["inc"])}}  # fmt: skip
+                "rng": rng}  # fmt: skip
 
     @classmethod
     def from_bytes(cls, data: bytes, info: dict[str, Any], spec: DeviceSpec) -> NumpyReplay:
@@ -444,8 +448,8 @@ class NumpyReplay:
             replay._rng.bit_generator.state = {
                 "bit_generator": "PCG64",
                 "state": {"state": int(info["rng"]["state"]), "inc": int(info["rng"]["inc"])},
-                "has_uint32": 0,
-                "uinteger": 0,
+                "has_uint32": info["rng"]["has_uint32"],
+                "uinteger": info["rng"]["uinteger"],
             }
         return replay
 
@@ -568,10 +572,12 @@ class OrtSession:
         """Write the checkpoint (optimizer state included), the SGD buffers and the inference model."""
         self._C.save_checkpoint(self.state, str(folder / CHECKPOINT), True)
         if self.sgd_state:
-            np.savez(folder / SGD_STATE_FILE, **{f"m{i}": self.sgd_state[name] for i, name in enumerate(self._sgd_order())})
+            arrays = {f"m{i}": self.sgd_state[name] for i, name in enumerate(self.sgd_order())}
+            np.savez(folder / SGD_STATE_FILE, **arrays)  # type: ignore[arg-type]
         self.module.export_model_for_inferencing(str(folder / INFERENCE_MODEL), [OUTPUT_NAME])
 
-    def _sgd_order(self) -> list[str]:
+    def sgd_order(self) -> list[str]:
+        """The trainable parameters that have an SGD momentum buffer, in a fixed order."""
         return [name for name in self.spec.trainable if name in self.sgd_state]
 
 
@@ -780,7 +786,7 @@ class OrtOnlineLearner:
             self.session.save(stage)
             manifest = {key: value for key, value in self.manifest.items() if key not in ("files", "sgd_state")}
             if self.session.sgd_state:
-                manifest["sgd_state"] = self.session._sgd_order()
+                manifest["sgd_state"] = self.session.sgd_order()
             if self.replay is not None:
                 (stage / REPLAY_FILE).write_bytes(self.replay.to_bytes())
             manifest.update(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -13,13 +12,13 @@ from torch import nn
 
 pytest.importorskip("onnxruntime.training")
 
-import onnxruntime  # noqa: E402
+import onnxruntime
 
-from taste_cl import CheckpointError, OnlineLearner  # noqa: E402
-from taste_cl.adapters.onnx import OrtOnlineLearner, UnsupportedOperatorError, export  # noqa: E402
-from taste_cl.exceptions import InvalidBatchError  # noqa: E402
-from taste_cl.datasets import split_digits, stream  # noqa: E402
-from taste_cl.demo import build_digits_learner  # noqa: E402
+from taste_cl import CheckpointError, OnlineLearner
+from taste_cl.adapters.onnx import OrtOnlineLearner, UnsupportedOperatorError, export
+from taste_cl.datasets import split_digits, stream
+from taste_cl.demo import build_digits_learner
+from taste_cl.exceptions import InvalidBatchError
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +79,7 @@ def test_torch_and_ort_training_agree(tmp_path: Path, kind: str, optimizer: str)
     device = OrtOnlineLearner.from_artifacts(export(learner, tmp_path / "art", example=example))
     for step, batch_size in enumerate([8, 3, 8, 5, 3, 8]):  # the batch axis is dynamic
         x, y = torch.randn(batch_size, *shape), torch.randint(0, 4, (batch_size,))
-        torch_logits, torch_loss, _ = learner.train_step(x, y)
+        _, torch_loss, _ = learner.train_step(x, y)
         ort_logits, ort_loss, skipped = device.train_step(x.numpy(), y.numpy())
         assert not skipped
         assert ort_logits.shape == (batch_size, 4)

@@ -22,11 +22,11 @@ from torch import nn
 
 pytest.importorskip("onnxruntime.training")
 
-from zoo import ZOO  # noqa: E402
+from zoo import ZOO
 
-from taste_cl.adapters._onnx_transforms import disable_dropout  # noqa: E402
-from taste_cl.adapters.onnx import export_model  # noqa: E402
-from taste_cl.adapters.onnx_device import OrtOnlineLearner  # noqa: E402
+from taste_cl.adapters._onnx_transforms import disable_dropout
+from taste_cl.adapters.onnx import export_model
+from taste_cl.adapters.onnx_device import OrtOnlineLearner
 
 CASES = [
     ("resnet18", "frozen"),
