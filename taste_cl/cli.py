@@ -19,6 +19,7 @@ __all__ = ["BENCHMARKS", "COMMANDS", "build_parser", "main"]
 # benchmark name -> (module with a ``main(argv) -> int``, one-line summary)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "batch-size": ("taste_cl.benchmarks.batch_size", "throughput-aware batch size: tuned vs grid oracle vs fixed sizes"),
+    "device": ("taste_cl.benchmarks.device_runtimes", "ONNX Runtime and ExecuTorch training steps vs torch eager (extras [onnx], [executorch])"),
     "elastic": ("taste_cl.benchmarks.elastic", "elastic trainable-tensor selection vs full and last-layer training"),
     "federated": ("taste_cl.benchmarks.federated", "simulated Flower fleet vs local-only learning (extra [federated])"),
     "online-digits": ("taste_cl.benchmarks.online_digits", "split-digits stream: reservoir replay vs no replay"),

@@ -645,6 +645,13 @@ class OnlineLearner:
 
         return export(self, directory, **kwargs)
 
+    def export(self, directory: str | os.PathLike[str], *, backend: str = "auto", **kwargs: Any) -> Path:
+        """Write parity-checked on-device training artifacts with ``backend`` (``"onnxruntime"``,
+        ``"executorch"`` or ``"auto"``); see :func:`taste_cl.adapters.device_export.export`."""
+        from taste_cl.adapters.device_export import export  # lazy: optional extras
+
+        return export(self, directory, backend=backend, **kwargs)
+
     @classmethod
     def load(
         cls,

@@ -1,0 +1,166 @@
+"""Export behaviour: transforms, structured inputs, the parity gate catching a broken graph, clear refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("onnxruntime.training")
+
+from zoo import ZOO
+
+from taste_cl.adapters import _onnx_export
+from taste_cl.adapters.onnx import ParityError, UnsupportedOperatorError, export_model
+from taste_cl.adapters.onnx_device import OrtOnlineLearner
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3))
+
+
+def _example(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _export(model: nn.Module, folder: Path, **kwargs) -> Path:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return export_model(model, nn.CrossEntropyLoss(), optimizer, _example(), folder, **kwargs)
+
+
+def test_dropout_is_kept_in_training_and_off_in_eval(tmp_path: Path) -> None:
+    folder = _export(_mlp(), tmp_path / "art")
+    graph = onnx.load(str(folder / "training_model.onnx"))
+    assert "Dropout" in {node.op_type for node in graph.graph.node}
+    device = OrtOnlineLearner.from_artifacts(folder)
+    x, y = (t.numpy() for t in _example())
+    training = device.session._run([x], y, True)[1]  # dropout active: zeroed units change the outputs
+    assert np.abs(training - device.predict(x)).max() > 1e-2
+    np.testing.assert_array_equal(device.predict(x), device.predict(x))
+
+
+def test_text_transformer_manifest_names_dict_inputs_and_dtypes(tmp_path: Path) -> None:
+    model, loss_fn, optimizer = ZOO["text_transformer"].build(0)
+    folder = export_model(model, loss_fn, optimizer, ZOO["text_transformer"].batch(4), tmp_path / "art")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["structure"] == "dict"
+    assert manifest["inputs"] == [
+        {"name": "input_ids", "dtype": "int64", "shape": ["batch", 12]},
+        {"name": "attention_mask", "dtype": "int64", "shape": ["batch", 12]},
+    ]
+    assert any("LayerNorm -> ExportLayerNorm" in line for line in manifest["transforms"])
+    assert manifest["optimizer"]["type"] == "adamw" and manifest["parity"]["max_output_diff"] < 1e-4
+
+
+def _break_training_graph(original):
+    """Wrap the eval-graph fix so it also turns the first Relu of the training graph into a Sigmoid."""
+
+    def broken(path: Path) -> None:
+        original(path)
+        graph = onnx.load(str(path.parent / "training_model.onnx"))
+        next(node for node in graph.graph.node if node.op_type == "Relu").op_type = "Sigmoid"
+        onnx.save(graph, str(path.parent / "training_model.onnx"))
+
+    return broken
+
+
+def test_parity_gate_refuses_a_broken_graph_with_the_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_onnx_export, "_fix_eval_graph", _break_training_graph(_onnx_export._fix_eval_graph))
+    with pytest.raises(ParityError, match=r"FAILED over 3 steps: outputs .* losses .* parameters") as caught:
+        _export(_mlp(), tmp_path / "art")
+    assert caught.value.report.max_loss_diff > 1e-2
+    assert not (tmp_path / "art").exists() and list(tmp_path.iterdir()) == []  # nothing published
+    folder = _export(_mlp(), tmp_path / "art", verify=False)  # documented escape hatch: no gate
+    assert json.loads((folder / "manifest.json").read_text())["parity"] is None
+
+
+def test_export_leaves_model_and_optimizer_untouched(tmp_path: Path) -> None:
+    # no bias before BatchNorm: its gradient is exactly 0, which Adam would turn into noise-driven steps
+    model = nn.Sequential(nn.Linear(6, 8, bias=False), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    export_model(model, nn.CrossEntropyLoss(), optimizer, _example(), tmp_path / "art", batchnorm="batch")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and not optimizer.state
+    assert model.training and isinstance(model[1], nn.BatchNorm1d) and type(model[1]) is nn.BatchNorm1d
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_low_and_high_precision_models_export_as_float32(tmp_path: Path, dtype: torch.dtype) -> None:
+    model = _mlp().to(dtype)
+    x, y = _example()
+    folder = export_model(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
+                          (x.to(dtype), y), tmp_path / "art")  # fmt: skip
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["source_dtype"] == str(dtype).removeprefix("torch.")
+    assert manifest["inputs"][0]["dtype"] == "float32"
+    OrtOnlineLearner.from_artifacts(folder).observe((x.float().numpy(), y.numpy()))
+
+
+class _Mixer(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("ni,ni->ni", x, x)
+
+
+class _FunctionalNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x, (8,))
+
+
+@pytest.mark.parametrize(
+    ("layer", "op", "module"), [(_Mixer(), "Einsum", "block.mix"), (_FunctionalNorm(), "LayerNormalization", "block.mix")]
+)
+def test_unsupported_operator_is_named_with_its_module(tmp_path: Path, layer: nn.Module, op: str, module: str) -> None:
+    model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3))
+    model.block = nn.Module()
+    model.block.mix = layer
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block, self.head = model.block, model[1]
+            self.stem = model[0]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.block.mix(self.stem(x)))
+
+    with pytest.raises(UnsupportedOperatorError) as caught:
+        _export(Net(), tmp_path / "art")
+    assert (caught.value.op, caught.value.module) == (op, module)
+    assert f"operator {op!r} (used by module {module!r})" in str(caught.value)
+    assert not (tmp_path / "art").exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"batchnorm": "running"}, ValueError, r"`batchnorm == 'running'`"),
+        ({"parity_steps": 0}, ValueError, r"`parity_steps == 0`"),
+        ({"lr": float("nan")}, ValueError, r"`lr == nan`"),
+        ({"optimizer": torch.optim.Adam([nn.Parameter(torch.zeros(1))], weight_decay=0.1)}, Exception, "cannot run"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_written(tmp_path: Path, kwargs, error, match) -> None:
+    model = _mlp()
+    optimizer = kwargs.pop("optimizer", torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(error, match=match):
+        export_model(model, nn.CrossEntropyLoss(), optimizer, _example(), tmp_path / "art", **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_frozen_batchnorm_needs_running_statistics(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, track_running_stats=False), nn.Linear(8, 3))
+    with pytest.raises(ValueError, match="module '1' is a BatchNorm without running statistics"):
+        _export(model, tmp_path / "art")
+
+
+def test_export_prints_no_onnxruntime_info_logs(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    _export(_mlp(), tmp_path / "art")
+    OrtOnlineLearner.from_artifacts(tmp_path / "art").observe(tuple(t.numpy() for t in _example()))
+    assert "[I:onnxruntime" not in capfd.readouterr().err
