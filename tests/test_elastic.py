@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 from taste_cl import ElasticTrainer, OnlineLearner
-from taste_cl.elastic import GradientImportance, TensorProfile, load_or_profile, profile_tensors, select_tensors
+from taste_cl.elastic import (
+    GradientImportance,
+    TensorProfile,
+    load_or_profile,
+    profile_tensors,
+    select_tensors,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -70,8 +76,8 @@ def test_select_tensors_prefers_late_units_when_early_backward_is_expensive():
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        (([1.0], [1.0, 2.0], [0.0], 1.0), "same length"),
-        (([-1.0], [1.0], [0.0], 1.0), "`importance` must hold finite values >= 0; got -1.0"),
+        (([1.0], [1.0, 2.0], [0.0], 1.0), r"`weight_grad_s` must have one value per unit \(1\); got 2"),
+        (([-1.0], [1.0], [0.0], 1.0), "`importance` must hold finite numbers >= 0; got -1.0"),
         (([1.0], [float("nan")], [0.0], 1.0), "`weight_grad_s` must hold finite"),
         (([1.0], [1.0], [0.0], 0.0), r"`budget_s == 0.0`, must be a number > 0"),
     ],
@@ -86,8 +92,9 @@ def test_profile_lists_units_in_execution_order_and_leaves_model_untouched():
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
     before, x = copy.deepcopy(model.state_dict()), torch.randn(8, 1, 8, 8)
     rng = torch.get_rng_state()
-    profile = profile_tensors(model, x, warmup=1, repeats=2)
+    profile = profile_tensors(model, x, warmup=1, repeats=2, granularity="module")
     assert profile.units == ["0", "1", "4"]
+    assert profile_tensors(model, x, warmup=0, repeats=2).units == ["0.weight", "0.bias", "1.weight", "1.bias", "4.weight", "4.bias"]
     assert all(t > 0 for t in profile.weight_grad_s) and profile.forward_s > 0 and profile.backward_s > 0
     assert profile.act_grad_s[2] > 0  # linear + flatten + relu backward, spent when anything earlier trains
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # BatchNorm stats restored
@@ -99,14 +106,14 @@ def test_profile_lists_units_in_execution_order_and_leaves_model_untouched():
 
 def test_profile_cache_hits_and_invalidates_when_model_or_batch_changes(tmp_path):
     x = torch.randn(8, 6)
-    _, cached = load_or_profile(_mlp(), x, cache_dir=tmp_path, warmup=0, repeats=1)
+    _, cached = load_or_profile(_mlp(), x, cache_dir=tmp_path, warmup=0, repeats=2)
     assert not cached
-    profile, cached = load_or_profile(_mlp(), x, cache_dir=tmp_path, warmup=0, repeats=1)
-    assert cached and profile.units == ["0", "2", "4"]
-    assert not load_or_profile(_mlp(hidden=17), x, cache_dir=tmp_path, warmup=0, repeats=1)[1]
-    assert not load_or_profile(_mlp(), torch.randn(9, 6), cache_dir=tmp_path, warmup=0, repeats=1)[1]
-    assert load_or_profile(_mlp(hidden=17), x, cache_dir=tmp_path, warmup=0, repeats=1)[1]
-    assert not load_or_profile(_mlp(), x, cache_dir=tmp_path, warmup=0, repeats=1, refresh=True)[1]
+    profile, cached = load_or_profile(_mlp(), x, cache_dir=tmp_path, warmup=0, repeats=2)
+    assert cached and profile.units == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    assert not load_or_profile(_mlp(hidden=17), x, cache_dir=tmp_path, warmup=0, repeats=2)[1]
+    assert not load_or_profile(_mlp(), torch.randn(9, 6), cache_dir=tmp_path, warmup=0, repeats=2)[1]
+    assert load_or_profile(_mlp(hidden=17), x, cache_dir=tmp_path, warmup=0, repeats=2)[1]
+    assert not load_or_profile(_mlp(), x, cache_dir=tmp_path, warmup=0, repeats=2, refresh=True)[1]
 
 
 def test_profile_cache_default_dir_follows_env(tmp_path, monkeypatch):
@@ -138,7 +145,7 @@ def test_gradient_importance_is_grad_times_update_and_zero_for_unused_units():
 # ------------------------------------------------------------------ plugin
 def _learner(tmp_path, **kwargs) -> tuple[OnlineLearner, ElasticTrainer]:
     model = _mlp()
-    elastic = ElasticTrainer(cache_dir=tmp_path, warmup=0, repeats=2, **kwargs)
+    elastic = ElasticTrainer(cache_dir=tmp_path, warmup=0, repeats=2, **{"granularity": "module", **kwargs})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return OnlineLearner(model, optimizer=optimizer, plugins=[elastic]), elastic
 
@@ -186,13 +193,13 @@ def test_plugin_selects_within_budget_trains_and_survives_checkpoints(tmp_path):
     accuracies = [learner.observe(_batch()).accuracy for _ in range(60)]
     assert sum(accuracies[-10:]) / 10 > sum(accuracies[:10]) / 10 + 0.2
     assert elastic.probes_ == 12 and elastic.importance_ is not None
-    profile = elastic.profile_
-    index = [profile.units.index(n) for n in elastic.selected]
-    assert profile.step_s(index) <= 0.7 * profile.full_step_s + 1e-12
+    timing = elastic.timing_
+    index = [elastic.profile_.units.index(n) for n in elastic.selected]
+    assert timing.predict(index) <= 0.7 * timing.predict(range(3)) + 1e-12  # the corrected model meets rho
     assert elastic.predicted_speedup() >= 1 / 0.7 - 1e-9
     learner.save(tmp_path / "ckpt")
     model = _mlp()
-    restored = ElasticTrainer(cache_dir=tmp_path, rho=0.7, reselect_every=5)
+    restored = ElasticTrainer(cache_dir=tmp_path, rho=0.7, reselect_every=5, granularity="module")
     loaded = OnlineLearner.load(
         tmp_path / "ckpt", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
         plugins=[restored],
@@ -246,6 +253,7 @@ def test_apply_selection_rejects_unknown_units(tmp_path):
 
 def test_elastic_reprofiles_at_the_tuned_batch_after_each_retune(tmp_path, monkeypatch):
     from helpers import fake_hardware
+
     from taste_cl.tuning import BatchSizeTuner
 
     fake_hardware(monkeypatch, lambda b: 1000.0 * b / (b + 8) / (1 + (b / 40) ** 2))
