@@ -66,7 +66,7 @@ def _numbers(state: dict[str, Any], name: str, n: int, *, integer: bool = False)
 def parse_profile(state: Any) -> TensorProfile:
     """A :class:`TensorProfile` from untrusted plain values; ``ValueError`` naming the first bad field."""
     if not isinstance(state, dict):
-        raise ValueError(f"a profile must be a JSON object; got {type(state).__name__}")
+        raise ValueError(f"a profile must be a JSON object; got {type(state).__name__}")  # noqa: TRY004 (documented: corrupt cache -> ValueError)
     units = _field(state, "units")
     if not isinstance(units, list) or not 0 < len(units) <= _MAX_UNITS or not all(isinstance(u, str) for u in units):
         raise ValueError("profile field `units` must be a non-empty list of strings")
@@ -80,7 +80,7 @@ def parse_profile(state: Any) -> TensorProfile:
         raise ValueError(f"profile field `rounds == {rounds!r}`, must be an int >= 0")
     noisy = _field(state, "noisy")
     if not isinstance(noisy, bool):
-        raise ValueError(f"profile field `noisy == {noisy!r}`, must be a bool")
+        raise ValueError(f"profile field `noisy == {noisy!r}`, must be a bool")  # noqa: TRY004
     n = len(units)
     return TensorProfile(
         units=list(units),
@@ -112,7 +112,7 @@ def _read_entries(path: Path) -> dict[str, Any]:
             return {}  # another format version: silently measure again
         entries = payload.get("profiles")
         if not isinstance(entries, dict):
-            raise ValueError("`profiles` is not an object")
+            raise ValueError("`profiles` is not an object")  # noqa: TRY004
         return entries
     except (OSError, ValueError, RecursionError, UnicodeDecodeError) as error:
         warnings.warn(f"elastic profile cache {str(path)!r} is unusable ({error}); measuring again", RuntimeWarning, stacklevel=3)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from taste_cl.elastic.profiling import _forward
+from taste_cl.elastic.profiling import SavedBytes, _forward
 
 __all__ = ["measure_training_memory", "optimizer_state_factor"]
 
@@ -66,22 +66,12 @@ def measure_training_memory(
     device = next((p.device for p in replica.parameters()), torch.device("cpu"))
     params = list(replica.parameters())
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-    seen: set[int] = set()
-    saved = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen and ptr not in param_ptrs:
-            seen.add(ptr)
-            saved[0] += t.untyped_storage().nbytes()
-        return t
-
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes(param_ptrs) as saved:
         out = _forward(replica, x)
         loss = loss_fn(out, y)
     if loss.requires_grad:
@@ -98,7 +88,7 @@ def measure_training_memory(
             held = optimizer.state.get(original, {})
             tensors = [v for v in held.values() if torch.is_tensor(v) and v.numel() > 1]
             state += sum(_nbytes(v) for v in tensors) if tensors else int(factor * _nbytes(p))
-    result = {"saved": saved[0], "grads": grads, "optimizer_state": state, "total": saved[0] + grads + state}
+    result = {"saved": saved.total, "grads": grads, "optimizer_state": state, "total": saved.total + grads + state}
     if cuda:
         torch.cuda.synchronize(device)
         result["cuda_peak"] = int(torch.cuda.max_memory_allocated(device) - before)

@@ -242,6 +242,37 @@ def _restore(model: nn.Module, buffers: dict[str, torch.Tensor], was_training: b
                 b.copy_(buffers[name])
 
 
+class SavedBytes:
+    """Context manager counting the bytes autograd saves for backward inside it.
+
+    A storage is counted once, with the largest extent any saved view of it covers (so a
+    batch sliced from a big dataset counts as the batch); ``exclude`` holds storage
+    pointers not to count (the parameters, which exist anyway).
+    """
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude
+        self._sizes: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.exclude:
+            self._sizes[ptr] = max(self._sizes.get(ptr, 0), t.numel() * t.element_size())
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self._sizes.values())
+
+    def __enter__(self) -> SavedBytes:  # noqa: PYI034
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
 # ------------------------------------------------------------------ robust timing
 @dataclass
 class _Measure:
@@ -308,17 +339,9 @@ def _grad_measure(
             if count is None:
                 out = module(*call_args, **call_kwargs)
             else:
-                seen: set[int] = set()
-
-                def pack(t: torch.Tensor) -> torch.Tensor:
-                    ptr = t.untyped_storage().data_ptr()
-                    if ptr not in seen and ptr not in param_ptrs:
-                        seen.add(ptr)
-                        count[0] += t.untyped_storage().nbytes()
-                    return t
-
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with SavedBytes(param_ptrs) as saved:
                     out = module(*call_args, **call_kwargs)
+                count[0] = saved.total
         finally:
             for p, flag in zip(own, flags):
                 p.requires_grad_(flag)

@@ -42,8 +42,8 @@ class ElasticTrainer(LearnerPlugin):
     """Train, at each step, only the units worth their backward time (ElasticTrainer).
 
     Every ``reselect_every`` training steps one probe step trains every unit and measures
-    importance; the units of maximal importance whose predicted step time is at most
-    ``rho`` times that of full training (and, with ``memory_budget_bytes``, whose
+    importance; the units of maximal importance whose predicted forward + backward time is
+    at most ``rho`` times that of full training (and, with ``memory_budget_bytes``, whose
     training memory fits) are then trained until the next probe. Frozen units get no
     gradient, so the optimizer keeps their state for when they rejoin.
 
@@ -60,7 +60,8 @@ class ElasticTrainer(LearnerPlugin):
     Parameters
     ----------
     rho:
-        Target measured step time as a fraction of full training, in (0, 1].
+        Target forward + backward time as a fraction of full training's, in (0, 1]
+        (the optimizer step and bookkeeping, the same for any selection, are not budgeted).
     reselect_every:
         Training steps between probes.
     drift_rho, drift_steps:
@@ -208,10 +209,10 @@ class ElasticTrainer(LearnerPlugin):
         size = batch_size if batch_size is not None else 1
         check_int("batch_size", size, 1)
         example = repeat_rows(self._example, size)
-        options = dict(
-            granularity=self.granularity, warmup=self.warmup, repeats=self.repeats,
-            max_rounds=self.max_rounds, tolerance=self.tolerance,
-        )  # fmt: skip
+        options = {
+            "granularity": self.granularity, "warmup": self.warmup, "repeats": self.repeats,
+            "max_rounds": self.max_rounds, "tolerance": self.tolerance,
+        }  # fmt: skip
         with _Trainable([p for params in self._unit_params for p in params]):
             if self.cache_dir is None:
                 profile = profile_tensors(learner.model, example, **options)  # type: ignore[arg-type]
@@ -350,22 +351,24 @@ class ElasticTrainer(LearnerPlugin):
             self.apply_selection(profile.units)
             return
         overhead, forward, weight_s, act_s = timing.corrected_costs()
-        budget = self.current_rho * timing.predict(everything) - overhead - forward
+        # rho bounds forward + backward (the part the selection changes), as in ElasticTrainer;
+        # the optimizer/bookkeeping overhead is predicted and reported, not budgeted
+        budget = self.current_rho * (timing.predict(everything) - overhead) - forward
         memory: dict[str, Any] = {}
         if self.memory_budget_bytes is not None:
             factor = optimizer_state_factor(self._attached().optimizer)
-            memory = dict(
-                weight_bytes=[i + p * (1 + factor) for i, p in zip(profile.input_bytes, profile.param_bytes)],
-                act_bytes=[float(b) for b in profile.act_bytes],
-                budget_bytes=float(self.memory_budget_bytes),
-            )
+            memory = {
+                "weight_bytes": [i + p * (1 + factor) for i, p in zip(profile.input_bytes, profile.param_bytes)],
+                "act_bytes": [float(b) for b in profile.act_bytes],
+                "budget_bytes": float(self.memory_budget_bytes),
+            }
         chosen = select_tensors(self.importance_, weight_s, act_s, budget, resolution=self.resolution, **memory) if budget > 0 else []
         if not chosen:
             chosen = [min(everything, key=lambda k: (self._over_memory([k]), timing.predict([k])))]
             warnings.warn(
                 f"ElasticTrainer: no unit fits rho={self.current_rho}"
                 + ("" if self.memory_budget_bytes is None else f" and memory_budget_bytes={self.memory_budget_bytes}")
-                + f" (forward and overhead alone take {(overhead + forward) / timing.predict(everything):.0%} of a full step); "
+                + f" (the forward pass alone takes {forward / (timing.predict(everything) - overhead):.0%} of a full step); "
                 f"training only {profile.units[chosen[0]]!r}",
                 RuntimeWarning,
                 stacklevel=3,
@@ -401,7 +404,7 @@ class ElasticTrainer(LearnerPlugin):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Validate every field of ``state`` (``ValueError`` naming it), then apply all of it."""
         if not isinstance(state, dict):
-            raise ValueError(f"elastic state must be a dict; got {type(state).__name__}")
+            raise ValueError(f"elastic state must be a dict; got {type(state).__name__}")  # noqa: TRY004 (documented ValueError)
         missing = sorted({"profile", "importance", "selected", "steps", "probes", "since_probe", "drift_left", "probe_now", "example"} - set(state))
         if missing:
             raise ValueError(f"elastic state lacks {missing}")
@@ -410,11 +413,12 @@ class ElasticTrainer(LearnerPlugin):
             raise ValueError(f"elastic state has granularity {profile.granularity!r}, this trainer {self.granularity!r}")
         n = 0 if profile is None else len(profile.units)
         importance = state["importance"]
-        if importance is not None:
-            if not isinstance(importance, list) or len(importance) != n or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in importance
-            ):
-                raise ValueError(f"elastic state `importance` must be {n} finite numbers >= 0")
+        if importance is not None and (
+            not isinstance(importance, list)
+            or len(importance) != n
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in importance)
+        ):
+            raise ValueError(f"elastic state `importance` must be {n} finite numbers >= 0")
         selected = state["selected"]
         units = set(profile.units) if profile is not None else set()
         if not isinstance(selected, list) or not all(isinstance(s, str) and s in units for s in selected):
@@ -424,7 +428,7 @@ class ElasticTrainer(LearnerPlugin):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"elastic state `{key} == {value!r}`, must be an int >= 0")
         if not isinstance(state["probe_now"], bool):
-            raise ValueError("elastic state `probe_now` must be a bool")
+            raise ValueError("elastic state `probe_now` must be a bool")  # noqa: TRY004
         example = state["example"]
         if example is not None and not all(torch.is_tensor(t) for t in pytree.tree_leaves(example)):
             raise ValueError("elastic state `example` must be a tensor or a structure of tensors")
