@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import time
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -145,6 +146,7 @@ class ElasticTrainer(LearnerPlugin):
         self._estimator: GradientImportance | None = None
         self._unit_params: list[list[nn.Parameter]] = []
         self._probe_step = False
+        self._arm_s = 0.0
         self._probe_times: list[float] = []
         self._window: list[float] = []
         self._window_prediction: dict[str, Any] | None = None
@@ -311,7 +313,7 @@ class ElasticTrainer(LearnerPlugin):
         if self.timing_ is None:
             return
         if self._probe_step:
-            self._probe_times = [*self._probe_times[-4:], seconds]
+            self._probe_times = [*self._probe_times[-4:], max(seconds - self._arm_s, 1e-9)]
             self.timing_.observe_full(statistics.median(self._probe_times))
             return
         if self._window_prediction is None:
@@ -328,7 +330,9 @@ class ElasticTrainer(LearnerPlugin):
         assert self.profile_ is not None
         self.apply_selection(self.profile_.units)
         self._estimator = GradientImportance(self._unit_params)
+        start = time.perf_counter()
         self._estimator.arm()
+        self._arm_s = time.perf_counter() - start  # inside the measured step: not training time
         self._since_probe = 0
         self._probe_now = False
         self._probe_step = True
