@@ -1,19 +1,23 @@
-"""Elastic training: fine-tune a pretrained CNN with full, last-layer-only and ElasticTrainer updates.
+"""Elastic training: fine-tune pretrained models with full, last-layer-only and ElasticTrainer updates.
 
-A small CNN (four 3x3 convs, the first two at 32x32, then global pooling and a linear head)
-is pretrained inside the benchmark on generated 3x32x32 images whose class is an
+A model is pretrained inside the benchmark on generated 3x32x32 images whose class is an
 arrangement of two stroke patterns on a 3x3 grid (random colour and jitter, so shape and
-position matter). It is then fine-tuned with a fresh head on new arrangements of the same
-strokes, once per variant, all variants taking the same stream batches in turn (order
-rotated every step) so shared CPU load hits them alike. Reports the median wall-clock per
-training step and speedup over full training, the training time until test accuracy first
-reaches ``--target`` x full training's final accuracy, and final test accuracy. Writes
-JSON and a PNG of test accuracy against training time.
-Run: ``taste-cl bench elastic``.
+position matter; nothing is downloaded). It is then fine-tuned with a fresh head on new
+arrangements of the same strokes, once per variant, all variants taking the same stream
+batches in turn (order rotated every step) so shared CPU load hits them alike. Variants:
+full training, the head only, ElasticTrainer at rho 0.5 (tensor units), and with
+``--variants`` also module units and a memory budget of half of full training's measured
+training memory. Reports median ms per step and speedup over full training, training time
+until test accuracy first reaches ``--target`` x full's final accuracy, final accuracy,
+selected units, predicted vs measured step time, and estimated vs measured training
+memory; several seeds give the spread. ``--zoo`` runs the small CNN, torchvision ResNet-18
+and MobileNetV2 (32x32, ``weights=None``). Writes JSON (and, with ``--plot``, a PNG).
+Run: ``taste-cl bench elastic [--zoo]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import statistics
 import time
@@ -27,6 +31,7 @@ from torch import nn
 from taste_cl import ElasticTrainer, OnlineLearner
 from taste_cl._report import format_table
 from taste_cl.benchmarks._common import base_parser, parse, save_result
+from taste_cl.elastic import measure_training_memory
 
 _SIZE, _CELL = 32, 10
 _STROKES = 6  # horizontal, vertical, diagonal, anti-diagonal, ring, cross
@@ -89,6 +94,23 @@ def build_cnn(n_classes: int, width: int = 16) -> nn.Sequential:
     )  # fmt: skip
 
 
+def _zoo_model(name: str, n_classes: int, width: int) -> nn.Module:
+    if name == "cnn":
+        return build_cnn(n_classes, width)
+    import torchvision
+
+    return getattr(torchvision.models, name)(weights=None, num_classes=n_classes)
+
+
+def _head(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module holding the final linear layer and its attribute name."""
+    if isinstance(model, nn.Sequential):
+        return model, str(len(model) - 1)
+    if hasattr(model, "fc"):
+        return model, "fc"
+    return model.classifier, str(len(model.classifier) - 1)  # type: ignore[arg-type]
+
+
 def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     model.eval()
     with torch.no_grad():
@@ -108,23 +130,159 @@ def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int, 
         optimizer.step()
 
 
-def _variants(pretrained: nn.Module, n_classes: int, lr: float, reselect_every: int) -> dict[str, tuple[OnlineLearner, ElasticTrainer | None]]:
+def _fresh(pretrained: nn.Module, n_classes: int, seed: int) -> nn.Module:
+    model = copy.deepcopy(pretrained)
+    torch.manual_seed(seed)
+    owner, attr = _head(model)
+    setattr(owner, attr, nn.Linear(getattr(owner, attr).in_features, n_classes))
+    return model
+
+
+def _variants(
+    pretrained: nn.Module, names: Sequence[str], n_classes: int, lr: float, seed: int, args: argparse.Namespace, memory_budget: int
+) -> dict[str, tuple[OnlineLearner, ElasticTrainer | None]]:
     variants: dict[str, tuple[OnlineLearner, ElasticTrainer | None]] = {}
-    for name in ("full", "last_layer", "elastic_0.5", "elastic_0.3"):
-        model = copy.deepcopy(pretrained)
-        torch.manual_seed(0)
-        model[-1] = nn.Linear(model[-1].in_features, n_classes)
+    for name in names:
+        model = _fresh(pretrained, n_classes, seed)
         if name == "last_layer":
-            for p in model[:-1].parameters():
+            owner, attr = _head(model)
+            head = getattr(owner, attr)
+            for p in model.parameters():
                 p.requires_grad_(False)
-        params = [p for p in model.parameters() if p.requires_grad]
+            for p in head.parameters():
+                p.requires_grad_(True)
         plugin = None
         if name.startswith("elastic"):
-            plugin = ElasticTrainer(rho=float(name.split("_")[1]), reselect_every=reselect_every, cache_dir=None)
-        optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9)
-        learner = OnlineLearner(model, optimizer=optimizer, plugins=[plugin] if plugin else [])
-        variants[name] = (learner, plugin)
+            plugin = ElasticTrainer(
+                rho=args.rho, reselect_every=args.reselect_every, cache_dir=None,
+                granularity="module" if name == "elastic_module" else "tensor",
+                memory_budget_bytes=memory_budget if name == "elastic_memory" else None,
+            )  # fmt: skip
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9)
+        variants[name] = (OnlineLearner(model, optimizer=optimizer, plugins=[plugin] if plugin else []), plugin)
     return variants
+
+
+def _memory(learner: OnlineLearner, x: torch.Tensor, y: torch.Tensor) -> int:
+    return measure_training_memory(learner.model, x, y, nn.functional.cross_entropy, learner.optimizer)["total"]
+
+
+def finetune(
+    pretrained: nn.Module, data: dict[str, torch.Tensor], names: Sequence[str], seed: int, args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """Fine-tune every variant on the same stream, interleaved; return per-variant results."""
+    b = args.batch_size
+    probe_x, probe_y = data["train_x"][:b], data["train_y"][:b]
+    full_model = _fresh(pretrained, args.classes, seed)
+    full_memory = measure_training_memory(
+        full_model, probe_x, probe_y, nn.functional.cross_entropy, torch.optim.SGD(full_model.parameters(), lr=0.1, momentum=0.9)
+    )["total"]
+    memory_budget = int(args.memory_fraction * full_memory)
+    variants = _variants(pretrained, names, args.classes, args.lr, seed, args, memory_budget)
+    step_times: dict[str, list[float]] = {name: [] for name in names}
+    first_call: dict[str, float] = {}
+    test_x, test_y = data["test_x"], data["test_y"]
+    curves = {name: [(0.0, _accuracy(variants[name][0].model, test_x, test_y))] for name in names}
+    offset = seed * args.steps * b % max(1, data["train_x"].shape[0] - args.steps * b + 1)
+    for step in range(args.steps):
+        rows = slice(offset + step * b, offset + (step + 1) * b)
+        batch = (data["train_x"][rows], data["train_y"][rows])
+        for name in names[step % len(names) :] + names[: step % len(names)]:
+            call = time.perf_counter()
+            stats = variants[name][0].observe(batch)
+            if step == 0:
+                first_call[name] = time.perf_counter() - call - stats.step_time_s  # profiling, not training
+            step_times[name].append(stats.step_time_s)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            for name in names:
+                curves[name].append((sum(step_times[name]), _accuracy(variants[name][0].model, test_x, test_y)))
+    full_median = statistics.median(step_times["full"])
+    full_final = curves["full"][-1][1]
+    runs: dict[str, dict[str, Any]] = {}
+    for name in names:
+        learner, plugin = variants[name]
+        median = statistics.median(step_times[name])
+        runs[name] = {
+            "median_step_s": median,
+            "speedup_vs_full": full_median / median,
+            "time_to_target_s": next((t for t, acc in curves[name] if acc >= args.target * full_final), None),
+            "final_accuracy": curves[name][-1][1],
+            "accuracy_vs_full_points": 100 * (curves[name][-1][1] - full_final),
+            "setup_s": first_call[name],
+            "curve": curves[name],
+            "memory_bytes": _memory(learner, probe_x, probe_y),
+            "full_memory_bytes": full_memory,
+        }
+        if plugin is not None:
+            assert plugin.timing_ is not None and plugin.profile_ is not None
+            index = [plugin.profile_.units.index(u) for u in plugin.selected]
+            runs[name].update(
+                selected=plugin.selected,
+                units=len(plugin.profile_.units),
+                probes=plugin.probes_,
+                predicted_step_s=plugin.timing_.predict(index),
+                raw_predicted_step_s=plugin.timing_.raw_prediction(index),
+                prediction_errors=plugin.prediction_errors(),
+                memory_estimate_bytes=plugin.memory_estimate(),
+                memory_budget_bytes=plugin.memory_budget_bytes,
+                profile_rounds=plugin.profile_.rounds,
+                profile_noise=plugin.profile_.relative_noise(),
+                profile_noisy=plugin.profile_.noisy,
+            )
+    return runs
+
+
+def _data(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor], list[Any], list[Any]]:
+    generator = torch.Generator().manual_seed(args.seed)
+    all_classes = arrangements(2 * args.classes, generator=generator)
+    old, new = all_classes[: args.classes], all_classes[args.classes :]
+    old_x, old_y = render(old, 4000, generator=generator)
+    old_test = render(old, 1000, generator=generator)
+    train_x, train_y = render(new, args.steps * args.batch_size * max(1, args.seeds), generator=generator)
+    test_x, test_y = render(new, 2000, generator=generator)
+    data = {"old_x": old_x, "old_y": old_y, "old_test_x": old_test[0], "old_test_y": old_test[1],
+            "train_x": train_x, "train_y": train_y, "test_x": test_x, "test_y": test_y}  # fmt: skip
+    return data, old, new
+
+
+def _spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
+def _print_model(model_name: str, seeds: dict[int, dict[str, dict[str, Any]]]) -> None:
+    names = list(next(iter(seeds.values())))
+    rows = []
+    for name in names:
+        runs = [seeds[s][name] for s in seeds]
+        reach = [r["time_to_target_s"] for r in runs]
+        rows.append([
+            name,
+            _spread([1000 * r["median_step_s"] for r in runs]),
+            _spread([r["speedup_vs_full"] for r in runs]),
+            f"{sum(t is not None for t in reach)}/{len(reach)}" + (f" {statistics.median([t for t in reach if t is not None]):.1f}s" if any(t is not None for t in reach) else ""),
+            _spread([r["final_accuracy"] for r in runs]),
+            _spread([r["accuracy_vs_full_points"] for r in runs]),
+            _spread([r["memory_bytes"] / r["full_memory_bytes"] for r in runs]),
+        ])  # fmt: skip
+    print(f"\n== {model_name}: median [min, max] over seeds {list(seeds)}")
+    print(format_table(["variant", "ms/step", "speedup", "reached target", "final acc", "vs full (pts)", "memory / full"], rows))
+    for name in names:
+        for seed, run in seeds.items():
+            if "selected" in run[name]:
+                errors = run[name]["prediction_errors"]
+                raw, corrected = errors["raw"], errors["corrected_after_first"] or errors["corrected"]
+                budget = run[name]["memory_budget_bytes"]
+                print(
+                    f"  {name} seed {seed}: {len(run[name]['selected'])}/{run[name]['units']} units, step predicted "
+                    f"{1000 * run[name]['predicted_step_s']:.1f} ms (raw profile {1000 * run[name]['raw_predicted_step_s']:.1f}) "
+                    f"vs measured {1000 * run[name]['median_step_s']:.1f}; prediction error raw "
+                    f"{'-' if raw is None else f'{raw:.0%}'} -> corrected {'-' if corrected is None else f'{corrected:.0%}'}; "
+                    f"memory est {run[name]['memory_estimate_bytes'] / 2**20:.2f} MiB measured {run[name]['memory_bytes'] / 2**20:.2f} MiB"
+                    + ("" if budget is None else f" (budget {budget / 2**20:.2f} MiB, {'within' if run[name]['memory_bytes'] <= budget else 'OVER'})")
+                    + f"; profile {run[name]['profile_rounds']} rounds, noise {run[name]['profile_noise']:.0%}"
+                )
 
 
 def _plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> Path:
@@ -149,87 +307,46 @@ def _plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("elastic", __doc__.splitlines()[0])
+    parser.add_argument("--zoo", action="store_true", help="run the CNN, ResNet-18 and MobileNetV2 (32x32)")
+    parser.add_argument("--models", default=None, help="comma-separated models (cnn, resnet18, mobilenet_v2)")
+    parser.add_argument("--variants", default="full,last_layer,elastic,elastic_module,elastic_memory",
+                        help="comma-separated from full, last_layer, elastic, elastic_module, elastic_memory")  # fmt: skip
+    parser.add_argument("--seeds", type=int, default=None, help="fine-tuning seeds per model (default 1, 2 with --zoo)")
     parser.add_argument("--classes", type=int, default=10, help="classes in pretraining and in fine-tuning")
-    parser.add_argument("--pretrain-steps", type=int, default=300, help="pretraining steps on the old classes")
-    parser.add_argument("--steps", type=int, default=400, help="fine-tuning steps per variant")
-    parser.add_argument("--batch-size", type=int, default=32, help="batch size of pretraining and fine-tuning")
-    parser.add_argument("--lr", type=float, default=0.02, help="SGD learning rate of fine-tuning")
-    parser.add_argument("--reselect-every", type=int, default=50, help="steps between elastic reselections")
-    parser.add_argument("--eval-every", type=int, default=20, help="steps between test-accuracy points")
+    parser.add_argument("--pretrain-steps", type=int, default=None, help="default 300 (200 with --zoo)")
+    parser.add_argument("--steps", type=int, default=None, help="fine-tuning steps per variant (default 400, 150 with --zoo)")
+    parser.add_argument("--batch-size", type=int, default=32, help="fine-tuning batch size")
+    parser.add_argument("--lr", type=float, default=0.02, help="SGD learning rate")
+    parser.add_argument("--rho", type=float, default=0.5, help="elastic time budget: fraction of a full step's forward+backward")
+    parser.add_argument("--reselect-every", type=int, default=50, help="steps between reselections")
+    parser.add_argument("--memory-fraction", type=float, default=0.5, help="memory budget as a fraction of full training's measured memory")
+    parser.add_argument("--eval-every", type=int, default=20, help="steps between accuracy evaluations")
     parser.add_argument("--target", type=float, default=0.95, help="fraction of full training's final accuracy")
-    parser.add_argument("--width", type=int, default=16, help="channels of the first convs")
+    parser.add_argument("--width", type=int, default=16, help="channels of the CNN's first convs")
+    parser.add_argument("--plot", action="store_true", help="also write a PNG of accuracy against training time")
     args = parse(parser, argv)
-    generator = torch.Generator().manual_seed(args.seed)
+    models = args.models.split(",") if args.models else (["cnn", "resnet18", "mobilenet_v2"] if args.zoo else ["cnn"])
+    args.seeds = args.seeds or (2 if args.zoo else 1)
+    args.pretrain_steps = args.pretrain_steps or (200 if args.zoo else 300)
+    args.steps = args.steps or (150 if args.zoo else 400)
+    names = ["full", *[n for n in args.variants.split(",") if n != "full"]]
     torch.manual_seed(args.seed)
-    all_classes = arrangements(2 * args.classes, generator=generator)
-    old, new = all_classes[: args.classes], all_classes[args.classes :]
-
-    start = time.perf_counter()
-    pretrained = build_cnn(args.classes, args.width)
-    old_x, old_y = render(old, 4000, generator=generator)
-    pretrain(pretrained, old_x, old_y, steps=args.pretrain_steps, batch_size=args.batch_size)
-    old_test = render(old, 1000, generator=generator)
-    pretrain_acc = _accuracy(pretrained, *old_test)
-    print(f"pretrained on {args.classes} classes: test accuracy {pretrain_acc:.3f} ({time.perf_counter() - start:.1f} s)")
-
-    train_x, train_y = render(new, args.steps * args.batch_size, generator=generator)
-    test_x, test_y = render(new, 2000, generator=generator)
-    variants = _variants(pretrained, args.classes, args.lr, args.reselect_every)
-    names = list(variants)
-    step_times: dict[str, list[float]] = {name: [] for name in names}
-    first_call: dict[str, float] = {}
-    curves: dict[str, list[tuple[float, float]]] = {name: [(0.0, _accuracy(variants[name][0].model, test_x, test_y))] for name in names}
-    for step in range(args.steps):
-        batch = (train_x[step * args.batch_size : (step + 1) * args.batch_size], train_y[step * args.batch_size : (step + 1) * args.batch_size])
-        for name in names[step % len(names) :] + names[: step % len(names)]:
-            call = time.perf_counter()
-            stats = variants[name][0].observe(batch)
-            if step == 0:
-                first_call[name] = time.perf_counter() - call - stats.step_time_s  # profiling, not training
-            step_times[name].append(stats.step_time_s)
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            for name in names:
-                curves[name].append((sum(step_times[name]), _accuracy(variants[name][0].model, test_x, test_y)))
-
-    full_median = statistics.median(step_times["full"])
-    full_final = curves["full"][-1][1]
-    target = args.target * full_final
-    runs: dict[str, dict[str, Any]] = {}
-    for name in names:
-        learner, plugin = variants[name]
-        median = statistics.median(step_times[name])
-        reach = next((t for t, acc in curves[name] if acc >= target), None)
-        runs[name] = {
-            "median_step_s": median,
-            "speedup_vs_full": full_median / median,
-            "total_train_s": sum(step_times[name]),
-            "time_to_target_s": reach,
-            "final_accuracy": curves[name][-1][1],
-            "accuracy_vs_full_points": 100 * (curves[name][-1][1] - full_final),
-            "setup_s": first_call[name],
-            "curve": curves[name],
-            "drift_events": learner.monitor.report()["events"].get("drift_detected", 0),
-        }
-        if plugin is not None:
-            runs[name].update(
-                selected=plugin.selected,
-                probes=plugin.probes_,
-                predicted_speedup=plugin.predicted_speedup(),
-                profile=plugin.profile_.to_dict() if plugin.profile_ else None,
-            )
-    rows = [
-        [name, 1000 * r["median_step_s"], r["speedup_vs_full"], r["time_to_target_s"] if r["time_to_target_s"] is not None else "never",
-         r["final_accuracy"], r["accuracy_vs_full_points"]]
-        for name, r in runs.items()
-    ]  # fmt: skip
-    print(f"fine-tuning on {args.classes} new classes, {args.steps} steps of batch {args.batch_size}; target accuracy {target:.3f}")
-    print(format_table(["variant", "ms/step", "speedup", "s to target", "final acc", "vs full (pts)"], rows))
-    for name, r in runs.items():
-        if "selected" in r:
-            print(f"{name}: trains units {r['selected']} (predicted speedup {r['predicted_speedup']:.2f}x, {r['probes']} probes, profiling {r['setup_s']:.2f} s)")
+    data, _, _ = _data(args)
+    results: dict[str, Any] = {}
+    for model_name in models:
+        start = time.perf_counter()
+        torch.manual_seed(args.seed)
+        pretrained = _zoo_model(model_name, args.classes, args.width)
+        pretrain(pretrained, data["old_x"], data["old_y"], steps=args.pretrain_steps, batch_size=args.batch_size)
+        pretrain_acc = _accuracy(pretrained, data["old_test_x"], data["old_test_y"])
+        print(f"{model_name}: pretrained on {args.classes} classes, test accuracy {pretrain_acc:.3f} ({time.perf_counter() - start:.1f} s)")
+        seeds = {seed: finetune(pretrained, data, names, seed, args) for seed in range(args.seeds)}
+        _print_model(model_name, seeds)
+        results[model_name] = {"pretrain_accuracy": pretrain_acc, "seeds": seeds}
+        if args.plot:
+            print(f"plot written to {_plot({n: r['curve'] for n, r in seeds[0].items()}, Path(args.out) / f'elastic_{model_name}.png')}")
     config = {key: value for key, value in vars(args).items() if key != "out"}
-    save_result(args.out, "elastic", {"config": config, "pretrain_accuracy": pretrain_acc, "target_accuracy": target, "runs": runs})
-    print(f"plot written to {_plot(curves, Path(args.out) / 'elastic.png')}")
+    save_result(args.out, "elastic_zoo" if args.zoo else "elastic", {"config": config, "models": results})
     return 0
 
 

@@ -1,0 +1,475 @@
+"""Robust timing profile of one training step, split per trainable unit.
+
+Timing on a shared CPU or a phone is noisy: a busy neighbour, a throttled core or a
+background app can make one measurement several times too long. So every quantity is
+measured in *rounds*: each round times every measurement once, in a shuffled order, so a
+burst of load hits all of them alike instead of one; outliers are rejected (median +- 3
+scaled MADs) and each estimate carries a 95% confidence interval. When the intervals are
+too wide to tell the units apart, more rounds are measured (bounded by ``max_rounds``),
+and a profile still too noisy says so (:attr:`TensorProfile.noisy`) instead of passing
+noise off as a measurement.
+
+A *unit* is a parameter tensor (``granularity="tensor"``: a layer's weight and bias are
+separate units, as in ElasticTrainer) or a module with parameters of its own
+(``granularity="module"``), in the order the forward pass first calls them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from taste_cl._batch import call_model
+
+__all__ = ["Granularity", "TensorProfile", "profile_tensors", "unit_names"]
+
+Granularity = Literal["tensor", "module"]
+GRANULARITIES = ("tensor", "module")
+_Z95 = 1.96
+
+
+def check_int(name: str, value: int, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name} == {value!r}`, must be an int >= {minimum}")
+
+
+def check_positive(name: str, value: float, *, upper: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (upper is not None and value > upper):
+        rule = "a number > 0" + ("" if upper is None else f" and <= {upper}")
+        raise ValueError(f"`{name} == {value!r}`, must be {rule}")
+
+
+def check_granularity(granularity: str) -> None:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"`granularity == {granularity!r}`, must be one of {GRANULARITIES}")
+
+
+# ------------------------------------------------------------------ structured inputs
+def first_rows(x: Any, n: int) -> Any:
+    """A detached copy of the first ``n`` samples of every tensor leaf of ``x``."""
+    return pytree.tree_map(lambda t: t[:n].detach().clone() if torch.is_tensor(t) else t, x)
+
+
+def repeat_rows(x: Any, size: int) -> Any:
+    """``x`` (one sample per leaf) repeated to ``size`` samples, contiguous."""
+    return pytree.tree_map(lambda t: t.expand(size, *t.shape[1:]).contiguous() if torch.is_tensor(t) else t, x)
+
+
+def describe_input(x: Any) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of the first tensor leaf (the cache key), plus all leaf shapes hashed in."""
+    leaves = [t for t in pytree.tree_leaves(x) if torch.is_tensor(t)]
+    if not leaves:
+        raise ValueError("the example input holds no tensor")
+    shape = tuple(int(d) for t in leaves for d in (*t.shape, -1))  # every leaf's shape, separated
+    return shape, leaves[0].dtype
+
+
+def _device(x: Any) -> torch.device:
+    return next(t for t in pytree.tree_leaves(x) if torch.is_tensor(t)).device
+
+
+def _float_leaves(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if torch.is_tensor(t) and t.is_floating_point()]
+
+
+# ------------------------------------------------------------------ the profile
+@dataclass(frozen=True)
+class TensorProfile:
+    """Measured times (seconds) and memory (bytes) of one training step, per unit in execution order.
+
+    ``act_grad_s[i]`` is the time to pass the gradient back through unit ``i``'s module and
+    the parameter-free modules between the previous unit's module and it; it is spent
+    only when some unit before ``i`` trains (0 for the second tensor of a module).
+    ``*_ci`` are 95% confidence half-widths. ``param_bytes[i]`` is the unit's size (its
+    gradient has the same size); ``input_bytes[i]`` what autograd keeps to compute its
+    weight gradient; ``act_bytes[i]`` what it keeps to pass the gradient back through
+    ``i``'s segment. ``backward_s`` is the measured full backward, for comparison with the
+    model's ``full_step_s - forward_s``. ``noisy`` is True when ``max_rounds`` did not
+    bring the confidence intervals under the tolerance.
+    """
+
+    units: list[str]
+    weight_grad_s: list[float]
+    act_grad_s: list[float]
+    forward_s: float
+    backward_s: float
+    weight_grad_ci: list[float]
+    act_grad_ci: list[float]
+    forward_ci: float
+    param_bytes: list[int]
+    input_bytes: list[int]
+    act_bytes: list[int]
+    granularity: str = "tensor"
+    rounds: int = 0
+    noisy: bool = False
+
+    def step_s(self, selected: Sequence[int]) -> float:
+        """Predicted forward + backward time when only the units at ``selected`` train."""
+        if not selected:
+            return self.forward_s
+        earliest = min(selected)
+        return self.forward_s + sum(self.weight_grad_s[i] for i in selected) + sum(self.act_grad_s[earliest + 1 :])
+
+    @property
+    def full_step_s(self) -> float:
+        """Predicted step time with every unit trainable."""
+        return self.step_s(range(len(self.units)))
+
+    def memory_bytes(self, selected: Sequence[int], state_factor: float) -> int:
+        """Estimated training memory of ``selected``: kept activations + gradients + optimizer state.
+
+        ``state_factor`` is the optimizer state per parameter byte (SGD with momentum 1, Adam 2).
+        """
+        if not selected:
+            return 0
+        earliest = min(selected)
+        own = sum(self.input_bytes[i] + self.param_bytes[i] * (1 + state_factor) for i in selected)
+        return int(own + sum(self.act_bytes[earliest + 1 :]))
+
+    def relative_noise(self, *, min_share: float = 0.05) -> float:
+        """Largest CI half-width over estimate among components worth ``min_share`` of a full step."""
+        full = self.full_step_s
+        pairs = [(self.forward_s, self.forward_ci)]
+        pairs += list(zip(self.weight_grad_s, self.weight_grad_ci)) + list(zip(self.act_grad_s, self.act_grad_ci))
+        worst = [ci / t for t, ci in pairs if t > 0 and t >= min_share * full]
+        return max(worst, default=0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, state: Any) -> TensorProfile:
+        """Parse and validate a :meth:`to_dict` value; raise ``ValueError`` naming the bad field."""
+        from taste_cl.elastic.cache import parse_profile
+
+        return parse_profile(state)
+
+
+# ------------------------------------------------------------------ units
+def _direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The module's own trainable parameters (ones the user froze are never units)."""
+    return [(name, p) for name, p in module.named_parameters(recurse=False) if p.requires_grad]
+
+
+def _capture(model: nn.Module, example: Any) -> list[tuple[str, nn.Module, tuple[Any, ...], dict[str, Any]]]:
+    """Run ``model`` once; return (name, module, args, kwargs) of the modules with parameters
+    of their own and of the parameter-free leaf modules, in the order they were first called."""
+    calls: list[tuple[str, nn.Module, tuple[Any, ...], dict[str, Any]]] = []
+    seen: set[str] = set()
+    handles = []
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if name not in seen:
+                seen.add(name)
+                detach = lambda t: t.detach().clone() if torch.is_tensor(t) else t
+                calls.append((name, module, pytree.tree_map(detach, args), pytree.tree_map(detach, kwargs)))
+
+        return record
+
+    for name, module in model.named_modules():
+        if _direct_params(module) or (not list(module.children()) and name):
+            handles.append(module.register_forward_pre_hook(hook(name), with_kwargs=True))
+    try:
+        with torch.no_grad():
+            call_model(model, example)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def _units_of(name: str, module: nn.Module, granularity: str) -> list[tuple[str, list[nn.Parameter]]]:
+    params = _direct_params(module)
+    if not params:
+        return []
+    if granularity == "module":
+        return [(name, [p for _, p in params])]
+    return [(f"{name}.{pname}" if name else pname, [p]) for pname, p in params]
+
+
+def unit_names(model: nn.Module, example: Any, *, granularity: Granularity = "tensor") -> list[str]:
+    """The units of ``model`` for ``example``, in execution order (one no-grad forward pass)."""
+    check_granularity(granularity)
+    was_training = model.training
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    try:
+        with torch.random.fork_rng(devices=[]):
+            calls = _capture(model, example)
+    finally:
+        _restore(model, buffers, was_training)
+    return [unit for name, module, _, _ in calls for unit, _ in _units_of(name, module, granularity)]
+
+
+def unit_parameters(model: nn.Module, units: Sequence[str], granularity: str) -> list[list[nn.Parameter]]:
+    """The parameters of each named unit (``KeyError`` naming an unknown unit)."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    out = []
+    for unit in units:
+        if granularity == "module":
+            if unit not in modules:
+                raise KeyError(f"no module named {unit!r} in the model")
+            out.append([p for p in modules[unit].parameters(recurse=False) if p.requires_grad])
+        else:
+            if unit not in params:
+                raise KeyError(f"no parameter named {unit!r} in the model")
+            out.append([params[unit]])
+    return out
+
+
+def _restore(model: nn.Module, buffers: dict[str, torch.Tensor], was_training: bool) -> None:
+    model.train(was_training)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in buffers:
+                b.copy_(buffers[name])
+
+
+class SavedBytes:
+    """Context manager counting the bytes autograd saves for backward inside it.
+
+    A storage is counted once, with the largest extent any saved view of it covers (so a
+    batch sliced from a big dataset counts as the batch); ``exclude`` holds storage
+    pointers not to count (the parameters, which exist anyway).
+    """
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude
+        self._sizes: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.exclude:
+            self._sizes[ptr] = max(self._sizes.get(ptr, 0), t.numel() * t.element_size())
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self._sizes.values())
+
+    def __enter__(self) -> SavedBytes:  # noqa: PYI034
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+# ------------------------------------------------------------------ robust timing
+@dataclass
+class _Measure:
+    """One quantity to time: ``prepare()`` builds (untimed) the callable to time."""
+
+    prepare: Callable[[], Callable[[], Any]]
+    samples: list[float]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run_rounds(measures: Sequence[_Measure], rounds: int, *, device: torch.device, rng: random.Random) -> None:
+    """Time every measure once per round, in a fresh shuffled order each round."""
+    order = list(range(len(measures)))
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for index in order:
+            timed = measures[index].prepare()
+            _sync(device)
+            start = time.perf_counter()
+            timed()
+            _sync(device)
+            measures[index].samples.append(time.perf_counter() - start)
+
+
+def robust_estimate(samples: Sequence[float]) -> tuple[float, float]:
+    """(estimate, 95% CI half-width) of a timing: the median of the samples left after
+    dropping those more than 3 scaled MADs from the median; the CI is that of a median
+    (1.2533 x the standard error of the mean of the kept samples)."""
+    if not samples:
+        raise ValueError("no samples")
+    median = statistics.median(samples)
+    mad = 1.4826 * statistics.median(abs(s - median) for s in samples)
+    kept = [s for s in samples if abs(s - median) <= 3 * mad] if mad > 0 else list(samples)
+    estimate = statistics.median(kept)
+    if len(kept) < 2:
+        return estimate, estimate
+    return estimate, _Z95 * 1.2533 * statistics.stdev(kept) / math.sqrt(len(kept))
+
+
+def _grad_measure(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], targets: list[nn.Parameter] | None, param_ptrs: set[int]
+) -> tuple[_Measure, int]:
+    """Measure of the backward through ``module`` w.r.t. ``targets`` (None: its float inputs),
+    and the bytes autograd keeps for it (parameter storage excluded)."""
+    own = list(module.parameters())
+    wanted = targets or []
+
+    def prepare(count: list[int] | None = None) -> Callable[[], Any]:
+        flags = [p.requires_grad for p in own]
+        for p in own:
+            p.requires_grad_(any(p is q for q in wanted))
+        try:
+            leaves = pytree.tree_map(
+                lambda a: a.clone().requires_grad_(targets is None) if torch.is_tensor(a) and a.is_floating_point() else a,
+                (args, kwargs),
+            )
+            inputs = [a for a in pytree.tree_leaves(leaves) if torch.is_tensor(a) and a.requires_grad]
+            # clones of the leaves, so in-place modules (ReLU(inplace=True)) may run
+            call_args, call_kwargs = pytree.tree_map(lambda a: a.clone() if torch.is_tensor(a) and a.requires_grad else a, leaves)
+            if count is None:
+                out = module(*call_args, **call_kwargs)
+            else:
+                with SavedBytes(param_ptrs) as saved:
+                    out = module(*call_args, **call_kwargs)
+                count[0] = saved.total
+        finally:
+            for p, flag in zip(own, flags):
+                p.requires_grad_(flag)
+        outs = [o for o in _float_leaves(out) if o.requires_grad]
+        wrt = inputs if targets is None else list(wanted)
+        if not outs or not wrt:
+            return lambda: None
+        grads = [torch.ones_like(o) for o in outs]
+        return lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+
+    count = [0]
+    prepare(count)
+    return _Measure(prepare, []), count[0]
+
+
+def profile_tensors(
+    model: nn.Module,
+    example: Any,
+    *,
+    granularity: Granularity = "tensor",
+    warmup: int = 2,
+    repeats: int = 7,
+    max_rounds: int = 28,
+    tolerance: float = 0.2,
+    seed: int = 0,
+) -> TensorProfile:
+    """Measure forward, per-unit weight-gradient and activation-gradient times on ``example``.
+
+    ``example`` is one training batch (a tensor, or a dict/tuple of tensors passed as
+    keyword/positional arguments). Each unit's module is replayed alone on its captured
+    input; a parameter-free leaf module's activation-gradient time is added to the next
+    unit's, since both are spent under the same condition. ``warmup`` untimed rounds, then
+    ``repeats`` timed rounds; while :meth:`TensorProfile.relative_noise` exceeds
+    ``tolerance``, the number of rounds is doubled, up to ``max_rounds``. The model's
+    parameters, buffers (BatchNorm statistics), trainability and the torch RNG are left
+    as they were.
+    """
+    check_granularity(granularity)
+    check_int("warmup", warmup, 0)
+    check_int("repeats", repeats, 2)
+    check_int("max_rounds", max_rounds, repeats)
+    check_positive("tolerance", tolerance)
+    device = _device(example)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    flags = {p: p.requires_grad for p in model.parameters()}
+    was_training = model.training
+    model.train()
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            calls = _capture(model, example)
+            units: list[str] = []
+            weight: list[_Measure] = []
+            act: list[list[_Measure]] = []
+            param_bytes: list[int] = []
+            input_bytes: list[int] = []
+            act_bytes: list[int] = []
+            pending: list[_Measure] = []
+            pending_bytes = 0
+            for name, module, args, kwargs in calls:
+                measure, kept = _grad_measure(module, args, kwargs, None, param_ptrs)
+                pending.append(measure)
+                pending_bytes += kept
+                for index, (unit, params) in enumerate(_units_of(name, module, granularity)):
+                    w_measure, w_kept = _grad_measure(module, args, kwargs, params, param_ptrs)
+                    units.append(unit)
+                    weight.append(w_measure)
+                    act.append(pending if index == 0 else [])
+                    act_bytes.append(pending_bytes if index == 0 else 0)
+                    input_bytes.append(w_kept)
+                    param_bytes.append(sum(p.numel() * p.element_size() for p in params))
+                    pending, pending_bytes = [], 0
+            forward = _Measure(lambda: lambda: call_model(model, example), [])
+
+            def full_backward() -> Callable[[], Any]:
+                outs = [o for o in _float_leaves(call_model(model, example)) if o.requires_grad]
+                return lambda: torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+            backward = _Measure(full_backward, [])
+            measures = list(weight) + [m for group in act for m in group] + [forward, backward]
+            rng = random.Random(seed)
+            _run_rounds(measures, warmup, device=device, rng=rng)
+            for m in measures:
+                m.samples.clear()
+            rounds = 0
+            target = repeats
+            while True:
+                _run_rounds(measures, target - rounds, device=device, rng=rng)
+                rounds = target
+                profile = _summarise(
+                    units, weight, act, forward, backward, param_bytes, input_bytes, act_bytes, granularity, rounds
+                )
+                if profile.relative_noise() <= tolerance or rounds >= max_rounds:
+                    break
+                target = min(2 * rounds, max_rounds)
+            model.zero_grad(set_to_none=True)
+    finally:
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+        _restore(model, buffers, was_training)
+    if profile.relative_noise() > tolerance:
+        return TensorProfile(**{**profile.to_dict(), "noisy": True})
+    return profile
+
+
+def _summarise(
+    units: list[str],
+    weight: list[_Measure],
+    act: list[list[_Measure]],
+    forward: _Measure,
+    backward: _Measure,
+    param_bytes: list[int],
+    input_bytes: list[int],
+    act_bytes: list[int],
+    granularity: str,
+    rounds: int,
+) -> TensorProfile:
+    w_est = [robust_estimate(m.samples) for m in weight]
+    a_est = []
+    for group in act:
+        parts = [robust_estimate(m.samples) for m in group]
+        a_est.append((sum(e for e, _ in parts), math.sqrt(sum(c * c for _, c in parts))))
+    f_est, f_ci = robust_estimate(forward.samples)
+    return TensorProfile(
+        units=list(units),
+        weight_grad_s=[e for e, _ in w_est],
+        act_grad_s=[e for e, _ in a_est],
+        forward_s=f_est,
+        backward_s=robust_estimate(backward.samples)[0],
+        weight_grad_ci=[c for _, c in w_est],
+        act_grad_ci=[c for _, c in a_est],
+        forward_ci=f_ci,
+        param_bytes=list(param_bytes),
+        input_bytes=list(input_bytes),
+        act_bytes=list(act_bytes),
+        granularity=granularity,
+        rounds=rounds,
+    )

@@ -1,0 +1,467 @@
+"""The :class:`ElasticTrainer` plugin: profile, probe importance, select, measure, correct."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from taste_cl._fingerprint import default_cache_dir
+from taste_cl.elastic.cache import load_or_profile, parse_profile
+from taste_cl.elastic.calibration import StepTimeModel
+from taste_cl.elastic.memory import optimizer_state_factor
+from taste_cl.elastic.profiling import (
+    Granularity,
+    TensorProfile,
+    check_granularity,
+    check_int,
+    check_positive,
+    first_rows,
+    profile_tensors,
+    repeat_rows,
+    unit_parameters,
+)
+from taste_cl.elastic.selection import GradientImportance, select_tensors
+from taste_cl.monitor import MonitorEvent
+from taste_cl.plugins import LearnerPlugin
+
+if TYPE_CHECKING:
+    from taste_cl.learner import ObserveStats, OnlineLearner
+
+__all__ = ["ElasticTrainer"]
+
+
+class ElasticTrainer(LearnerPlugin):
+    """Train, at each step, only the units worth their backward time (ElasticTrainer).
+
+    Every ``reselect_every`` training steps one probe step trains every unit and measures
+    importance; the units of maximal importance whose predicted forward + backward time is
+    at most ``rho`` times that of full training (and, with ``memory_budget_bytes``, whose
+    training memory fits) are then trained until the next probe. Frozen units get no
+    gradient, so the optimizer keeps their state for when they rejoin.
+
+    Closed loop: the step times measured after each selection (``check_steps`` of them,
+    median) and on probe steps refit a :class:`~taste_cl.elastic.calibration.StepTimeModel`
+    (optimizer and bookkeeping overhead, a global scale, per-unit scales); later selections
+    use the corrected times. :meth:`prediction_errors` reports how far the raw profile and
+    the corrected model were from the measured times.
+
+    Drift policy: on the monitor's ``drift_detected`` event the next step is a probe and
+    the budget is raised to ``drift_rho`` for ``drift_steps`` steps, then a probe reselects
+    at ``rho``.
+
+    Parameters
+    ----------
+    rho:
+        Target forward + backward time as a fraction of full training's, in (0, 1]
+        (the optimizer step and bookkeeping, the same for any selection, are not budgeted).
+    reselect_every:
+        Training steps between probes.
+    drift_rho, drift_steps:
+        Budget (>= ``rho``; default halfway between ``rho`` and 1) and duration after a drift event.
+    granularity:
+        ``"tensor"`` (weights and biases are separate units) or ``"module"``.
+    memory_budget_bytes:
+        Optional cap on training memory (kept activations + gradients + optimizer state of
+        the selected units; see :meth:`TensorProfile.memory_bytes`).
+    cache_dir:
+        Where profiles are cached (see :func:`~taste_cl._fingerprint.default_cache_dir`); None to always profile.
+    warmup, repeats, max_rounds, tolerance:
+        Profiling: untimed rounds, timed rounds, the bound on rounds when the profile is
+        noisy, and the relative CI half-width that counts as noisy.
+    check_steps:
+        Steps measured after each selection to check and correct the prediction.
+    resolution:
+        Time bins of the DP selector.
+    """
+
+    name = "elastic"
+
+    def __init__(
+        self,
+        *,
+        rho: float = 0.5,
+        reselect_every: int = 50,
+        drift_rho: float | None = None,
+        drift_steps: int = 20,
+        granularity: Granularity = "tensor",
+        memory_budget_bytes: int | None = None,
+        cache_dir: str | os.PathLike[str] | None = "default",
+        warmup: int = 2,
+        repeats: int = 7,
+        max_rounds: int = 28,
+        tolerance: float = 0.2,
+        check_steps: int = 5,
+        resolution: int = 1000,
+    ) -> None:
+        check_positive("rho", rho, upper=1.0)
+        check_int("reselect_every", reselect_every, 1)
+        if drift_rho is not None:
+            check_positive("drift_rho", drift_rho, upper=1.0)
+            if drift_rho < rho:
+                raise ValueError(f"`drift_rho == {drift_rho!r}`, must be >= rho ({rho!r})")
+        check_int("drift_steps", drift_steps, 1)
+        check_granularity(granularity)
+        if memory_budget_bytes is not None:
+            check_int("memory_budget_bytes", memory_budget_bytes, 1)
+        check_int("warmup", warmup, 0)
+        check_int("repeats", repeats, 2)
+        check_int("max_rounds", max_rounds, repeats)
+        check_positive("tolerance", tolerance)
+        check_int("check_steps", check_steps, 1)
+        check_int("resolution", resolution, 1)
+        self.rho = rho
+        self.reselect_every = reselect_every
+        self.drift_rho = drift_rho
+        self.drift_steps = drift_steps
+        self.granularity = granularity
+        self.memory_budget_bytes = memory_budget_bytes
+        self.cache_dir = cache_dir
+        self.warmup = warmup
+        self.repeats = repeats
+        self.max_rounds = max_rounds
+        self.tolerance = tolerance
+        self.check_steps = check_steps
+        self.resolution = resolution
+        self.profile_: TensorProfile | None = None
+        self.timing_: StepTimeModel | None = None
+        self.importance_: list[float] | None = None
+        self.selected: list[str] = []
+        self.predictions_: list[dict[str, Any]] = []
+        self.steps_ = 0
+        self.probes_ = 0
+        self._since_probe = 0
+        self._drift_left = 0
+        self._probe_now = True
+        self._learner: OnlineLearner | None = None
+        self._example: Any = None
+        self._estimator: GradientImportance | None = None
+        self._unit_params: list[list[nn.Parameter]] = []
+        self._probe_step = False
+        self._arm_s = 0.0
+        self._probe_times: list[float] = []
+        self._window: list[float] = []
+        self._window_prediction: dict[str, Any] | None = None
+
+    # ----------------------------------------------------------------- hooks
+    def on_attach(self, learner: OnlineLearner, **kwargs: Any) -> None:
+        self._learner = learner
+        learner.monitor.subscribe(self._on_drift, event="drift_detected")
+        learner.monitor.subscribe(self._on_retuned, event="retuned")
+
+    def on_first_batch(self, learner: OnlineLearner, x: Any, **kwargs: Any) -> None:
+        self._example = first_rows(x, 1)
+        if self.profile_ is None:
+            n = next(t for t in pytree.tree_leaves(x) if torch.is_tensor(t)).shape[0]
+            self.reprofile(n + learner.replay_batch_size)
+
+    def before_step(self, learner: OnlineLearner, **kwargs: Any) -> None:
+        self._finish_probe()
+        self._probe_step = False
+        if self.profile_ is None:
+            return
+        if self._probe_now or self._since_probe >= self.reselect_every:
+            self._start_probe()
+        self.steps_ += 1
+        self._since_probe += 1
+        if self._drift_left:
+            self._drift_left -= 1
+            self._probe_now = self._drift_left == 0
+
+    def after_observe(self, learner: OnlineLearner, stats: ObserveStats, **kwargs: Any) -> None:
+        if stats.micro_batches and stats.steps:
+            self._record_time(stats.step_time_s / stats.micro_batches)
+        self._finish_probe()
+
+    def _on_retuned(self, event: MonitorEvent) -> None:
+        """The batch-size tuner picked a new micro-batch: step times changed, so reprofile and reselect."""
+        if self._example is not None:
+            self.reprofile(int(event.details["batch_size"]))
+
+    def _on_drift(self, event: MonitorEvent) -> None:
+        self._drift_left = self.drift_steps
+        self._probe_now = True
+
+    # ----------------------------------------------------------- public API
+    @property
+    def current_rho(self) -> float:
+        """The budget in force: ``drift_rho`` during a drift window, else ``rho``."""
+        if not self._drift_left:
+            return self.rho
+        return self.drift_rho if self.drift_rho is not None else (1.0 + self.rho) / 2
+
+    def reprofile(self, batch_size: int | None = None, *, refresh: bool = False) -> TensorProfile:
+        """(Re)measure the profile for training batches of ``batch_size`` and reselect.
+
+        Call after the batch size changes (the batch-size tuner); uses the cache when it
+        holds this model, batch shape and hardware, unless ``refresh``. A profile still too
+        noisy after ``max_rounds`` gives a ``RuntimeWarning`` (and ``profile_.noisy``).
+        """
+        learner = self._attached()
+        if self._example is None:
+            raise RuntimeError("ElasticTrainer.reprofile needs a first batch: call learner.observe first")
+        size = batch_size if batch_size is not None else 1
+        check_int("batch_size", size, 1)
+        example = repeat_rows(self._example, size)
+        options = {
+            "granularity": self.granularity, "warmup": self.warmup, "repeats": self.repeats,
+            "max_rounds": self.max_rounds, "tolerance": self.tolerance,
+        }  # fmt: skip
+        with _Trainable([p for params in self._unit_params for p in params]):
+            if self.cache_dir is None:
+                profile = profile_tensors(learner.model, example, **options)  # type: ignore[arg-type]
+            else:
+                directory = default_cache_dir() if self.cache_dir == "default" else self.cache_dir
+                profile, _ = load_or_profile(learner.model, example, cache_dir=directory, refresh=refresh, **options)  # type: ignore[arg-type]
+        if profile.noisy:
+            warnings.warn(
+                f"ElasticTrainer: the timing profile is too noisy to separate units after {profile.rounds} rounds "
+                f"(largest relative 95% CI {profile.relative_noise():.0%} > tolerance {self.tolerance:.0%}); "
+                "selecting on the best estimates, and the closed loop will correct them",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._set_profile(profile)
+        self.reselect()
+        return profile
+
+    def reselect(self) -> None:
+        """Make the next training step a probe that re-measures importance and reselects."""
+        self._probe_now = True
+
+    def predicted_speedup(self) -> float | None:
+        """Predicted (corrected) full step time over the current selection's (None before a selection)."""
+        if self.timing_ is None or not self.selected:
+            return None
+        return self.timing_.predict(range(len(self.profile_.units))) / self.timing_.predict(self._indices())  # type: ignore[union-attr]
+
+    def memory_estimate(self, selected: Sequence[str] | None = None) -> int | None:
+        """Estimated training memory (bytes) of ``selected`` (default: the current selection)."""
+        if self.profile_ is None:
+            return None
+        names = self.selected if selected is None else selected
+        factor = optimizer_state_factor(self._attached().optimizer)
+        return self.profile_.memory_bytes(self._indices(names), factor)
+
+    def prediction_errors(self) -> dict[str, float | int | None]:
+        """Mean absolute relative error of the raw profile and of the corrected model over the
+        checked windows (each the median of ``check_steps`` measured steps after a selection)."""
+        rows = self.predictions_
+
+        def mean_error(key: str) -> float | None:
+            return statistics.fmean(abs(r[key] - r["measured_s"]) / r["measured_s"] for r in rows) if rows else None
+
+        later = rows[1:]
+        return {
+            "windows": len(rows),
+            "raw": mean_error("raw_s"),
+            "corrected": mean_error("predicted_s"),
+            "corrected_after_first": (
+                statistics.fmean(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in later) if later else None
+            ),
+        }
+
+    def apply_selection(self, selected: Sequence[str]) -> None:
+        """Train only the units named in ``selected`` until the next probe.
+
+        Frozen units' gradients are set to None, so the optimizer skips them and keeps their
+        state (momentum, Adam moments) for when they rejoin.
+        """
+        if self.profile_ is None:
+            raise RuntimeError("ElasticTrainer has no profile yet: call learner.observe first")
+        chosen = set(selected)
+        unknown = sorted(chosen - set(self.profile_.units))
+        if unknown:
+            raise ValueError(f"unknown units {unknown}; the units are {self.profile_.units}")
+        self.selected = [name for name in self.profile_.units if name in chosen]
+        for name, params in zip(self.profile_.units, self._unit_params):
+            for p in params:
+                p.requires_grad_(name in chosen)
+                if name not in chosen:
+                    p.grad = None  # optimizers skip params without a gradient: their state is kept
+
+    # ------------------------------------------------------------ internals
+    def _attached(self) -> OnlineLearner:
+        if self._learner is None:
+            raise RuntimeError("ElasticTrainer is not attached: pass it in OnlineLearner(plugins=[...])")
+        return self._learner
+
+    def _set_profile(self, profile: TensorProfile) -> None:
+        try:
+            params = unit_parameters(self._attached().model, profile.units, profile.granularity)
+        except KeyError as error:
+            raise ValueError(f"the profile does not fit the model: {error.args[0]}") from None
+        self.profile_, self._unit_params = profile, params
+        self.timing_ = StepTimeModel(profile)
+        self._probe_times, self._window, self._window_prediction = [], [], None
+
+    def _indices(self, names: Sequence[str] | None = None) -> list[int]:
+        assert self.profile_ is not None
+        index = {name: i for i, name in enumerate(self.profile_.units)}
+        return [index[n] for n in (self.selected if names is None else names)]
+
+    def _record_time(self, seconds: float) -> None:
+        """Feed one measured step time to the closed loop."""
+        if self.timing_ is None:
+            return
+        if self._probe_step:
+            self._probe_times = [*self._probe_times[-4:], max(seconds - self._arm_s, 1e-9)]
+            self.timing_.observe_full(statistics.median(self._probe_times))
+            return
+        if self._window_prediction is None:
+            return
+        self._window.append(seconds)
+        if len(self._window) >= self.check_steps:
+            measured = statistics.median(self._window)
+            selected = self._indices()
+            self.predictions_.append({**self._window_prediction, "measured_s": measured, "step": self.steps_})
+            self.timing_.observe(selected, measured)
+            self._window, self._window_prediction = [], None
+
+    def _start_probe(self) -> None:
+        assert self.profile_ is not None
+        self.apply_selection(self.profile_.units)
+        self._estimator = GradientImportance(self._unit_params)
+        start = time.perf_counter()
+        self._estimator.arm()
+        self._arm_s = time.perf_counter() - start  # inside the measured step: not training time
+        self._since_probe = 0
+        self._probe_now = False
+        self._probe_step = True
+        self._window, self._window_prediction = [], None
+        self.probes_ += 1
+
+    def _finish_probe(self) -> None:
+        if self._estimator is None:
+            return
+        scores, self._estimator = self._estimator.collect(), None
+        if scores is not None and any(scores):  # a skipped step moves no weight: keep the old scores
+            self.importance_ = scores
+        self._select()
+
+    def _select(self) -> None:
+        profile, timing = self.profile_, self.timing_
+        assert profile is not None and timing is not None
+        everything = list(range(len(profile.units)))
+        if self.importance_ is None or (self.current_rho >= 1.0 and self.memory_budget_bytes is None):
+            self.apply_selection(profile.units)
+            return
+        overhead, forward, weight_s, act_s = timing.corrected_costs()
+        # rho bounds forward + backward (the part the selection changes), as in ElasticTrainer;
+        # the optimizer/bookkeeping overhead is predicted and reported, not budgeted
+        budget = self.current_rho * (timing.predict(everything) - overhead) - forward
+        memory: dict[str, Any] = {}
+        if self.memory_budget_bytes is not None:
+            factor = optimizer_state_factor(self._attached().optimizer)
+            memory = {
+                "weight_bytes": [i + p * (1 + factor) for i, p in zip(profile.input_bytes, profile.param_bytes)],
+                "act_bytes": [float(b) for b in profile.act_bytes],
+                "budget_bytes": float(self.memory_budget_bytes),
+            }
+        chosen = select_tensors(self.importance_, weight_s, act_s, budget, resolution=self.resolution, **memory) if budget > 0 else []
+        if not chosen:
+            chosen = [min(everything, key=lambda k: (self._over_memory([k]), timing.predict([k])))]
+            warnings.warn(
+                f"ElasticTrainer: no unit fits rho={self.current_rho}"
+                + ("" if self.memory_budget_bytes is None else f" and memory_budget_bytes={self.memory_budget_bytes}")
+                + f" (the forward pass alone takes {forward / (timing.predict(everything) - overhead):.0%} of a full step); "
+                f"training only {profile.units[chosen[0]]!r}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.apply_selection([profile.units[i] for i in chosen])
+        self._window = []
+        self._window_prediction = {
+            "units": len(chosen),
+            "raw_s": timing.raw_prediction(chosen),
+            "predicted_s": timing.predict(chosen),
+        }
+
+    def _over_memory(self, selected: list[int]) -> bool:
+        if self.memory_budget_bytes is None:
+            return False
+        return (self.memory_estimate([self.profile_.units[i] for i in selected]) or 0) > self.memory_budget_bytes  # type: ignore[union-attr]
+
+    # ----------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Profile, importance, selection and counters; the closed-loop correction is re-learned after a load."""
+        return {
+            "profile": None if self.profile_ is None else self.profile_.to_dict(),
+            "importance": self.importance_,
+            "selected": list(self.selected),
+            "steps": self.steps_,
+            "probes": self.probes_,
+            "since_probe": self._since_probe,
+            "drift_left": self._drift_left,
+            "probe_now": self._probe_now,
+            "example": self._example,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Validate every field of ``state`` (``ValueError`` naming it), then apply all of it."""
+        if not isinstance(state, dict):
+            raise ValueError(f"elastic state must be a dict; got {type(state).__name__}")  # noqa: TRY004 (documented ValueError)
+        missing = sorted({"profile", "importance", "selected", "steps", "probes", "since_probe", "drift_left", "probe_now", "example"} - set(state))
+        if missing:
+            raise ValueError(f"elastic state lacks {missing}")
+        profile = None if state["profile"] is None else parse_profile(state["profile"])
+        if profile is not None and profile.granularity != self.granularity:
+            raise ValueError(f"elastic state has granularity {profile.granularity!r}, this trainer {self.granularity!r}")
+        n = 0 if profile is None else len(profile.units)
+        importance = state["importance"]
+        if importance is not None and (
+            not isinstance(importance, list)
+            or len(importance) != n
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in importance)
+        ):
+            raise ValueError(f"elastic state `importance` must be {n} finite numbers >= 0")
+        selected = state["selected"]
+        units = set(profile.units) if profile is not None else set()
+        if not isinstance(selected, list) or not all(isinstance(s, str) and s in units for s in selected):
+            raise ValueError("elastic state `selected` must name units of the profile")
+        for key in ("steps", "probes", "since_probe", "drift_left"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"elastic state `{key} == {value!r}`, must be an int >= 0")
+        if not isinstance(state["probe_now"], bool):
+            raise ValueError("elastic state `probe_now` must be a bool")  # noqa: TRY004
+        example = state["example"]
+        if example is not None and not all(torch.is_tensor(t) for t in pytree.tree_leaves(example)):
+            raise ValueError("elastic state `example` must be a tensor or a structure of tensors")
+        if profile is not None:
+            self._set_profile(profile)  # raises ValueError before anything else changes if units are not the model's
+        else:
+            self.profile_, self.timing_, self._unit_params = None, None, []
+        self.importance_ = None if importance is None else [float(v) for v in importance]
+        self.steps_, self.probes_ = state["steps"], state["probes"]
+        self._since_probe, self._drift_left, self._probe_now = state["since_probe"], state["drift_left"], state["probe_now"]
+        self._example = example
+        if profile is not None and selected:
+            self.apply_selection(selected)
+        else:
+            self.selected = list(selected)
+
+
+class _Trainable:
+    """Context manager: make ``params`` trainable inside, restore their flags after."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self._flags: list[bool] = []
+
+    def __enter__(self) -> None:
+        self._flags = [p.requires_grad for p in self.params]
+        for p in self.params:
+            p.requires_grad_(True)
+
+    def __exit__(self, *exc: object) -> None:
+        for p, flag in zip(self.params, self._flags):
+            p.requires_grad_(flag)
