@@ -1,0 +1,238 @@
+"""Personalize in the browser: web-compatible artifacts, and the JS learner in headless Chromium.
+
+The browser test serves the demo on 127.0.0.1, drives one headless Chromium over the
+DevTools protocol (``web/tools/drive.mjs``) and checks, for SGD and AdamW exports of the
+digits MLP and for a small CNN: the artifacts load; 5 training steps match the Python
+device learner on the same batches at the exported LR; observe() with replay works; a
+reload resumes from IndexedDB. It also writes a screenshot of the demo after a few corrections.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("onnxruntime.training")
+
+from taste_cl import CheckpointError, OnlineLearner
+from taste_cl.adapters._web_compat import (
+    WEB_MANIFEST,
+    WEB_OPTIMIZER_MODEL,
+    check_strict_shapes,
+    make_web_compatible,
+)
+from taste_cl.adapters.onnx import OrtOnlineLearner, read_manifest
+from taste_cl.datasets import split_digits
+from taste_cl.demo import build_digits_learner
+from taste_cl.replay import ReservoirReplay
+from taste_cl.serve_demo import DemoServer, browser_tools, drive_browser
+
+SCREENSHOT = Path(os.environ.get("TASTE_CL_WEB_SCREENSHOT", "/tmp/taste-cl-web-demo.png"))
+
+
+def _cnn_learner() -> OnlineLearner:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 4, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 10),
+    )
+    return OnlineLearner(
+        model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+        replay=ReservoirReplay(50, seed=0),
+    )
+
+
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    task = split_digits(1)[0]
+    return task.x_train.numpy(), task.y_train.numpy()
+
+
+def _export(learner: OnlineLearner, folder: Path, **kwargs: object) -> Path:
+    x, y = _digits()
+    for start in range(0, 60, 10):
+        learner.observe(
+            (
+                torch.from_numpy(x[start : start + 10]),
+                torch.from_numpy(y[start : start + 10]),
+            )
+        )
+    learner.export_onnx(folder, **kwargs)
+    make_web_compatible(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("web-artifacts")
+    torch.set_num_threads(1)
+    _export(build_digits_learner(lr=0.05), root / "sgd")
+    _export(build_digits_learner(), root / "adamw", optimizer="adamw", lr=0.01)
+    _export(_cnn_learner(), root / "cnn")
+    return root
+
+
+# ----------------------------------------------------------- artifacts (no browser)
+def test_web_artifacts_pass_strict_inference_and_keep_the_lr(artifacts: Path) -> None:
+    for name in ("sgd", "adamw", "cnn"):
+        folder = artifacts / name
+        read_manifest(folder)  # the manifest covers the rewritten and added files
+        for graph in sorted(folder.glob("*.onnx")):
+            check_strict_shapes(graph)
+        web = json.loads((folder / WEB_MANIFEST).read_text())
+        assert web["models"]["optimizer"] == WEB_OPTIMIZER_MODEL
+        assert web["optimizer"]["lr"] == (0.01 if name == "adamw" else 0.05)
+        device = OrtOnlineLearner.from_artifacts(folder)
+        assert device.state.properties["taste_cl.learning_rate"] == pytest.approx(web["optimizer"]["lr"])
+
+
+def test_strict_check_rejects_the_raw_sgd_optimizer(tmp_path: Path) -> None:
+    learner = build_digits_learner()
+    learner.observe((torch.rand(10, 64), torch.randint(0, 10, (10,))))
+    folder = learner.export_onnx(tmp_path / "raw")
+    with pytest.raises(CheckpointError, match="optimizer_model.onnx fails strict shape inference"):
+        check_strict_shapes(folder / "optimizer_model.onnx")
+
+
+def test_replay_binary_matches_the_npz(artifacts: Path) -> None:
+    folder = artifacts / "sgd"
+    header = json.loads((folder / WEB_MANIFEST).read_text())["replay"]
+    raw = (folder / header["file"]).read_bytes()
+    x = np.frombuffer(raw, "<f4", count=header["arrays"]["x"]["nbytes"] // 4).reshape(header["arrays"]["x"]["shape"])
+    y = np.frombuffer(raw, "<i8", offset=header["arrays"]["y"]["offset"])
+    with np.load(folder / "replay.npz") as data:
+        np.testing.assert_array_equal(x, data["x"])
+        np.testing.assert_array_equal(y, data["y"])
+        assert header["seen"] == int(data["seen"]) and header["capacity"] == int(data["capacity"])
+
+
+def test_make_web_compatible_is_idempotent_and_refuses_tampering(artifacts: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    for file in (artifacts / "sgd").iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    before = (folder / WEB_MANIFEST).read_text()
+    make_web_compatible(folder)
+    assert json.loads((folder / WEB_MANIFEST).read_text())["files"] == json.loads(before)["files"]
+    (folder / "eval_model.onnx").write_bytes(b"tampered")
+    listing = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(CheckpointError, match="SHA-256 mismatch"):
+        make_web_compatible(folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == listing  # left exactly as it was
+
+
+# ------------------------------------------------------------------- in the browser
+def _browser_or_skip() -> None:
+    try:
+        browser_tools()
+    except FileNotFoundError as error:
+        pytest.skip(f"browser test needs Chromium, Node and web/node_modules: {error}")
+
+
+def _python_reference(
+    folder: Path, batches: list[tuple[np.ndarray, np.ndarray]], probe: np.ndarray
+) -> dict[str, object]:
+    device = OrtOnlineLearner.from_artifacts(folder)
+    losses = [device.train_step(x, y)[1] for x, y in batches]
+    return {"losses": losses, "logits": device.predict(probe).tolist(), "lr": device.lr}
+
+
+def _js(value: object) -> str:
+    return json.dumps(value)
+
+
+@pytest.mark.browser
+def test_browser_learner_matches_python_and_resumes(artifacts: Path) -> None:
+    _browser_or_skip()
+    x, y = _digits()
+    rng = np.random.default_rng(0)
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(100, 140, 8)]
+    probe = x[200:206]
+    stream_x, stream_y = x[300:306], y[300:306]
+    server = DemoServer(artifacts).start()
+    steps: list[dict[str, object]] = []
+    names = ("sgd", "adamw", "cnn")
+    for name in names:
+        page = f"{server.url}?artifacts=/artifacts/{name}/"
+        train = (
+            "(async () => { const l = demo.learner; const losses = [];"
+            f" for (const [x, y] of {_js([[b.ravel().tolist(), c.tolist()] for b, c in batches])})"
+            "   losses.push((await l.trainStep(x, y)).loss);"
+            f" return {{losses, logits: Array.from(await l.predict({_js(probe.ravel().tolist())})), lr: l.lr}}; }})()"
+        )
+        observe = (
+            "(async () => { const l = demo.learner; const out = [];"
+            f" for (const [x, y] of {_js([[stream_x[i : i + 3].ravel().tolist(), stream_y[i : i + 3].tolist()] for i in (0, 3)])})"
+            "   out.push(await l.observe(x, y));"
+            f" return {{stats: out, seen: l.samplesSeen, replay: l.replay.size,"
+            f" logits: Array.from(await l.predict({_js(probe.ravel().tolist())}))}}; }})()"
+        )
+        resumed = (
+            f"(async () => ({{resumed: demo.learner.resumed, seen: demo.learner.samplesSeen, replay: demo.learner.replay.size,"
+            f" logits: Array.from(await demo.learner.predict({_js(probe.ravel().tolist())}))}}))()"
+        )
+        steps += [
+            {"goto": page + "&fresh=1"},
+            {"eval": train, "as": f"{name}_train"},
+            {"eval": observe, "as": f"{name}_observe"},
+            {"goto": page},  # a reload without fresh=1: resume from IndexedDB
+            {"eval": resumed, "as": f"{name}_resumed"},
+        ]
+    digits = [(x[i].tolist(), int(y[i])) for i in rng.choice(len(x), 6, replace=False)]
+    steps += [
+        {"goto": f"{server.url}?artifacts=/artifacts/sgd/&fresh=1"},
+        {
+            "eval": "(async () => { for (const [p, c] of "
+            + _js(digits)
+            + ") { await demo.setPixels(p); await demo.correct(c); }"
+            " return demo.setPixels(" + _js(digits[0][0]) + "); })()",
+            "as": "demo",
+        },
+        {"screenshot": str(SCREENSHOT)},
+    ]
+    try:
+        results = drive_browser(steps)
+    finally:
+        server.stop()
+
+    for name in names:
+        reference = _python_reference(artifacts / name, batches, probe)
+        got = results[f"{name}_train"]
+        assert got["lr"] == pytest.approx(reference["lr"]), name  # trains at the exported LR
+        np.testing.assert_allclose(got["losses"], reference["losses"], atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(
+            np.reshape(got["logits"], (6, 10)),
+            reference["logits"],
+            atol=1e-4,
+            err_msg=name,
+        )
+
+        observed = results[f"{name}_observe"]
+        web = json.loads((artifacts / name / WEB_MANIFEST).read_text())
+        plan = web["batch_plan"]
+        for stats in observed["stats"]:
+            assert stats["samples"] == 3 and stats["steps"] == plan["train_iterations"]
+            assert (
+                stats["replaySamples"]
+                == min(plan["replay_batch_size"], web["replay"]["size"]) * plan["train_iterations"]
+            )
+            assert math.isfinite(stats["loss"])
+        assert observed["seen"] == web["counters"]["samples_seen"] + 6
+        assert observed["replay"] == min(web["replay"]["capacity"], web["replay"]["size"] + 6)
+        assert not np.allclose(observed["logits"], got["logits"])  # observe() trained
+
+        again = results[f"{name}_resumed"]
+        assert again["resumed"] and again["seen"] == observed["seen"] and again["replay"] == observed["replay"]
+        np.testing.assert_array_equal(again["logits"], observed["logits"])  # exactly the saved weights
+    assert results["demo"]["label"] in range(10)
+    assert SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
