@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "soak": "taste_cl.benchmarks.soak",
     "update-guard": "taste_cl.benchmarks.update_guard",
     "vs-avalanche": "taste_cl.benchmarks.vs_avalanche",
+    "web-step": "taste_cl.benchmarks.web_step",
 }
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("taste_cl.demo", "online class-incremental stream on sklearn digits, with a plot"),

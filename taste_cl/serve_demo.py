@@ -18,7 +18,8 @@ import signal
 import subprocess
 import tempfile
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -38,8 +39,14 @@ _ORT_BUNDLE = Path("node_modules/onnxruntime-web/dist/ort.training.wasm.min.mjs"
 
 
 def repo_root() -> Path:
-    """The source checkout holding ``web/`` and ``examples/web/``."""
-    return Path(__file__).resolve().parent.parent
+    """The source checkout holding ``web/`` and ``examples/web/``: this module's, else the working folder.
+
+    An installed wheel has neither folder, so from one run the command in a checkout.
+    """
+    for candidate in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        if (candidate / "web" / "taste_cl_web.js").is_file() and (candidate / "examples" / "web").is_dir():
+            return candidate
+    raise FileNotFoundError("web/ and examples/web/ not found: run this from a taste_cl source checkout")
 
 
 class _Handler(SimpleHTTPRequestHandler):
@@ -108,56 +115,79 @@ class DemoServer:
             self._thread.join()
 
 
-def browser_tools() -> tuple[str, str]:
+def browser_tools(root: Path | None = None) -> tuple[str, str]:
     """Paths of headless-capable Chromium and Node (>= 20.10); raise FileNotFoundError naming what is missing."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     node = shutil.which("node")
     missing = [name for name, path in (("chromium", chromium), ("node", node)) if path is None]
     if missing:
         raise FileNotFoundError(f"{' and '.join(missing)} not found on PATH (apt-get install -y chromium nodejs)")
-    if not (repo_root() / "web" / _ORT_BUNDLE).is_file():
+    if not ((root or repo_root()) / "web" / _ORT_BUNDLE).is_file():
         raise FileNotFoundError("onnxruntime-web is not installed: run `npm install` in web/")
     return str(chromium), str(node)
 
 
-def drive_browser(steps: list[dict[str, Any]], *, timeout_s: float = 180.0) -> dict[str, Any]:
+def _wait(
+    process: subprocess.Popen[bytes], pause: Path, on_pause: Callable[[str], None] | None, deadline: float
+) -> None:
+    """Wait for the driver, serving its pauses; TimeoutExpired past ``deadline``."""
+    while process.poll() is None:
+        if pause.is_file() and on_pause is not None:
+            on_pause(pause.read_text())
+            pause.unlink()
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(process.args, 0)
+        time.sleep(0.02)
+
+
+def _stop_group(pid_file: Path) -> None:
+    """Kill the process group whose id ``pid_file`` holds, if it is still there (drive.mjs stops it itself)."""
+    try:
+        os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        pass
+
+
+def drive_browser(
+    steps: list[dict[str, Any]],
+    *,
+    timeout_s: float = 180.0,
+    root: Path | None = None,
+    on_pause: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Run ``steps`` in one headless Chromium via ``web/tools/drive.mjs``; return its results.
 
     Steps are ``{"goto": url}``, ``{"reload": True}``, ``{"eval": js, "as": name}``,
-    ``{"screenshot": path}``. Node runs in its own process group, which is killed by its
-    id if it outlives ``timeout_s``; Node stops Chromium by PID itself. A failed step
-    raises RuntimeError with the page's error.
+    ``{"screenshot": path}`` and ``{"pause": label}``, which calls ``on_pause(label)`` here
+    while the page waits (to interleave timings with the browser's). Node and Chromium each
+    run in their own process group; Node stops Chromium's, and both are killed by id here if
+    still running (e.g. after ``timeout_s``). A failed step raises RuntimeError with the
+    page's error.
     """
-    chromium, node = browser_tools()
+    root = root or repo_root()
+    chromium, node = browser_tools(root)
     with tempfile.TemporaryDirectory(prefix="taste-cl-drive-") as scratch:
         spec, out = Path(scratch) / "spec.json", Path(scratch) / "out.json"
-        spec.write_text(
-            json.dumps(
-                {
-                    "chromium": chromium,
-                    "out": str(out),
-                    "steps": steps,
-                    "timeout_ms": 60000,
-                }
+        spec.write_text(json.dumps({"chromium": chromium, "out": str(out), "steps": steps, "timeout_ms": 60000}))
+        script = root / "web" / "tools" / "drive.mjs"
+        log = Path(scratch) / "driver.log"
+        with log.open("w") as sink:
+            process = subprocess.Popen(
+                [node, "--experimental-websocket", str(script), str(spec)],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
-        )
-        script = repo_root() / "web" / "tools" / "drive.mjs"
-        process = subprocess.Popen(
-            [node, "--experimental-websocket", str(script), str(spec)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
         try:
-            log, _ = process.communicate(timeout=timeout_s)
+            _wait(process, Path(f"{out}.pause"), on_pause, time.monotonic() + timeout_s)
         finally:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+            _stop_group(Path(f"{out}.pid"))
         if not out.is_file():
             raise RuntimeError(
-                f"the browser driver wrote no results (exit {process.returncode}): {log[-2000:] if log else ''}"
+                f"browser driver wrote no results (exit {process.returncode}): {log.read_text()[-2000:]}"
             )
         results: dict[str, Any] = json.loads(out.read_text())
     if "error" in results:

@@ -34,6 +34,7 @@ from taste_cl.demo import build_digits_learner
 from taste_cl.replay import ReservoirReplay
 from taste_cl.serve_demo import DemoServer, browser_tools, drive_browser
 
+ROOT = Path(__file__).resolve().parent.parent  # the checkout (taste_cl may be installed elsewhere)
 SCREENSHOT = Path(os.environ.get("TASTE_CL_WEB_SCREENSHOT", "/tmp/taste-cl-web-demo.png"))
 
 
@@ -131,10 +132,57 @@ def test_make_web_compatible_is_idempotent_and_refuses_tampering(artifacts: Path
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == listing  # left exactly as it was
 
 
+def test_optimizer_state_survives_the_rewrite(artifacts: Path, tmp_path: Path) -> None:
+    """A saved AdamW device learner (step, moments) continues identically after make_web_compatible."""
+    x, y = _digits()
+    device = OrtOnlineLearner.from_artifacts(artifacts / "adamw")
+    for start in (0, 8, 16):
+        device.train_step(x[start : start + 8], y[start : start + 8])
+    plain = device.save(tmp_path / "plain")
+    web = device.save(tmp_path / "web")
+    make_web_compatible(web)
+    continued = []
+    for folder in (plain, web):
+        resumed = OrtOnlineLearner.from_artifacts(folder)
+        resumed.train_step(x[24:32], y[24:32])
+        continued.append(resumed.parameters())
+    for name, value in continued[0].items():
+        np.testing.assert_array_equal(continued[1][name], value, err_msg=name)
+
+
+def test_demo_server_serves_only_its_roots_on_loopback(artifacts: Path) -> None:
+    import http.client
+
+    if not (ROOT / "web" / "node_modules" / "onnxruntime-web").is_dir():
+        pytest.skip("the demo server needs onnxruntime-web: run `npm install` in web/")
+    server = DemoServer(artifacts, root=ROOT).start()
+    try:
+        host, port = server.url.split("/")[2].split(":")
+        assert host == "127.0.0.1"
+        connection = http.client.HTTPConnection(host, int(port), timeout=10)
+        for path, status in [
+            ("/sgd/../../pyproject.toml", 404),
+            ("/artifacts/../pyproject.toml", 404),
+            ("/artifacts/sgd/web.json", 200),
+            ("/web/taste_cl_web.js", 200),
+            ("/", 200),
+        ]:
+            connection.request("GET", path)
+            response = connection.getresponse()
+            body = response.read()
+            assert response.status == status, (path, response.status)
+        assert b"personalize" in body
+        connection.close()
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="port"):
+        DemoServer(artifacts, port=70000, root=ROOT)
+
+
 # ------------------------------------------------------------------- in the browser
 def _browser_or_skip() -> None:
     try:
-        browser_tools()
+        browser_tools(ROOT)
     except FileNotFoundError as error:
         pytest.skip(f"browser test needs Chromium, Node and web/node_modules: {error}")
 
@@ -159,7 +207,7 @@ def test_browser_learner_matches_python_and_resumes(artifacts: Path) -> None:
     batches = [(x[i : i + 8], y[i : i + 8]) for i in range(100, 140, 8)]
     probe = x[200:206]
     stream_x, stream_y = x[300:306], y[300:306]
-    server = DemoServer(artifacts).start()
+    server = DemoServer(artifacts, root=ROOT).start()
     steps: list[dict[str, object]] = []
     names = ("sgd", "adamw", "cnn")
     for name in names:
@@ -201,7 +249,7 @@ def test_browser_learner_matches_python_and_resumes(artifacts: Path) -> None:
         {"screenshot": str(SCREENSHOT)},
     ]
     try:
-        results = drive_browser(steps)
+        results = drive_browser(steps, root=ROOT)
     finally:
         server.stop()
 

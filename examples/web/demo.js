@@ -85,7 +85,7 @@ const demo = {
     demo.lastPrediction = best;
     document.getElementById('prediction').textContent = pixels.some((v) => v > 0) ? String(best) : '–';
     document.getElementById('bars').innerHTML = probs
-      .map((p, c) => `<span>${c}</span><div class="bar" style="width:${Math.round(120 * p)}px"></div>`).join('');
+      .map((p, c) => `<span>${c}</span><div class="bar" style="width:${Math.round(100 * p)}px"></div>`).join('');
     return { logits: Array.from(logits), label: best };
   },
   setPixels(values) {

@@ -7,10 +7,12 @@
 //             "steps": [{"goto": "http://127.0.0.1:8000/?fresh=1"},     // waits for the page's
 //                       {"eval": "demo.learner.lr", "as": "lr"},         //   body[data-state]
 //                       {"reload": true},
+//                       {"pause": "label"},  // waits until the caller deletes <out>.pause
 //                       {"screenshot": "/tmp/demo.png"}]}
 // "eval" takes a JavaScript expression (awaited if it is a promise); its JSON value is stored
-// under "as". The browser is started with a fresh profile, and stopped (by PID) and its profile
-// deleted whatever happens; a failing step writes {"error": ...} and exits 1.
+// under "as". The browser is started with a fresh profile in its own process group, whose id
+// (the browser's PID) is written to `<out>.pid`; the group is stopped and the profile deleted
+// whatever happens; a failing step writes {"error": ...} and exits 1.
 import { spawn } from 'node:child_process';
 import { mkdtempSync, readFileSync, rmSync, writeFileSync, existsSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -80,8 +82,9 @@ async function main() {
   const browser = spawn(spec.chromium, [
     '--headless', '--no-sandbox', '--disable-gpu', '--no-first-run', '--no-default-browser-check',
     '--disable-extensions', '--disable-background-networking', '--mute-audio',
-    `--window-size=${spec.window || '760,430'}`, '--remote-debugging-port=0', `--user-data-dir=${profile}`, 'about:blank',
-  ], { stdio: ['ignore', 'ignore', 'pipe'] });
+    `--window-size=${spec.window || '800,340'}`, '--remote-debugging-port=0', `--user-data-dir=${profile}`, 'about:blank',
+  ], { stdio: ['ignore', 'ignore', 'pipe'], detached: true });  // its own process group, stopped as one
+  writeFileSync(`${spec.out}.pid`, String(browser.pid));  // lets the caller stop it if this script is killed
   let stderr = '';
   browser.stderr.on('data', (chunk) => { stderr = (stderr + chunk).slice(-4000); });
   const exited = new Promise((resolve) => browser.on('exit', resolve));
@@ -97,7 +100,7 @@ async function main() {
     await cdp.opened;
     await cdp.send('Page.enable');
     await cdp.send('Runtime.enable');
-    const [width, height] = (spec.window || '760,430').split(',').map(Number);
+    const [width, height] = (spec.window || '800,340').split(',').map(Number);
     await cdp.send('Emulation.setDeviceMetricsOverride', { width, height, deviceScaleFactor: 1, mobile: false });
     results.user_agent = (await cdp.send('Browser.getVersion')).product;
     for (const step of spec.steps) {
@@ -112,6 +115,10 @@ async function main() {
       } else if (step.eval) {
         const value = await cdp.evaluate(step.eval);
         if (step.as) results[step.as] = value;
+      } else if (step.pause) {  // hand over to the caller: it deletes <out>.pause when done
+        const pauseFile = `${spec.out}.pause`;
+        writeFileSync(pauseFile, String(step.pause));
+        await waitFor(`the caller to finish "${step.pause}"`, () => !existsSync(pauseFile), timeoutMs);
       } else if (step.screenshot) {
         const shot = await cdp.send('Page.captureScreenshot', { format: 'png' });
         writeFileSync(step.screenshot, Buffer.from(shot.data, 'base64'));
@@ -124,11 +131,13 @@ async function main() {
     results.browser_stderr = stderr;
   } finally {
     if (cdp) cdp.close();
-    browser.kill('SIGTERM');
-    const killer = setTimeout(() => browser.kill('SIGKILL'), 5000);
+    const stop = (signal) => { try { process.kill(-browser.pid, signal); } catch { /* already gone */ } };
+    stop('SIGTERM');
+    const killer = setTimeout(() => stop('SIGKILL'), 5000);
     await exited;
     clearTimeout(killer);
-    rmSync(profile, { recursive: true, force: true });
+    stop('SIGKILL');  // helpers (renderer, GPU, utility processes) that outlived the browser
+    rmSync(profile, { recursive: true, force: true, maxRetries: 10, retryDelay: 100 });
   }
   writeFileSync(spec.out, JSON.stringify(results));
   process.exitCode = results.error ? 1 : 0;
