@@ -198,7 +198,7 @@ def drive_browser(
 def _export_default(folder: Path, seed: int) -> None:
     from taste_cl import export
 
-    if export.main(["--out", str(folder), "--seed", str(seed), "--lr", "0.05"]) != 0:
+    if export.main(["--out", str(folder), "--seed", str(seed), "--tasks", "5", "--lr", "0.05"]) != 0:
         raise RuntimeError("exporting the reference digits learner failed")
 
 
@@ -225,7 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             make_web_compatible(folder)
             print(f"made {folder} web-compatible (added {WEB_MANIFEST}, optimizer_model.web.onnx, replay.bin)")
         server = DemoServer(folder, port=args.port).start()
-        print(f"serving the demo at {server.url} (Ctrl-C to stop)")
+        print(f"serving the demo at {server.url} (Ctrl-C to stop)", flush=True)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C: clean up the export
         try:
             threading.Event().wait()
         except KeyboardInterrupt:
