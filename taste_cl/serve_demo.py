@@ -122,6 +122,11 @@ def browser_tools(root: Path | None = None) -> tuple[str, str]:
     missing = [name for name, path in (("chromium", chromium), ("node", node)) if path is None]
     if missing:
         raise FileNotFoundError(f"{' and '.join(missing)} not found on PATH (apt-get install -y chromium nodejs)")
+    version = subprocess.run([str(node), "--version"], capture_output=True, text=True, check=False).stdout.strip()
+    if tuple(int(part) for part in version.lstrip("v").split(".")[:2] if part.isdigit()) < (20, 10):
+        raise FileNotFoundError(
+            f"node {version or '(unknown version)'} is too old: the browser driver needs Node >= 20.10"
+        )
     if not ((root or repo_root()) / "web" / _ORT_BUNDLE).is_file():
         raise FileNotFoundError("onnxruntime-web is not installed: run `npm install` in web/")
     return str(chromium), str(node)

@@ -125,6 +125,8 @@ def test_make_web_compatible_is_idempotent_and_refuses_tampering(artifacts: Path
     before = (folder / WEB_MANIFEST).read_text()
     make_web_compatible(folder)
     assert json.loads((folder / WEB_MANIFEST).read_text())["files"] == json.loads(before)["files"]
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        make_web_compatible(tmp_path)
     (folder / "eval_model.onnx").write_bytes(b"tampered")
     listing = {p.name: p.read_bytes() for p in folder.iterdir()}
     with pytest.raises(CheckpointError, match="SHA-256 mismatch"):
@@ -237,7 +239,14 @@ def test_browser_learner_matches_python_and_resumes(artifacts: Path) -> None:
             {"eval": resumed, "as": f"{name}_resumed"},
         ]
     digits = [(x[i].tolist(), int(y[i])) for i in rng.choice(len(x), 6, replace=False)]
+    refusals = (
+        "(async () => { const l = demo.learner; const before = [l.samplesSeen, l.replay.seen]; const errors = [];"
+        " for (const [x, y] of [[new Float32Array(63), [1]], [new Float32Array(64), [10]], [new Float32Array(64), [1, 2]]])"
+        "   try { await l.observe(x, y); } catch (e) { errors.push(e.constructor.name + ': ' + e.message); }"
+        " return {errors, unchanged: before[0] === l.samplesSeen && before[1] === l.replay.seen}; })()"
+    )
     steps += [
+        {"eval": refusals, "as": "refusals"},
         {"goto": f"{server.url}?artifacts=/artifacts/sgd/&fresh=1"},
         {
             "eval": "(async () => { for (const [p, c] of "
@@ -282,5 +291,9 @@ def test_browser_learner_matches_python_and_resumes(artifacts: Path) -> None:
         again = results[f"{name}_resumed"]
         assert again["resumed"] and again["seen"] == observed["seen"] and again["replay"] == observed["replay"]
         np.testing.assert_array_equal(again["logits"], observed["logits"])  # exactly the saved weights
+    refused = results["refusals"]
+    assert refused["unchanged"], refused
+    assert [e.split(":")[0] for e in refused["errors"]] == ["RangeError"] * 3
+    assert "multiple of 64" in refused["errors"][0] and "label 10" in refused["errors"][1]
     assert results["demo"]["label"] in range(10)
     assert SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
