@@ -112,8 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     for model_name in MODELS:
         key = model_name.split()[0]
-        browser = [results[f"{key}_browser_{r}"] for r in range(args.repeats)]
-        py, web = statistics.median(python_ms[key]), statistics.median(browser)
+        browser_ms = [float(results[f"{key}_browser_{r}"]) for r in range(args.repeats)]
+        py, web = statistics.median(python_ms[key]), statistics.median(browser_ms)
         rows.append([model_name, args.batch_size, py, web, web / py, load_ms[key], results[f"{key}_load_ms"]])
         runs.append(
             {
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "browser_ms_per_step": web,
                 "browser_over_python": web / py,
                 "python_rounds_ms": python_ms[key],
-                "browser_rounds_ms": browser,
+                "browser_rounds_ms": browser_ms,
                 "python_load_ms": load_ms[key],
                 "browser_load_ms": results[f"{key}_load_ms"],
             }
