@@ -235,7 +235,7 @@ def test_browser_learner_matches_python_and_resumes(artifacts: Path) -> None:
             {"goto": page + "&fresh=1"},
             {"eval": train, "as": f"{name}_train"},
             {"eval": observe, "as": f"{name}_observe"},
-            {"goto": page},  # a reload without fresh=1: resume from IndexedDB
+            {"reload": True},  # the page dropped fresh=1 from its URL: resume from IndexedDB
             {"eval": resumed, "as": f"{name}_resumed"},
         ]
     digits = [(x[i].tolist(), int(y[i])) for i in rng.choice(len(x), 6, replace=False)]

@@ -122,6 +122,10 @@ function showStatus() {
 async function start() {
   const artifacts = params.get('artifacts') || '/artifacts/';
   demo.learner = await DeviceLearner.load(artifacts, { ort, fresh: params.get('fresh') === '1' });
+  if (params.has('fresh')) {  // start fresh once: a later reload resumes what this visit learned
+    params.delete('fresh');
+    history.replaceState(null, '', `${location.pathname}?${params}`);
+  }
   const labels = document.getElementById('labels');
   for (let c = 0; c < demo.learner.numClasses; c += 1) {
     const button = document.createElement('button');
