@@ -84,14 +84,11 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _declare_flag_scalar(model: Any) -> bool:
-    """Re-declare the optimizer's ``update_completed`` output rank-0; return whether it changed."""
-    changed = False
+def _declare_flag_scalar(model: Any) -> None:
+    """Re-declare the optimizer's ``update_completed`` output rank-0 (the op's inferred shape)."""
     for output in model.graph.output:
-        if _FLAG_OUTPUT in output.name and output.type.tensor_type.shape.dim:
+        if _FLAG_OUTPUT in output.name:
             output.type.tensor_type.shape.ClearField("dim")
-            changed = True
-    return changed
 
 
 def _with_constant_lr(model: Any, lr: float) -> Any:
@@ -154,23 +151,20 @@ def _rewrite_checkpoint(staging: Path, folder: Path, lr: float) -> None:
 
 
 def _write_replay(staging: Path, folder: Path) -> dict[str, Any] | None:
-    """Write the buffer as raw little-endian ``x`` (float32) then ``y`` (int64); return its header."""
+    """Write the buffer as raw little-endian ``x`` (float32), then ``y`` (int64) 8-byte aligned; return its header."""
     source = folder / _REPLAY_NPZ
     if not source.is_file():
         return None
     with np.load(source, allow_pickle=False) as data:
         x = np.ascontiguousarray(data["x"], dtype="<f4")
         y = np.ascontiguousarray(data["y"], dtype="<i8")
-        header = {
-            "capacity": int(data["capacity"]),
-            "seen": int(data["seen"]),
-            "seed": int(data["seed"]),
-        }
+        header = {"capacity": int(data["capacity"]), "seen": int(data["seen"]), "seed": int(data["seed"])}
     size = int(y.shape[0])
     if x.shape[0] != size and size:
         raise CheckpointError(f"{_REPLAY_NPZ} has {x.shape[0]} feature rows for {size} labels")
     x_bytes, y_bytes = x.tobytes() if size else b"", y.tobytes()
-    (staging / REPLAY_BINARY).write_bytes(x_bytes + y_bytes)
+    y_offset = -(-len(x_bytes) // 8) * 8  # int64 views (JS BigInt64Array) need 8-byte alignment
+    (staging / REPLAY_BINARY).write_bytes(x_bytes + bytes(y_offset - len(x_bytes)) + y_bytes)
     feature_shape = list(x.shape[1:]) if size else []
     return {
         "file": REPLAY_BINARY,
@@ -178,18 +172,8 @@ def _write_replay(staging: Path, folder: Path) -> dict[str, Any] | None:
         "size": size,
         **header,
         "arrays": {
-            "x": {
-                "dtype": "float32",
-                "shape": [size, *feature_shape],
-                "offset": 0,
-                "nbytes": len(x_bytes),
-            },
-            "y": {
-                "dtype": "int64",
-                "shape": [size],
-                "offset": len(x_bytes),
-                "nbytes": len(y_bytes),
-            },
+            "x": {"dtype": "float32", "shape": [size, *feature_shape], "offset": 0, "nbytes": len(x_bytes)},
+            "y": {"dtype": "int64", "shape": [size], "offset": y_offset, "nbytes": len(y_bytes)},
         },
     }
 

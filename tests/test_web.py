@@ -117,6 +117,17 @@ def test_replay_binary_matches_the_npz(artifacts: Path) -> None:
         assert header["seen"] == int(data["seen"]) and header["capacity"] == int(data["capacity"])
 
 
+def test_replay_labels_are_8_byte_aligned_after_odd_sized_features(tmp_path: Path) -> None:
+    model = nn.Linear(3, 2)
+    learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), replay=ReservoirReplay(4))
+    learner.observe((torch.rand(1, 3), torch.tensor([1])))
+    folder = learner.export_onnx(tmp_path / "odd")
+    header = json.loads(make_web_compatible(folder).read_text())["replay"]
+    assert header["arrays"]["x"]["nbytes"] == 12 and header["arrays"]["y"]["offset"] == 16
+    raw = (folder / header["file"]).read_bytes()
+    assert np.frombuffer(raw, "<i8", offset=16).tolist() == [1]
+
+
 def test_make_web_compatible_is_idempotent_and_refuses_tampering(artifacts: Path, tmp_path: Path) -> None:
     folder = tmp_path / "copy"
     folder.mkdir()
@@ -241,7 +252,8 @@ def test_browser_learner_matches_python_and_resumes(artifacts: Path) -> None:
     digits = [(x[i].tolist(), int(y[i])) for i in rng.choice(len(x), 6, replace=False)]
     refusals = (
         "(async () => { const l = demo.learner; const before = [l.samplesSeen, l.replay.seen]; const errors = [];"
-        " for (const [x, y] of [[new Float32Array(63), [1]], [new Float32Array(64), [10]], [new Float32Array(64), [1, 2]]])"
+        " for (const [x, y] of [[new Float32Array(63), [1]], [new Float32Array(64), [10]], [new Float32Array(64), [1, 2]],"
+        "   [new Float32Array(64).fill(NaN), [1]]])"
         "   try { await l.observe(x, y); } catch (e) { errors.push(e.constructor.name + ': ' + e.message); }"
         " return {errors, unchanged: before[0] === l.samplesSeen && before[1] === l.replay.seen}; })()"
     )
@@ -293,7 +305,8 @@ def test_browser_learner_matches_python_and_resumes(artifacts: Path) -> None:
         np.testing.assert_array_equal(again["logits"], observed["logits"])  # exactly the saved weights
     refused = results["refusals"]
     assert refused["unchanged"], refused
-    assert [e.split(":")[0] for e in refused["errors"]] == ["RangeError"] * 3
+    assert [e.split(":")[0] for e in refused["errors"]] == ["RangeError"] * 4
     assert "multiple of 64" in refused["errors"][0] and "label 10" in refused["errors"][1]
+    assert "64 non-finite" in refused["errors"][3]
     assert results["demo"]["label"] in range(10)
     assert SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

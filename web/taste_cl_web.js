@@ -214,6 +214,8 @@ export class DeviceLearner {
     if (data.length === 0 || data.length % this.featureSize !== 0) {
       throw new RangeError(`${what} has ${data.length} values, must be a positive multiple of ${this.featureSize} (shape ${this.inputShape})`);
     }
+    const bad = data.reduce((count, v) => count + (Number.isFinite(v) ? 0 : 1), 0);
+    if (bad) throw new RangeError(`${what} contains ${bad} non-finite value(s) (NaN or inf)`);
     return data;
   }
 
