@@ -115,21 +115,25 @@ class DemoServer:
             self._thread.join()
 
 
-def browser_tools(root: Path | None = None) -> tuple[str, str]:
-    """Paths of headless-capable Chromium and Node (>= 20.10); raise FileNotFoundError naming what is missing."""
+def browser_tools(root: Path | None = None) -> tuple[str, list[str]]:
+    """Chromium's path and the Node command that runs the driver; FileNotFoundError names what is missing.
+
+    Node >= 20.10 is needed for its WebSocket client (behind a flag before Node 22).
+    """
     chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     node = shutil.which("node")
     missing = [name for name, path in (("chromium", chromium), ("node", node)) if path is None]
-    if missing:
+    if missing or chromium is None or node is None:
         raise FileNotFoundError(f"{' and '.join(missing)} not found on PATH (apt-get install -y chromium nodejs)")
-    version = subprocess.run([str(node), "--version"], capture_output=True, text=True, check=False).stdout.strip()
-    if tuple(int(part) for part in version.lstrip("v").split(".")[:2] if part.isdigit()) < (20, 10):
+    version = subprocess.run([node, "--version"], capture_output=True, text=True, check=False).stdout.strip()
+    major_minor = tuple(int(part) for part in version.lstrip("v").split(".")[:2] if part.isdigit())
+    if major_minor < (20, 10):
         raise FileNotFoundError(
             f"node {version or '(unknown version)'} is too old: the browser driver needs Node >= 20.10"
         )
     if not ((root or repo_root()) / "web" / _ORT_BUNDLE).is_file():
         raise FileNotFoundError("onnxruntime-web is not installed: run `npm install` in web/")
-    return str(chromium), str(node)
+    return chromium, [node, "--experimental-websocket"] if major_minor < (22, 0) else [node]
 
 
 def _wait(
@@ -178,7 +182,7 @@ def drive_browser(
         log = Path(scratch) / "driver.log"
         with log.open("w") as sink:
             process = subprocess.Popen(
-                [node, "--experimental-websocket", str(script), str(spec)],
+                [*node, str(script), str(spec)],
                 stdout=sink,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -1,7 +1,7 @@
 // Drive a page in headless Chromium over the DevTools protocol: one browser, a list of steps,
 // results as JSON. Used by tests/test_web.py and `taste-cl bench web-step`.
 //
-//   node --experimental-websocket web/tools/drive.mjs spec.json
+//   node web/tools/drive.mjs spec.json    (Node 20.10-21: node --experimental-websocket ...)
 //
 // spec.json: {"chromium": "/usr/bin/chromium", "out": "results.json", "timeout_ms": 60000,
 //             "steps": [{"goto": "http://127.0.0.1:8000/?fresh=1"},     // waits for the page's
