@@ -14,7 +14,8 @@
   ``initial_lr`` and ``step`` are). So the checkpoint is rewritten with its optimizer state
   (``initial_lr`` = the exported rate, step, moments) and a ``taste_cl.learning_rate``
   property, and ``optimizer_model.web.onnx`` is written: the same optimizer with the exported
-  rate as a constant, for clients that cannot set it (onnxruntime-web 1.19).
+  rate as a constant, for clients that cannot set it (onnxruntime-web 1.19). A folder
+  without an optimizer graph (plain SGD left to numpy on the device) gets onnxblock's SGD.
 - **Replay buffer.** ``replay.npz`` is rewritten as ``replay.bin``: raw little-endian
   buffers (features float32, then labels int64) described by a JSON header in ``web.json``.
 - **``web.json``** records what a client needs: file names and SHA-256, input and label
@@ -40,12 +41,13 @@ from typing import Any
 import numpy as np
 
 from taste_cl import __version__
-from taste_cl.exceptions import CheckpointError, MissingDependencyError
+from taste_cl.exceptions import CheckpointError, MissingDependencyError, TasteCLError
 
 __all__ = [
     "WEB_FORMAT",
     "WEB_MANIFEST",
     "WEB_OPTIMIZER_MODEL",
+    "WebCompatibilityError",
     "check_strict_shapes",
     "make_web_compatible",
 ]
@@ -66,6 +68,10 @@ _TRAINING, _EVAL, _OPTIMIZER, _CHECKPOINT, _INFERENCE = (
 _LR_INPUT = "learning_rate"
 _FLAG_OUTPUT = "update_completed"  # onnxblock names it onnx::update_completed::N
 _STRICT_CONFIG = "session.strict_shape_type_inference"
+
+
+class WebCompatibilityError(TasteCLError, ValueError):
+    """The artifacts train in Python but cannot in ONNX Runtime Web (the reason is in the message)."""
 
 
 def _imports() -> tuple[Any, Any]:
@@ -89,6 +95,33 @@ def _declare_flag_scalar(model: Any) -> None:
     for output in model.graph.output:
         if _FLAG_OUTPUT in output.name:
             output.type.tensor_type.shape.ClearField("dim")
+
+
+def _optimizer_graph(folder: Path, config: dict[str, Any]) -> Any:
+    """The folder's optimizer graph, its flag declared rank-0; built from ``config`` if the folder has none.
+
+    An exporter may leave plain SGD to the Python device learner (no optimizer graph); the
+    browser can only step through one, so plain SGD gets onnxblock's. SGD with momentum,
+    weight decay or Nesterov has no ORT optimizer graph and is refused.
+    """
+    import onnx
+    from onnxruntime.training import onnxblock
+
+    if (folder / _OPTIMIZER).is_file():
+        model = onnx.load(str(folder / _OPTIMIZER))
+    else:
+        extras = {key: config[key] for key in ("momentum", "weight_decay", "dampening", "nesterov") if config.get(key)}
+        if config.get("type") != "sgd" or extras:
+            raise WebCompatibilityError(
+                f"no {_OPTIMIZER} and the optimizer is {config.get('type')!r} with {extras}: ONNX Runtime Web "
+                "trains with plain SGD or AdamW only"
+            )
+        block = onnxblock.optim.SGD()
+        with onnxblock.empty_base(opset_version=17):  # the graph only needs the parameters' dtype
+            block(([onnx.helper.make_tensor("p", onnx.TensorProto.FLOAT, [1], [0.0])], []))
+            model = block.to_model_proto()
+    _declare_flag_scalar(model)
+    return model
 
 
 def _with_constant_lr(model: Any, lr: float) -> Any:
@@ -142,7 +175,8 @@ def _rewrite_checkpoint(staging: Path, folder: Path, lr: float) -> None:
 
     state = CheckpointState.load_checkpoint(str(folder / _CHECKPOINT))
     module = Module(str(folder / _TRAINING), state, str(folder / _EVAL))
-    optimizer = Optimizer(str(staging / _OPTIMIZER), module)
+    graph = staging / (_OPTIMIZER if (staging / _OPTIMIZER).is_file() else WEB_OPTIMIZER_MODEL)
+    optimizer = Optimizer(str(graph), module)
     # the binding's scheduler is the one call that sets initial_lr, which checkpoints keep
     _pybind_state.LinearLRScheduler(optimizer._optimizer, 0, 1, lr)
     optimizer.set_learning_rate(lr)
@@ -193,8 +227,12 @@ def _web_manifest(
     evaluation = onnx.load(str(folder / _EVAL), load_external_data=False)
     output = manifest["output"]
     graph_inputs = [i.name for i in evaluation.graph.input]
-    if manifest["input"]["name"] not in graph_inputs or manifest["labels"]["name"] not in graph_inputs:
-        raise CheckpointError(f"{_EVAL} inputs {graph_inputs} do not match the manifest's input and labels names")
+    inputs = [dict(spec) for spec in manifest.get("inputs") or [manifest["input"]]]  # newer manifests list them
+    named = [spec["name"] for spec in inputs] + [manifest["labels"]["name"]]
+    if any(name not in graph_inputs for name in named):
+        raise CheckpointError(
+            f"{_EVAL} inputs {graph_inputs} do not match the manifest's input and labels names {named}"
+        )
     files = [_TRAINING, _EVAL, WEB_OPTIMIZER_MODEL, _CHECKPOINT, _INFERENCE] + ([REPLAY_BINARY] if replay else [])
     digests = {name: _sha256((staging if (staging / name).exists() else folder) / name) for name in files}
     return {
@@ -207,7 +245,7 @@ def _web_manifest(
             "checkpoint": _CHECKPOINT,
             "inference": _INFERENCE,
         },
-        "inputs": [dict(manifest["input"])],
+        "inputs": inputs,
         "labels": dict(manifest["labels"]),
         "outputs": {
             "logits": output["name"],
@@ -232,7 +270,9 @@ def make_web_compatible(folder: str | os.PathLike[str]) -> Path:
 
     Idempotent. New files are built in a temporary folder and moved in only once all are
     built and the graphs pass :func:`check_strict_shapes`, the manifest last; on any error
-    the folder is left as it was.
+    the folder is left as it was. Raises :class:`WebCompatibilityError` for an optimizer
+    the browser cannot run and :class:`~taste_cl.CheckpointError` for a damaged folder or
+    a graph failing strict shape inference.
     """
     onnx, _ = _imports()
     from taste_cl.adapters.onnx import read_manifest  # verifies every file's SHA-256
@@ -242,15 +282,15 @@ def make_web_compatible(folder: str | os.PathLike[str]) -> Path:
     lr = float(manifest["optimizer"]["lr"])
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.web.", dir=target.absolute().parent))
     try:
-        optimizer = onnx.load(str(target / _OPTIMIZER))
-        _declare_flag_scalar(optimizer)
-        onnx.save(optimizer, str(staging / _OPTIMIZER))
+        optimizer = _optimizer_graph(target, manifest["optimizer"])
+        if (target / _OPTIMIZER).is_file():
+            onnx.save(optimizer, str(staging / _OPTIMIZER))
         onnx.save(_with_constant_lr(optimizer, lr), str(staging / WEB_OPTIMIZER_MODEL))
-        _rewrite_checkpoint(staging, target, lr)
         for name in (_TRAINING, _EVAL, _INFERENCE):
             check_strict_shapes(target / name)
-        for name in (_OPTIMIZER, WEB_OPTIMIZER_MODEL):
-            check_strict_shapes(staging / name)
+        for path in staging.glob("*.onnx"):
+            check_strict_shapes(path)
+        _rewrite_checkpoint(staging, target, lr)
         replay = _write_replay(staging, target)
         web = _web_manifest(target, staging, manifest, replay)
         (staging / WEB_MANIFEST).write_text(json.dumps(web, indent=2, sort_keys=True) + "\n")

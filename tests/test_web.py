@@ -21,10 +21,13 @@ from torch import nn
 
 pytest.importorskip("onnxruntime.training")
 
+import onnx
+
 from taste_cl import CheckpointError, OnlineLearner
 from taste_cl.adapters._web_compat import (
     WEB_MANIFEST,
     WEB_OPTIMIZER_MODEL,
+    WebCompatibilityError,
     check_strict_shapes,
     make_web_compatible,
 )
@@ -103,6 +106,34 @@ def test_strict_check_rejects_the_raw_sgd_optimizer(tmp_path: Path) -> None:
     folder = learner.export_onnx(tmp_path / "raw")
     with pytest.raises(CheckpointError, match="optimizer_model.onnx fails strict shape inference"):
         check_strict_shapes(folder / "optimizer_model.onnx")
+
+
+def test_plain_sgd_gets_an_optimizer_graph_when_the_folder_has_none(artifacts: Path, tmp_path: Path) -> None:
+    """An exporter may leave SGD to numpy on the device; the browser gets onnxblock's SGD graph, same updates."""
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+    from taste_cl.adapters._web_compat import _optimizer_graph
+
+    source = artifacts / "sgd"
+    for name in ("training_model.onnx", "eval_model.onnx"):
+        (tmp_path / name).write_bytes((source / name).read_bytes())
+    onnx.save(_optimizer_graph(tmp_path, {"type": "sgd", "lr": 0.05}), str(tmp_path / "built.onnx"))
+    x, y = _digits()
+    trained = []
+    for graph in (source / "optimizer_model.onnx", tmp_path / "built.onnx"):
+        state = CheckpointState.load_checkpoint(str(source / "checkpoint"))
+        module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+        optimizer = Optimizer(str(graph), module)
+        optimizer.set_learning_rate(0.05)
+        for start in (0, 8):
+            module(x[start : start + 8], y[start : start + 8])
+            optimizer.step()
+            module.lazy_reset_grad()
+        trained.append({name: np.array(p.data) for name, p in state.parameters})
+    for name, value in trained[0].items():
+        np.testing.assert_array_equal(trained[1][name], value, err_msg=name)
+    with pytest.raises(WebCompatibilityError, match="plain SGD or AdamW only"):
+        _optimizer_graph(tmp_path, {"type": "sgd", "lr": 0.05, "momentum": 0.9})
 
 
 def test_replay_binary_matches_the_npz(artifacts: Path) -> None:
