@@ -83,19 +83,25 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _export(build_digits_learner(lr=0.05), root / "sgd")
     _export(build_digits_learner(), root / "adamw", optimizer="adamw", lr=0.01)
     _export(_cnn_learner(), root / "cnn")
+    # a device learner's save: AdamW moments and step are in the checkpoint, and must reach the browser
+    device = OrtOnlineLearner.from_artifacts(root / "adamw")
+    x, y = _digits()
+    for start in range(60, 84, 8):
+        device.train_step(x[start : start + 8], y[start : start + 8])
+    make_web_compatible(device.save(root / "adamw_saved"))
     return root
 
 
 # ----------------------------------------------------------- artifacts (no browser)
 def test_web_artifacts_pass_strict_inference_and_keep_the_lr(artifacts: Path) -> None:
-    for name in ("sgd", "adamw", "cnn"):
+    for name in ("sgd", "adamw", "cnn", "adamw_saved"):
         folder = artifacts / name
         read_manifest(folder)  # the manifest covers the rewritten and added files
         for graph in sorted(folder.glob("*.onnx")):
             check_strict_shapes(graph)
         web = json.loads((folder / WEB_MANIFEST).read_text())
         assert web["models"]["optimizer"] == WEB_OPTIMIZER_MODEL
-        assert web["optimizer"]["lr"] == (0.01 if name == "adamw" else 0.05)
+        assert web["optimizer"]["lr"] == pytest.approx(0.01 if name.startswith("adamw") else 0.05)
         device = OrtOnlineLearner.from_artifacts(folder)
         assert device.state.properties["taste_cl.learning_rate"] == pytest.approx(web["optimizer"]["lr"])
 
@@ -253,7 +259,7 @@ def test_browser_learner_matches_python_and_resumes(artifacts: Path) -> None:
     stream_x, stream_y = x[300:306], y[300:306]
     server = DemoServer(artifacts, root=ROOT).start()
     steps: list[dict[str, object]] = []
-    names = ("sgd", "adamw", "cnn")
+    names = ("sgd", "adamw", "cnn", "adamw_saved")
     for name in names:
         page = f"{server.url}?artifacts=/artifacts/{name}/"
         train = (
