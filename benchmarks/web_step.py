@@ -63,6 +63,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=20)
     parser.add_argument("--steps", type=int, default=50, help="steps per timed round")
     parser.add_argument("--repeats", type=int, default=7, help="alternating rounds per learner")
+    parser.add_argument(
+        "--js-flags",
+        default="--no-liftoff",
+        help="V8 flags for Chromium (default: compile wasm optimised up front; under load V8's lazy tier-up "
+        "can leave the learner in baseline code for seconds). '' keeps the browser's default",
+    )
     args = parse(parser, argv)
 
     import onnxruntime
@@ -118,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     browser = {"eval": timed, "as": f"{key}_browser_{round_}"}
                     python = {"pause": key}
                     steps += [python, browser] if round_ % 2 == 0 else [browser, python]
-            results = drive_browser(steps, on_pause=python_round, timeout_s=600)
+            results = drive_browser(steps, on_pause=python_round, timeout_s=600, js_flags=args.js_flags)
         finally:
             server.stop()
 
@@ -159,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "repeats": args.repeats,
             "onnxruntime": onnxruntime.__version__,
             "browser": results.get("user_agent"),
+            "js_flags": args.js_flags,
             "runs": runs,
         },
     )

@@ -163,6 +163,7 @@ def drive_browser(
     timeout_s: float = 180.0,
     root: Path | None = None,
     on_pause: Callable[[str], None] | None = None,
+    js_flags: str = "",
 ) -> dict[str, Any]:
     """Run ``steps`` in one headless Chromium via ``web/tools/drive.mjs``; return its results.
 
@@ -171,13 +172,17 @@ def drive_browser(
     while the page waits (to interleave timings with the browser's). Node and Chromium each
     run in their own process group; Node stops Chromium's, and both are killed by id here if
     still running (e.g. after ``timeout_s``). A failed step raises RuntimeError with the
-    page's error.
+    page's error. ``js_flags`` go to V8 (``--js-flags``).
     """
     root = root or repo_root()
     chromium, node = browser_tools(root)
     with tempfile.TemporaryDirectory(prefix="taste-cl-drive-") as scratch:
         spec, out = Path(scratch) / "spec.json", Path(scratch) / "out.json"
-        spec.write_text(json.dumps({"chromium": chromium, "out": str(out), "steps": steps, "timeout_ms": 60000}))
+        spec.write_text(
+            json.dumps(
+                {"chromium": chromium, "out": str(out), "steps": steps, "timeout_ms": 60000, "js_flags": js_flags}
+            )
+        )
         script = root / "web" / "tools" / "drive.mjs"
         log = Path(scratch) / "driver.log"
         with log.open("w") as sink:

@@ -3,7 +3,7 @@
 //
 //   node web/tools/drive.mjs spec.json    (Node 20.10-21: node --experimental-websocket ...)
 //
-// spec.json: {"chromium": "/usr/bin/chromium", "out": "results.json", "timeout_ms": 60000,
+// spec.json: {"chromium": "/usr/bin/chromium", "out": "results.json", "timeout_ms": 60000, "js_flags": "",
 //             "steps": [{"goto": "http://127.0.0.1:8000/?fresh=1"},     // waits for the page's
 //                       {"eval": "demo.learner.lr", "as": "lr"},         //   body[data-state]
 //                       {"reload": true},
@@ -82,7 +82,10 @@ async function main() {
   const browser = spawn(spec.chromium, [
     '--headless', '--no-sandbox', '--disable-gpu', '--no-first-run', '--no-default-browser-check',
     '--disable-extensions', '--disable-background-networking', '--mute-audio',
-    `--window-size=${spec.window || '800,340'}`, '--remote-debugging-port=0', `--user-data-dir=${profile}`, 'about:blank',
+    // a headless page counts as hidden: keep its renderer at normal priority and its timers unthrottled
+    '--disable-renderer-backgrounding', '--disable-background-timer-throttling', '--disable-backgrounding-occluded-windows',
+    `--window-size=${spec.window || '800,340'}`, '--remote-debugging-port=0', `--user-data-dir=${profile}`,
+    ...(spec.js_flags ? [`--js-flags=${spec.js_flags}`] : []), 'about:blank',
   ], { stdio: ['ignore', 'ignore', 'pipe'], detached: true });  // its own process group, stopped as one
   writeFileSync(`${spec.out}.pid`, String(browser.pid));  // lets the caller stop it if this script is killed
   let stderr = '';
