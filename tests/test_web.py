@@ -230,11 +230,15 @@ def test_demo_server_serves_only_its_roots_on_loopback(artifacts: Path) -> None:
 
 
 # ------------------------------------------------------------------- in the browser
-def _browser_or_skip() -> None:
+def _why_no_browser() -> str:
     try:
         browser_tools(ROOT)
     except FileNotFoundError as error:
-        pytest.skip(f"browser test needs Chromium, Node and web/node_modules: {error}")
+        return f"browser test needs Chromium, Node and web/node_modules: {error}"
+    return ""
+
+
+_NO_BROWSER = _why_no_browser()
 
 
 def _python_reference(
@@ -250,8 +254,8 @@ def _js(value: object) -> str:
 
 
 @pytest.mark.browser
+@pytest.mark.skipif(bool(_NO_BROWSER), reason=_NO_BROWSER)
 def test_browser_learner_matches_python_and_resumes(artifacts: Path) -> None:
-    _browser_or_skip()
     x, y = _digits()
     rng = np.random.default_rng(0)
     batches = [(x[i : i + 8], y[i : i + 8]) for i in range(100, 140, 8)]
