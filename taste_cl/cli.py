@@ -28,11 +28,13 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "soak": ("taste_cl.benchmarks.soak", "long stream: resident memory and history sizes stay bounded"),
     "update-guard": ("taste_cl.benchmarks.update_guard", "cost of the non-finite update guard on healthy steps"),
     "vs-avalanche": ("taste_cl.benchmarks.vs_avalanche", "the online stream in Avalanche vs OnlineLearner (extra [avalanche])"),
+    "web-step": ("taste_cl.benchmarks.web_step", "browser vs Python device learner: time per training step (needs Chromium, Node)"),
 }
 # command -> (module with a ``main(argv) -> int``, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("taste_cl.demo", "online class-incremental stream on sklearn digits, with a plot"),
     "export": ("taste_cl.export", "train the digits learner (or load a checkpoint), export ONNX Runtime artifacts (extra [onnx])"),
+    "serve-demo": ("taste_cl.serve_demo", "personalize a digits model in the browser (serves 127.0.0.1 only)"),
 }
 
 
