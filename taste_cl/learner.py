@@ -352,7 +352,7 @@ class OnlineLearner:
             start = time.perf_counter()
             totals = _Totals()
             if self.batch_plan is not None:
-                self._arrivals.append([time.monotonic(), x.shape[0]])
+                self._arrivals.append([time.monotonic(), n])
             for chunk_x, chunk_y, n_replay in self._chunks(x, y):
                 self._learn_chunk(chunk_x, chunk_y, n_replay, totals)
             if self._waited_too_long():
@@ -384,7 +384,7 @@ class OnlineLearner:
         stored = len(self.replay) if self.replay is not None else 0
         if self.batch_plan is None:
             if self._pending is not None:  # left by a plan that was removed
-                (x, y), self._pending = (torch.cat([self._pending[0], x]), torch.cat([self._pending[1], y])), None
+                (x, y), self._pending = (cat_batches([self._pending[0], x]), torch.cat([self._pending[1], y])), None
             return [(x, y, min(self.replay_batch_size, stored))]
         stream_part, replay_part = self._micro_split()
         pending_x = x if self._pending is None else cat_batches([self._pending[0], x])
