@@ -50,6 +50,7 @@ from taste_cl.exceptions import CheckpointError, InvalidBatchError
 from taste_cl.monitor import StabilityPlasticityMonitor
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.replay import ClassBalancedReplay, ReplayStrategy, ReservoirReplay
+from taste_cl.strategies import Strategy, resolve_strategy
 from taste_cl.tasks import Classification, Task, infer_task, resolve_task
 
 __all__ = ["BatchPlan", "ObserveStats", "OnlineLearner"]
@@ -61,7 +62,7 @@ _BUILTIN_REPLAY: dict[str, type[ReservoirReplay] | type[ClassBalancedReplay]] = 
 }
 _GUARD_MODES = ("auto", "always", "never")
 _GUARD_UPDATE_BOUND = 1e4  # far below float32 overflow (3e38), far above healthy steps
-_MONITOR_CONFIG = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed", "prequential")
+_MONITOR_CONFIG = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed", "prequential", "regression_threshold")
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,10 @@ class OnlineLearner:
         The :class:`~taste_cl.monitor.StabilityPlasticityMonitor`; a default one if None.
     plugins:
         :class:`~taste_cl.plugins.LearnerPlugin` instances (batch-size tuner, elastic training).
+    strategy:
+        How a micro-batch's loss is formed from its stream and replay parts: a
+        :class:`~taste_cl.strategies.Strategy` or ``"er"`` (default), ``"er_ace"``,
+        ``"der++"``, ``"lwf"`` (see :mod:`taste_cl.strategies`).
     guard_updates:
         ``"auto"``: before a step whose size bound (largest learning rate times
         ``max(1, gradient norm)``) exceeds 1e4, copy the parameters and optimizer state,
@@ -198,6 +203,7 @@ class OnlineLearner:
         plugins: Sequence[LearnerPlugin] = (),
         guard_updates: str = "auto",
         task: Task | str | None = None,
+        strategy: Strategy | str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -220,6 +226,8 @@ class OnlineLearner:
         _check_optimizer_covers(model, self.optimizer)
         self.task: Task | None = resolve_task(task) if task is not None else infer_task(self.loss_fn)
         _check_replay_fits(replay, self.task)
+        self.strategy = resolve_strategy(strategy)
+        self.strategy.check(self.task, replay)
         self.replay = replay
         self.replay_batch_size = replay_batch_size
         self.train_iterations = train_iterations
@@ -241,6 +249,7 @@ class OnlineLearner:
         self._accumulated = 0
         self._window_finite = True
         self._lock = threading.RLock()
+        self.strategy.attach(self)
         for plugin in self.plugins:
             plugin.on_attach(self)
 
@@ -356,8 +365,8 @@ class OnlineLearner:
         n = y.shape[0]
         stream_outputs = self._logits(x) if self._score_eval else None
         for iteration in range(self.train_iterations):
-            train_x, train_y = self._with_replay(x, y, n_replay)
-            outputs, loss = self._micro_step(train_x, train_y)
+            train_x, train_y, fields = self._with_replay(x, y, n_replay)
+            outputs, loss = self._micro_step(train_x, train_y, n, fields)
             if stream_outputs is None:
                 stream_outputs = outputs[:n]  # scored before any update on this chunk
             totals.add_micro(loss, train_y.shape[0], n_replay)
@@ -366,37 +375,45 @@ class OnlineLearner:
         assert stream_outputs is not None
         totals.add_scored(self.monitor.record(x, y, stream_outputs, validated=True))
         if self.replay is not None:
-            self.replay.add_validated(x, y)
+            self.replay.add_validated(x, y, **self.strategy.fields(x, y, outputs[:n]))
         if self.monitor.due():
             self.monitor.evaluate(lambda probe_x: self._logits(self._place(probe_x)))
+        self.strategy.after_chunk(self)
 
     @property
     def _accumulation_steps(self) -> int:
         return 1 if self.batch_plan is None else self.batch_plan.accumulation_steps
 
-    def _with_replay(self, x: Inputs, y: torch.Tensor, n_replay: int) -> tuple[Inputs, torch.Tensor]:
+    def _with_replay(self, x: Inputs, y: torch.Tensor, n_replay: int) -> tuple[Inputs, torch.Tensor, dict[str, torch.Tensor]]:
+        """The micro-batch ``[stream | replayed]`` and the replayed samples' stored fields (those the strategy uses)."""
         if not n_replay:
-            return x, y
+            return x, y, {}
         assert self.replay is not None
-        replay_x, replay_y = self.replay.sample(n_replay)
+        fields: dict[str, torch.Tensor] = {}
+        if self.strategy.stored_fields:
+            replay_x, replay_y, fields = self.replay.sample(n_replay, with_fields=True)  # type: ignore[call-arg]
+        else:
+            replay_x, replay_y = self.replay.sample(n_replay)
         if isinstance(x, torch.Tensor):  # the common case, without the pytree walk
-            return torch.cat([x, replay_x.to(x)]), torch.cat([y, replay_y.to(y)])
-        return cat_batches([x, self._place(replay_x)]), torch.cat([y, replay_y.to(y)])
+            return torch.cat([x, replay_x.to(x)]), torch.cat([y, replay_y.to(y)]), fields
+        return cat_batches([x, self._place(replay_x)]), torch.cat([y, replay_y.to(y)]), fields
 
     def _place(self, x: Inputs) -> Inputs:
         """Stored samples moved to the model: floating leaves to its dtype, all to its device."""
         device, dtype = self._placement()
         return map_leaves(lambda t: t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device), x)
 
-    def _micro_step(self, x: Inputs, y: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """Forward and backward one micro-batch, adding its share to the accumulated gradient."""
+    def _micro_step(self, x: Inputs, y: torch.Tensor, n_stream: int | None = None, fields: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, float]:
+        """Forward and backward one micro-batch (its first ``n_stream`` rows from the stream,
+        default all), adding its share to the accumulated gradient; the strategy forms the loss."""
         if self._accumulated == 0:
             for plugin in self.plugins:
                 plugin.before_step(self)
         if not self.model.training:  # train() walks every module: only when needed
             self.model.train()
         logits = call_model(self.model, x)
-        loss = self.loss_fn(logits, y)
+        n_stream = y.shape[0] if n_stream is None else n_stream
+        loss = self.strategy.loss(self.loss_fn, logits, y, x=x, n_stream=n_stream, fields=fields or {})
         loss_value = float(loss.detach())
         if math.isfinite(loss_value):
             steps = self._accumulation_steps
@@ -521,6 +538,7 @@ class OnlineLearner:
             raise ValueError(f"model outputs {num_classes} logits but num_classes={self.num_classes}")
         y = task.to_targets(raw_y, n=n, output_shape=output_shape, dtype=dtype, device=device)
         _check_replay_fits(self.replay, task)
+        self.strategy.check(task, self.replay)
         _check_scalar_loss(self.loss_fn, out, y[:1])
         if task != self.monitor.task and (self.monitor.steps or self.monitor.samples_seen):
             raise ValueError(f"the monitor already scored {self.monitor.task!r}; this learner's task is {task!r}")
@@ -550,6 +568,7 @@ class OnlineLearner:
                     "score_eval": self._score_eval,
                     "monitor": {key: getattr(self.monitor, key) for key in _MONITOR_CONFIG},
                     "optimizer_type": type(self.optimizer).__name__,
+                    "strategy": {"name": self.strategy.name, "config": self.strategy.config()},
                 },
                 "counters": {"samples_seen": self.samples_seen, "steps": self.steps},
                 "training": {
@@ -566,6 +585,7 @@ class OnlineLearner:
                 "replay_type": None if self.replay is None else type(self.replay).__name__,
                 "replay": None if self.replay is None else self.replay.state_dict(),
                 "monitor": self.monitor.state_dict(),
+                "strategy": self.strategy.state_dict(),
                 "plugins": {plugin.name: plugin.state_dict() for plugin in self.plugins},
                 "rng": {"torch": torch.get_rng_state()},
             }
@@ -591,11 +611,12 @@ class OnlineLearner:
         replay: ReplayStrategy | None = None,
         monitor: StabilityPlasticityMonitor | None = None,
         plugins: Sequence[LearnerPlugin] = (),
+        strategy: Strategy | None = None,
     ) -> OnlineLearner:
         """Rebuild a learner from :meth:`save` output around a freshly built ``model``.
 
-        Built-in replay strategies are rebuilt from the checkpoint; pass ``replay`` for a
-        custom one. The task, input structure and output shape come from the checkpoint.
+        Built-in replay buffers and strategies are rebuilt from the checkpoint; pass
+        ``replay`` / ``strategy`` for a custom one. The task, input structure and output shape come from the checkpoint.
         On any error, ``model`` and ``optimizer`` are left as they were.
         """
         state = read_checkpoint(directory)
@@ -621,6 +642,7 @@ class OnlineLearner:
             monitor=monitor,
             plugins=plugins,
             task=config.get("task"),
+            strategy=_rebuild_strategy(config.get("strategy"), strategy),
         )
         learner.load_state_dict(state)
         return learner
@@ -640,6 +662,7 @@ class OnlineLearner:
                 if self.replay is not None:
                     self.replay.load_state_dict(state["replay"])
                 self.monitor.load_state_dict(state["monitor"])
+                self.strategy.load_state_dict(state.get("strategy", {}))
                 for plugin in self.plugins:
                     if plugin.name in state["plugins"]:
                         plugin.load_state_dict(state["plugins"][plugin.name])
@@ -788,3 +811,17 @@ def _rebuild_replay(state: dict[str, Any], replay: ReplayStrategy | None) -> Rep
         )
     saved = state["replay"]
     return _BUILTIN_REPLAY[saved_type](int(saved["capacity"]), seed=int(saved["seed"]))
+
+
+def _rebuild_strategy(saved: dict[str, Any] | None, strategy: Strategy | None) -> Strategy | None:
+    """The strategy a checkpoint names: ``strategy`` if given (it must be of that kind), else a built-in one."""
+    if saved is None:
+        return strategy
+    if strategy is not None:
+        if strategy.name != saved["name"]:
+            raise CheckpointError(f"checkpoint was trained with strategy {saved['name']!r}; got strategy={strategy.name!r}")
+        return strategy
+    try:
+        return resolve_strategy(saved)
+    except (ValueError, TypeError) as error:
+        raise CheckpointError(f"checkpoint's strategy cannot be rebuilt ({error}): pass strategy=... to load()") from error

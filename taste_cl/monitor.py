@@ -9,7 +9,12 @@
 - **forgetting**: per class, best probe score so far minus current probe score,
   averaged over classes (the class-wise analogue of Chaudhry et al.'s forgetting); for
   tasks without classes, over the whole probe (for error metrics: current minus best);
-- **drift**: Page-Hinkley test on the prequential loss.
+- **drift**: Page-Hinkley test on the prequential loss;
+- **anytime score**: the probe score (all classes seen so far) averaged over every evaluation;
+- **negative flip rate** (classification, multi-label): among probe samples scored at two
+  consecutive evaluations, the share that was right and became wrong; **flip impact** is
+  the share of the current errors that are such flips. ``update_regressed`` fires when
+  the probe score drops by more than ``regression_threshold`` between two evaluations.
 
 Scores are the task's (:mod:`taste_cl.tasks`): accuracy for classification and token
 tagging, micro-F1 for multi-label, MSE for regression (``report()`` has all its metrics).
@@ -21,7 +26,7 @@ samples, ``"auto"`` (default) uses ``"eval"`` only for models whose output chang
 train/eval mode (checked once, on a copy, on the first batch).
 
 Other components subscribe to its events (``drift_detected``, ``forgetting_rising``,
-``numerical_fault``, and the tuner's ``load_shift``) with :meth:`subscribe`.
+``numerical_fault``, ``update_regressed``, the guard's ``update_rolled_back`` and the tuner's ``load_shift``) with :meth:`subscribe`.
 """
 
 from __future__ import annotations
@@ -36,12 +41,12 @@ import torch
 
 from taste_cl.drift import PageHinkley
 from taste_cl.replay import ClassBalancedReplay, ReservoirReplay
-from taste_cl.tasks import Classification, Task, resolve_task
+from taste_cl.tasks import Classification, MultiLabel, Task, resolve_task
 
-__all__ = ["MonitorEvent", "StabilityPlasticityMonitor"]
+__all__ = ["MonitorEvent", "StabilityPlasticityMonitor", "sample_correct"]
 
 PREQUENTIAL_MODES = ("auto", "train", "eval")
-EVENT_NAMES = ("drift_detected", "forgetting_rising", "numerical_fault", "load_shift", "retuned")
+EVENT_NAMES = ("drift_detected", "forgetting_rising", "numerical_fault", "load_shift", "retuned", "update_regressed", "update_rolled_back")
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,17 @@ class MonitorEvent:
 
 
 Subscriber = Callable[[MonitorEvent], None]
+
+
+def sample_correct(task: Task, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    """Per sample, whether the prediction is right (all labels right for multi-label);
+    None for tasks without a right or wrong answer per sample (regression, token tagging)."""
+    if isinstance(task, Classification):
+        return outputs.argmax(1) == y
+    if isinstance(task, MultiLabel):
+        predicted = outputs > 0 if task.logits else outputs > 0.5
+        return (predicted == (y > 0.5)).all(1)
+    return None
 
 
 class StabilityPlasticityMonitor:
@@ -76,6 +92,8 @@ class StabilityPlasticityMonitor:
         Bound on the remembered event history (memory stays flat on long streams).
     prequential:
         ``"auto"``, ``"train"`` or ``"eval"``: which forward scores plasticity (see the module doc).
+    regression_threshold:
+        ``update_regressed`` fires when the probe score gets worse by more than this between two evaluations.
     task:
         How targets are scored; the learner sets it (default classification).
     """
@@ -92,6 +110,7 @@ class StabilityPlasticityMonitor:
         seed: int = 0,
         prequential: str = "auto",
         task: Task | None = None,
+        regression_threshold: float = 0.05,
     ) -> None:
         for name, value in (("eval_every", eval_every), ("window", window), ("max_events", max_events)):
             if value < 1:
@@ -106,6 +125,7 @@ class StabilityPlasticityMonitor:
         self.max_events = max_events
         self.seed = seed
         self.prequential = prequential
+        self.regression_threshold = regression_threshold
         self.task: Task = Classification()
         self._probe = self._new_probe()
         if task is not None:
@@ -125,6 +145,9 @@ class StabilityPlasticityMonitor:
         self._events: deque[MonitorEvent] = deque(maxlen=self.max_events)
         self._event_counts: Counter[str] = Counter()
         self._last_drift_step: int | None = None
+        self._anytime = [0.0, 0]  # sum of probe scores over evaluations, evaluations
+        self._last_correct: dict[int, bool] = {}  # probe sample id -> right at the last evaluation
+        self._flips: tuple[float, float] | None = None  # (negative flip rate, flip impact) at the last evaluation
 
     def set_task(self, task: Task) -> None:
         """Score with ``task``; the probe becomes class-balanced or a reservoir to suit it.
@@ -192,10 +215,11 @@ class StabilityPlasticityMonitor:
         if math.isfinite(loss) and self.drift_detector.update(loss):
             self._last_drift_step = self.steps
             self.emit("drift_detected", loss=loss)
+        ids = torch.arange(self.samples_seen - y.shape[0], self.samples_seen)  # names probe samples across evaluations
         if validated:
-            self._probe.add_validated(x, y)
+            self._probe.add_validated(x, y, sid=ids)
         else:
-            self._probe.add(x, y)
+            self._probe.add(x, y, sid=ids)
         return stats
 
     def due(self) -> bool:
@@ -204,11 +228,20 @@ class StabilityPlasticityMonitor:
 
     def evaluate(self, predict: Callable[[Any], torch.Tensor]) -> None:
         """Evaluate the probe with ``predict`` (inputs -> outputs) and update stability/forgetting."""
-        x, y = self._probe.sample(len(self._probe))
+        x, y, fields = self._probe.sample(len(self._probe), with_fields=True)
+        previous_score = self._stability
         with torch.no_grad():
             outputs = predict(x)
             self._stability = self.task.metrics(self.task.batch_stats(outputs, y))[self.task.primary]
             scores = self.task.group_scores(outputs, y)
+            self._count_flips(fields["sid"], sample_correct(self.task, outputs, y))
+        self._anytime = [self._anytime[0] + self._stability, self._anytime[1] + 1]
+        if previous_score is not None and math.isfinite(self._stability):
+            sign = 1.0 if self.task.higher_is_better else -1.0
+            drop = sign * (previous_score - self._stability)
+            if drop > self.regression_threshold:
+                flips = {} if self._flips is None else {"negative_flip_rate": self._flips[0], "flip_impact": self._flips[1]}
+                self.emit("update_regressed", score=self._stability, previous=previous_score, drop=drop, **flips)
         better = max if self.task.higher_is_better else min
         for label, score in scores.items():
             self._class_accuracy[label] = score
@@ -219,7 +252,35 @@ class StabilityPlasticityMonitor:
         if previous <= self.forgetting_threshold < self._forgetting:
             self.emit("forgetting_rising", forgetting=self._forgetting, threshold=self.forgetting_threshold)
 
+    def _count_flips(self, ids: torch.Tensor, correct: torch.Tensor | None) -> None:
+        """Negative flips among probe samples also scored at the previous evaluation."""
+        if correct is None:
+            return
+        now = dict(zip(ids.tolist(), correct.tolist()))
+        common = [i for i in now if i in self._last_correct]
+        if common:
+            negative = sum(self._last_correct[i] and not now[i] for i in common)
+            errors = sum(not now[i] for i in common)
+            self._flips = (negative / len(common), negative / errors if errors else 0.0)
+        self._last_correct = now
+
     # ---------------------------------------------------------------- reading
+    @property
+    def anytime_score(self) -> float | None:
+        """The probe score (all seen classes) averaged over every evaluation so far (None before one)."""
+        return self._anytime[0] / self._anytime[1] if self._anytime[1] else None
+
+    @property
+    def negative_flip_rate(self) -> float | None:
+        """Share of probe samples right at the previous evaluation and wrong at the last one
+        (None before two evaluations, or for tasks without per-sample right/wrong)."""
+        return None if self._flips is None else self._flips[0]
+
+    @property
+    def flip_impact(self) -> float | None:
+        """Share of the probe errors at the last evaluation that were right at the one before."""
+        return None if self._flips is None else self._flips[1]
+
     @property
     def plasticity(self) -> float | None:
         """Prequential score (the task's primary metric, e.g. accuracy) over the recent
@@ -257,6 +318,9 @@ class StabilityPlasticityMonitor:
             "plasticity_metrics": self.plasticity_metrics,
             "plasticity_loss": sum(losses) / len(losses) if losses else None,
             "forgetting": self._forgetting,
+            "anytime_score": self.anytime_score,
+            "negative_flip_rate": self.negative_flip_rate,
+            "flip_impact": self.flip_impact,
             "drift": {
                 "count": self._event_counts["drift_detected"],
                 "last_step": self._last_drift_step,
@@ -280,6 +344,9 @@ class StabilityPlasticityMonitor:
             "events": [asdict(event) for event in self._events],
             "event_counts": dict(self._event_counts),
             "last_drift_step": self._last_drift_step,
+            "anytime": list(self._anytime),
+            "last_correct": [list(self._last_correct), list(self._last_correct.values())],
+            "flips": None if self._flips is None else list(self._flips),
             "probe": self._probe.state_dict(),
             "drift_detector": self.drift_detector.state_dict(),
         }
@@ -298,5 +365,11 @@ class StabilityPlasticityMonitor:
         self._events.extend(MonitorEvent(e["name"], int(e["step"]), dict(e["details"])) for e in state["events"])
         self._event_counts.update({str(k): int(v) for k, v in state["event_counts"].items()})
         self._last_drift_step = state["last_drift_step"]
+        anytime = state.get("anytime", [0.0, 0])
+        self._anytime = [float(anytime[0]), int(anytime[1])]
+        ids, correct = state.get("last_correct", [[], []])
+        self._last_correct = {int(i): bool(c) for i, c in zip(ids, correct)}
+        flips = state.get("flips")
+        self._flips = None if flips is None else (float(flips[0]), float(flips[1]))
         self._probe.load_state_dict(state["probe"])
         self.drift_detector.load_state_dict(state["drift_detector"])
