@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "online-digits": "taste_cl.benchmarks.online_digits",
     "onnx": "taste_cl.benchmarks.onnx_training",
     "soak": "taste_cl.benchmarks.soak",
+    "strategies": "taste_cl.benchmarks.strategies",
     "update-guard": "taste_cl.benchmarks.update_guard",
     "vs-avalanche": "taste_cl.benchmarks.vs_avalanche",
 }

@@ -331,7 +331,7 @@ class OnlineLearner:
                 metrics=metrics,
             )
             for plugin in self.plugins:
-                plugin.after_observe(self, stats)
+                plugin.after_observe(self, stats, batch=(x, y))
             self.monitor.dispatch()
             return stats
 
