@@ -244,16 +244,15 @@ class ProbeGuard(LearnerPlugin):
         snapshot = self._snapshot
         # deep copies: the optimizer would alias the snapshot's tensors and update them in place
         assert self.accepted_model is not None
+        lrs = [max(self.min_lr, group["lr"] * self.lr_factor) for group in learner.optimizer.param_groups]
         learner.model.load_state_dict(self.accepted_model.state_dict())
         learner.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
         if snapshot["replay"] is not None and learner.replay is not None:
             learner.replay.load_state_dict(copy.deepcopy(snapshot["replay"]))
         learner.optimizer.zero_grad(set_to_none=True)
         learner._accumulated, learner._window_finite = 0, True  # the window's pending gradients are dropped too
-        lrs = []
-        for group in learner.optimizer.param_groups:
-            group["lr"] = max(self.min_lr, group["lr"] * self.lr_factor)
-            lrs.append(group["lr"])
+        for group, new_lr, saved in zip(learner.optimizer.param_groups, lrs, snapshot["optimizer"]["param_groups"]):
+            group["lr"] = saved["lr"] = new_lr  # later rollbacks keep the lowered rate
         self._pending = []
         self.rollbacks += 1
         learner.monitor.emit("update_rolled_back", window=self.windows, lr=lrs, **details)
