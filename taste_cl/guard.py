@@ -46,7 +46,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from taste_cl._batch import Inputs, batch_len, call_model, map_leaves, to_inputs
+from taste_cl._batch import (
+    Inputs,
+    batch_len,
+    call_model,
+    cat_batches,
+    map_leaves,
+    to_inputs,
+)
 from taste_cl.monitor import sample_correct
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.replay import ClassBalancedReplay, ReservoirReplay
@@ -191,10 +198,11 @@ class ProbeGuard(LearnerPlugin):
             return False
         self._snapshot = self._take(learner)
         self._baseline, self._baseline_correct = scored
-        for x, y in self._pending:
-            ids = torch.arange(self._next_id, self._next_id + y.shape[0])
+        if self._pending:  # one add for the whole window
+            x = cat_batches([x for x, _ in self._pending])
+            y = torch.cat([y for _, y in self._pending])
+            self.probe.add_validated(x, y, sid=torch.arange(self._next_id, self._next_id + y.shape[0]))
             self._next_id += y.shape[0]
-            self.probe.add_validated(x, y, sid=ids)
         self._pending = []
         return True
 
