@@ -100,7 +100,7 @@ def _online(benchmark: Any, seed: int) -> list[Any]:
     return list(split_online_stream(benchmark.train_stream, BATCH, shuffle=True, seed=seed))
 
 
-def _drive(train: Callable[[Any], None], predict: Callable[[torch.Tensor], torch.Tensor], experiences: Sequence[Any],
+def _drive(train: Callable[[Any], object], predict: Callable[[torch.Tensor], torch.Tensor], experiences: Sequence[Any],
            batches: Sequence[tuple[int, torch.Tensor, torch.Tensor]], tasks: Sequence[Task], *, use_experiences: bool) -> Run:
     """Feed the stream to ``train`` (Avalanche experiences or taste_cl batches) and score it the same way for all."""
     x_all = torch.cat([t.x_test for t in tasks])

@@ -391,7 +391,7 @@ class OnlineLearner:
         assert self.replay is not None
         fields: dict[str, torch.Tensor] = {}
         if self.strategy.stored_fields:
-            replay_x, replay_y, fields = self.replay.sample(n_replay, with_fields=True)  # type: ignore[call-arg]
+            replay_x, replay_y, fields = self.replay.sample(n_replay, with_fields=True)  # type: ignore[call-arg, misc]
         else:
             replay_x, replay_y = self.replay.sample(n_replay)
         if isinstance(x, torch.Tensor):  # the common case, without the pytree walk
