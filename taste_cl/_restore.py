@@ -45,11 +45,12 @@ CONFIG_KEYS = {
     "output_shape",
     "task",
     "score_eval",
+    "strategy",
     "monitor",
     "optimizer_type",
 }
 """Keys of the ``config`` section; a new config entry is added here and checked in :func:`_config`."""
-MONITOR_CONFIG = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed", "prequential")
+MONITOR_CONFIG = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed", "prequential", "regression_threshold")
 _BUILTIN_REPLAY: dict[str, type[ReservoirReplay | ClassBalancedReplay]] = {
     "ReservoirReplay": ReservoirReplay,
     "ClassBalancedReplay": ClassBalancedReplay,
@@ -201,6 +202,7 @@ def monitor_kwargs(config: Any) -> dict[str, Any]:
     if config["prequential"] not in PREQUENTIAL_MODES:
         raise _Invalid(f"`config.monitor.prequential == {_short(config['prequential'])}`, must be one of {PREQUENTIAL_MODES}")
     kwargs["prequential"] = config["prequential"]
+    kwargs["regression_threshold"] = _number("config.monitor.regression_threshold", config["regression_threshold"], low=0.0)
     return kwargs
 
 
@@ -265,6 +267,15 @@ def parse_task(value: Any) -> Task | None:
         return resolve_task(value)
     except ValueError as error:
         raise _Invalid(f"`config.task`: {error}") from error
+
+
+def parse_strategy(value: Any) -> dict[str, Any] | None:
+    """The checkpointed strategy description ``{"name", "config"}`` (None in older states: plain ER)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"name", "config"} or not isinstance(value["name"], str) or not isinstance(value["config"], dict):
+        raise _Invalid(f"`config.strategy == {_short(value)}`, must be {{'name': str, 'config': dict}}")
+    return value
 
 
 def _shape(where: str, value: Any) -> tuple[int, ...]:
@@ -491,6 +502,29 @@ def _replay(ctx: _Context) -> Apply:
     return lambda: replay.load_state_dict(saved)  # type: ignore[arg-type]
 
 
+@section("strategy")
+def _strategy(ctx: _Context) -> Apply:
+    saved = ctx.get("strategy")
+    strategy = ctx.learner.strategy
+    described = parse_strategy(ctx.state["config"].get("strategy"))
+    if described is not None and described["name"] != strategy.name:
+        raise _Invalid(f"checkpoint was trained with strategy {described['name']!r}; this learner uses {strategy.name!r}")
+    live = strategy.state_dict()
+    if set(saved) != set(live):
+        raise _Invalid(f"`strategy` keys differ: saved {sorted(map(str, saved))[:5]}, expected {sorted(live)[:5]}")
+    if "chunks" in live:
+        _int("strategy.chunks", saved["chunks"])
+    teacher = saved.get("teacher")
+    if teacher is not None:  # LwF's snapshot: a state of this model
+        model = ctx.learner.model.state_dict()
+        if not isinstance(teacher, dict):
+            raise _Invalid("`strategy.teacher` must be None or a model state")
+        _keys("strategy.teacher", teacher, set(model))
+        for name, tensor in model.items():
+            _tensor(f"strategy.teacher.{name}", teacher[name], shape=tuple(tensor.shape), dtype=tensor.dtype)
+    return lambda: strategy.load_state_dict(saved)
+
+
 @section("monitor")
 def _monitor(ctx: _Context) -> Apply:
     saved = ctx.get("monitor")
@@ -592,7 +626,7 @@ def build_parts(
         _keys("config", config, CONFIG_KEYS)
         _int("config.replay_batch_size", config["replay_batch_size"])
         _int("config.train_iterations", config["train_iterations"], 1, 2**20)
-        config = {**config, "task": parse_task(config["task"])}
+        config = {**config, "task": parse_task(config["task"]), "strategy": parse_strategy(config["strategy"])}
         try:
             entries = 1 if config["input_spec"] is None else Spec.from_json(config["input_spec"]).entries
         except ValueError as error:

@@ -59,6 +59,7 @@ from taste_cl.monitor import StabilityPlasticityMonitor
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.replay import ClassBalancedReplay, ReplayStrategy
 from taste_cl.safety import UpdateGuard
+from taste_cl.strategies import Strategy, resolve_strategy
 from taste_cl.tasks import Classification, Task, infer_task, resolve_task
 
 __all__ = ["BatchPlan", "ObserveStats", "OnlineLearner"]
@@ -199,6 +200,10 @@ class OnlineLearner:
         The :class:`~taste_cl.monitor.StabilityPlasticityMonitor`; a default one if None.
     plugins:
         :class:`~taste_cl.plugins.LearnerPlugin` instances (batch-size tuner, elastic training).
+    strategy:
+        How a micro-batch's loss is formed from its stream and replay parts: a
+        :class:`~taste_cl.strategies.Strategy` or ``"er"`` (default), ``"er_ace"``,
+        ``"der++"``, ``"lwf"`` (see :mod:`taste_cl.strategies`).
     guard_updates:
         An :class:`~taste_cl.safety.UpdateGuard`, or its mode: ``"auto"`` (default)
         skips steps with a non-finite loss or gradient or a NaN/negative/absurd learning
@@ -224,6 +229,7 @@ class OnlineLearner:
         plugins: Sequence[LearnerPlugin] = (),
         guard_updates: str | UpdateGuard = "auto",
         task: Task | str | None = None,
+        strategy: Strategy | str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
@@ -244,6 +250,8 @@ class OnlineLearner:
         _check_optimizer_covers(model, self.optimizer)
         self.task: Task | None = resolve_task(task) if task is not None else infer_task(self.loss_fn)
         _check_replay_fits(replay, self.task)
+        self.strategy = resolve_strategy(strategy)
+        self.strategy.check(self.task, replay)
         self.replay = replay
         self.replay_batch_size = replay_batch_size
         self.train_iterations = train_iterations
@@ -266,6 +274,7 @@ class OnlineLearner:
         self._accumulated = 0
         self._window_finite = True
         self._lock = threading.RLock()
+        self.strategy.attach(self)
         for plugin in self.plugins:
             plugin.on_attach(self)
 
@@ -375,7 +384,7 @@ class OnlineLearner:
                 pending=0 if self._pending is None else self._pending[1].shape[0],
             )
             for plugin in self.plugins:
-                plugin.after_observe(self, stats)
+                plugin.after_observe(self, stats, batch=(x, y))
             self.monitor.dispatch()
             return stats
 
@@ -452,8 +461,8 @@ class OnlineLearner:
         finite = True
         stream_outputs = self._logits(x) if self._score_eval else None
         for iteration in range(self.train_iterations):
-            train_x, train_y = self._with_replay(x, y, n_replay)
-            outputs, loss = self._micro_step(train_x, train_y, weight)
+            train_x, train_y, fields = self._with_replay(x, y, n_replay)
+            outputs, loss = self._micro_step(train_x, train_y, n, fields, weight)
             finite &= math.isfinite(loss)
             if stream_outputs is None:
                 stream_outputs = outputs[:n]  # scored before any update on this chunk
@@ -463,37 +472,53 @@ class OnlineLearner:
         assert stream_outputs is not None
         totals.add_scored(self.monitor.record(x, y, stream_outputs, validated=True, store=finite))
         if self.replay is not None and finite:
-            self.replay.add_validated(x, y)
+            self.replay.add_validated(x, y, **self.strategy.fields(x, y, outputs[:n]))
         if self.monitor.due():
             self.monitor.evaluate(lambda probe_x: self._logits(self._place(probe_x)))
+        self.strategy.after_chunk(self)
 
     @property
     def _accumulation_steps(self) -> int:
         return 1 if self.batch_plan is None else self.batch_plan.accumulation_steps
 
-    def _with_replay(self, x: Inputs, y: torch.Tensor, n_replay: int) -> tuple[Inputs, torch.Tensor]:
+    def _with_replay(self, x: Inputs, y: torch.Tensor, n_replay: int) -> tuple[Inputs, torch.Tensor, dict[str, torch.Tensor]]:
+        """The micro-batch ``[stream | replayed]`` and the replayed samples' stored fields (those the strategy uses)."""
         if not n_replay:
-            return x, y
+            return x, y, {}
         assert self.replay is not None
-        replay_x, replay_y = self.replay.sample(n_replay)
+        fields: dict[str, torch.Tensor] = {}
+        if self.strategy.stored_fields:
+            replay_x, replay_y, fields = self.replay.sample(n_replay, with_fields=True)  # type: ignore[call-arg, misc]
+        else:
+            replay_x, replay_y = self.replay.sample(n_replay)
         if isinstance(x, torch.Tensor):  # the common case, without the pytree walk
-            return torch.cat([x, replay_x.to(x)]), torch.cat([y, replay_y.to(y)])
-        return cat_batches([x, self._place(replay_x)]), torch.cat([y, replay_y.to(y)])
+            return torch.cat([x, replay_x.to(x)]), torch.cat([y, replay_y.to(y)]), fields
+        return cat_batches([x, self._place(replay_x)]), torch.cat([y, replay_y.to(y)]), fields
 
     def _place(self, x: Inputs) -> Inputs:
         """Stored samples moved to the model: floating leaves to its dtype, all to its device."""
         device, dtype = self._placement()
         return map_leaves(lambda t: t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device), x)
 
-    def _micro_step(self, x: Inputs, y: torch.Tensor, weight: float = 1.0) -> tuple[torch.Tensor, float]:
-        """Forward and backward one micro-batch, adding ``weight`` times its loss's gradient to the window."""
+    def _micro_step(
+        self,
+        x: Inputs,
+        y: torch.Tensor,
+        n_stream: int | None = None,
+        fields: dict[str, torch.Tensor] | None = None,
+        weight: float = 1.0,
+    ) -> tuple[torch.Tensor, float]:
+        """Forward and backward one micro-batch (its first ``n_stream`` rows from the stream,
+        default all), adding ``weight`` times its loss's gradient to the window; the strategy
+        forms the loss."""
         if self._accumulated == 0:
             for plugin in self.plugins:
                 plugin.before_step(self)
         if not self.model.training:  # train() walks every module: only when needed
             self.model.train()
         logits = call_model(self.model, x)
-        loss = self.loss_fn(logits, y)
+        n_stream = y.shape[0] if n_stream is None else n_stream
+        loss = self.strategy.loss(self.loss_fn, logits, y, x=x, n_stream=n_stream, fields=fields or {})
         loss_value = float(loss.detach())
         self.guard.record_loss(loss_value)
         if math.isfinite(loss_value):
@@ -586,6 +611,7 @@ class OnlineLearner:
             raise ValueError(f"model outputs {num_classes} logits but num_classes={self.num_classes}")
         y = task.to_targets(raw_y, n=n, output_shape=output_shape, dtype=dtype, device=device)
         _check_replay_fits(self.replay, task)
+        self.strategy.check(task, self.replay)
         _check_scalar_loss(self.loss_fn, out, y[:1])
         if task != self.monitor.task and (self.monitor.steps or self.monitor.samples_seen):
             raise ValueError(f"the monitor already scored {self.monitor.task!r}; this learner's task is {task!r}")
@@ -615,6 +641,7 @@ class OnlineLearner:
                     "score_eval": self._score_eval,
                     "monitor": {key: getattr(self.monitor, key) for key in MONITOR_CONFIG},
                     "optimizer_type": type(self.optimizer).__name__,
+                    "strategy": {"name": self.strategy.name, "config": self.strategy.config()},
                 },
                 "counters": {"samples_seen": self.samples_seen, "steps": self.steps},
                 "training": {
@@ -630,6 +657,7 @@ class OnlineLearner:
                 "replay_type": None if self.replay is None else type(self.replay).__name__,
                 "replay": None if self.replay is None else self.replay.state_dict(),
                 "monitor": self.monitor.state_dict(),
+                "strategy": self.strategy.state_dict(),
                 "plugins": {plugin.name: plugin.state_dict() for plugin in self.plugins},
                 "rng": {"torch": torch.get_rng_state()},
                 "guard": self.guard.state_dict(),
@@ -664,11 +692,12 @@ class OnlineLearner:
         monitor: StabilityPlasticityMonitor | None = None,
         plugins: Sequence[LearnerPlugin] = (),
         max_bytes: int = CheckpointLimits.max_bytes,
+        strategy: Strategy | None = None,
     ) -> OnlineLearner:
         """Rebuild a learner from :meth:`save` output around a freshly built ``model``.
 
-        Built-in replay strategies are rebuilt from the checkpoint; pass ``replay`` for a
-        custom one. The task, input structure and output shape come from the checkpoint.
+        Built-in replay buffers and strategies are rebuilt from the checkpoint; pass
+        ``replay`` / ``strategy`` for a custom one. The task, input structure and output shape come from the checkpoint.
         Files over ``max_bytes`` are refused before being read. The whole checkpoint is
         validated before anything is applied: on any error
         :class:`~taste_cl.exceptions.CheckpointError` is raised (its subclass
@@ -685,8 +714,10 @@ class OnlineLearner:
             "train_iterations": config["train_iterations"],
             "monitor": monitor,
             "task": config["task"],
+            "strategy": _rebuild_strategy(config["strategy"], strategy),
         }
-        validate_state(cls(model, **parts), state)  # before plugins attach (they subscribe to the monitor)
+        # Checked on a throwaway learner before plugins attach (they, and a strategy, may subscribe to the monitor).
+        validate_state(cls(model, **{**parts, "strategy": copy.deepcopy(parts["strategy"])}), state)
         learner = cls(model, **parts, plugins=plugins)
         learner.load_state_dict(state)
         return learner
@@ -797,3 +828,17 @@ def _total_norm(tensors: list[torch.Tensor]) -> float:
         # regrouping by device and dtype (half the cost of a small model's step).
         return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
     return float(torch.nn.utils.get_total_norm(tensors))
+
+
+def _rebuild_strategy(saved: dict[str, Any] | None, strategy: Strategy | None) -> Strategy | None:
+    """The strategy a checkpoint names: ``strategy`` if given (it must be of that kind), else a built-in one."""
+    if saved is None:
+        return strategy
+    if strategy is not None:
+        if strategy.name != saved["name"]:
+            raise CheckpointError(f"checkpoint was trained with strategy {saved['name']!r}; got strategy={strategy.name!r}")
+        return strategy
+    try:
+        return resolve_strategy(saved)
+    except (ValueError, TypeError) as error:
+        raise CheckpointError(f"checkpoint's strategy cannot be rebuilt ({error}): pass strategy=... to load()") from error

@@ -9,7 +9,12 @@
 - **forgetting**: per class, best probe score so far minus current probe score,
   averaged over classes (the class-wise analogue of Chaudhry et al.'s forgetting); for
   tasks without classes, over the whole probe (for error metrics: current minus best);
-- **drift**: Page-Hinkley test on the prequential loss.
+- **drift**: Page-Hinkley test on the prequential loss;
+- **anytime score**: the probe score (all classes seen so far) averaged over every evaluation;
+- **negative flip rate** (classification, multi-label): among probe samples scored at two
+  consecutive evaluations, the share that was right and became wrong; **flip impact** is
+  the share of the current errors that are such flips. ``update_regressed`` fires when
+  the probe score drops by more than ``regression_threshold`` between two evaluations.
 
 Scores are the task's (:mod:`taste_cl.tasks`): accuracy for classification and token
 tagging, micro-F1 for multi-label, MSE for regression (``report()`` has all its metrics).
@@ -21,7 +26,7 @@ samples, ``"auto"`` (default) uses ``"eval"`` only for models whose output chang
 train/eval mode (checked once, on a copy, on the first batch).
 
 Other components subscribe to its events (``drift_detected``, ``forgetting_rising``,
-``numerical_fault``, and the tuner's ``load_shift``) with :meth:`subscribe`.
+``numerical_fault``, ``update_regressed``, the guard's ``update_rolled_back`` and the tuner's ``load_shift``) with :meth:`subscribe`.
 """
 
 from __future__ import annotations
@@ -38,12 +43,22 @@ import torch
 from taste_cl._report import MonitorReport
 from taste_cl.drift import PageHinkley
 from taste_cl.replay import ClassBalancedReplay, ReservoirReplay
-from taste_cl.tasks import Classification, Task, TokenClassification, resolve_task
+from taste_cl.tasks import Classification, MultiLabel, Task, TokenClassification, resolve_task
 
-__all__ = ["MonitorEvent", "StabilityPlasticityMonitor"]
+__all__ = ["MonitorEvent", "StabilityPlasticityMonitor", "sample_correct"]
 
 PREQUENTIAL_MODES = ("auto", "train", "eval")
-EVENT_NAMES = ("drift_detected", "forgetting_rising", "numerical_fault", "updates_stuck", "diverging", "load_shift", "retuned")
+EVENT_NAMES = (
+    "drift_detected",
+    "forgetting_rising",
+    "numerical_fault",
+    "updates_stuck",
+    "diverging",
+    "load_shift",
+    "retuned",
+    "update_regressed",
+    "update_rolled_back",
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +71,17 @@ class MonitorEvent:
 
 
 Subscriber = Callable[[MonitorEvent], None]
+
+
+def sample_correct(task: Task, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    """Per sample, whether the prediction is right (all labels right for multi-label);
+    None for tasks without a right or wrong answer per sample (regression, token tagging)."""
+    if isinstance(task, Classification):
+        return outputs.argmax(1) == y
+    if isinstance(task, MultiLabel):
+        predicted = outputs > 0 if task.logits else outputs > 0.5
+        return (predicted == (y > 0.5)).all(1)
+    return None
 
 
 class StabilityPlasticityMonitor:
@@ -78,6 +104,8 @@ class StabilityPlasticityMonitor:
         Bound on the remembered event history (memory stays flat on long streams).
     prequential:
         ``"auto"``, ``"train"`` or ``"eval"``: which forward scores plasticity (see the module doc).
+    regression_threshold:
+        ``update_regressed`` fires when the probe score gets worse by more than this between two evaluations.
     task:
         How targets are scored; the learner sets it (default classification).
     """
@@ -94,6 +122,7 @@ class StabilityPlasticityMonitor:
         seed: int = 0,
         prequential: str = "auto",
         task: Task | None = None,
+        regression_threshold: float = 0.05,
     ) -> None:
         for name, value in (("eval_every", eval_every), ("window", window), ("max_events", max_events)):
             if value < 1:
@@ -108,6 +137,7 @@ class StabilityPlasticityMonitor:
         self.max_events = max_events
         self.seed = seed
         self.prequential = prequential
+        self.regression_threshold = regression_threshold
         self.task: Task = Classification()
         self._probe = self._new_probe()
         if task is not None:
@@ -127,6 +157,9 @@ class StabilityPlasticityMonitor:
         self._events: deque[MonitorEvent] = deque(maxlen=self.max_events)
         self._event_counts: Counter[str] = Counter()
         self._last_drift_step: int | None = None
+        self._anytime = [0.0, 0]  # sum of probe scores over evaluations, evaluations
+        self._last_correct: dict[int, bool] = {}  # probe sample id -> right at the last evaluation
+        self._flips: tuple[float, float] | None = None  # (negative flip rate, flip impact) at the last evaluation
 
     def set_task(self, task: Task) -> None:
         """Score with ``task``; the probe becomes class-balanced or a reservoir to suit it.
@@ -199,7 +232,8 @@ class StabilityPlasticityMonitor:
             self._last_drift_step = self.steps
             self.emit("drift_detected", loss=loss)
         if store:
-            (self._probe.add_validated if validated else self._probe.add)(x, y)
+            ids = torch.arange(self.samples_seen - y.shape[0], self.samples_seen)  # names probe samples across evaluations
+            (self._probe.add_validated if validated else self._probe.add)(x, y, sid=ids)
         return stats
 
     def due(self) -> bool:
@@ -208,11 +242,20 @@ class StabilityPlasticityMonitor:
 
     def evaluate(self, predict: Callable[[Any], torch.Tensor]) -> None:
         """Evaluate the probe with ``predict`` (inputs -> outputs) and update stability/forgetting."""
-        x, y = self._probe.sample(len(self._probe))
+        x, y, fields = self._probe.sample(len(self._probe), with_fields=True)
+        previous_score = self._stability
         with torch.no_grad():
             outputs = predict(x)
             self._stability = self.task.metrics(self.task.batch_stats(outputs, y))[self.task.primary]
             scores = self.task.group_scores(outputs, y)
+            self._count_flips(fields["sid"], sample_correct(self.task, outputs, y))
+        self._anytime = [self._anytime[0] + self._stability, self._anytime[1] + 1]
+        if previous_score is not None and math.isfinite(self._stability):
+            sign = 1.0 if self.task.higher_is_better else -1.0
+            drop = sign * (previous_score - self._stability)
+            if drop > self.regression_threshold:
+                flips = {} if self._flips is None else {"negative_flip_rate": self._flips[0], "flip_impact": self._flips[1]}
+                self.emit("update_regressed", score=self._stability, previous=previous_score, drop=drop, **flips)
         better = max if self.task.higher_is_better else min
         for label, score in scores.items():
             self._class_accuracy[label] = score
@@ -223,7 +266,35 @@ class StabilityPlasticityMonitor:
         if previous <= self.forgetting_threshold < self._forgetting:
             self.emit("forgetting_rising", forgetting=self._forgetting, threshold=self.forgetting_threshold)
 
+    def _count_flips(self, ids: torch.Tensor, correct: torch.Tensor | None) -> None:
+        """Negative flips among probe samples also scored at the previous evaluation."""
+        if correct is None:
+            return
+        now = dict(zip(ids.tolist(), correct.tolist()))
+        common = [i for i in now if i in self._last_correct]
+        if common:
+            negative = sum(self._last_correct[i] and not now[i] for i in common)
+            errors = sum(not now[i] for i in common)
+            self._flips = (negative / len(common), negative / errors if errors else 0.0)
+        self._last_correct = now
+
     # ---------------------------------------------------------------- reading
+    @property
+    def anytime_score(self) -> float | None:
+        """The probe score (all seen classes) averaged over every evaluation so far (None before one)."""
+        return self._anytime[0] / self._anytime[1] if self._anytime[1] else None
+
+    @property
+    def negative_flip_rate(self) -> float | None:
+        """Share of probe samples right at the previous evaluation and wrong at the last one
+        (None before two evaluations, or for tasks without per-sample right/wrong)."""
+        return None if self._flips is None else self._flips[0]
+
+    @property
+    def flip_impact(self) -> float | None:
+        """Share of the probe errors at the last evaluation that were right at the one before."""
+        return None if self._flips is None else self._flips[1]
+
     @property
     def plasticity(self) -> float | None:
         """Prequential score (the task's primary metric, e.g. accuracy) over the recent
@@ -262,6 +333,9 @@ class StabilityPlasticityMonitor:
             "plasticity_metrics": self.plasticity_metrics,
             "plasticity_loss": sum(losses) / len(losses) if losses else None,
             "forgetting": self._forgetting,
+            "anytime_score": self.anytime_score,
+            "negative_flip_rate": self.negative_flip_rate,
+            "flip_impact": self.flip_impact,
             "drift": {
                 "count": self._event_counts["drift_detected"],
                 "last_step": self._last_drift_step,
@@ -286,6 +360,9 @@ class StabilityPlasticityMonitor:
             "events": [asdict(event) for event in self._events],
             "event_counts": dict(self._event_counts),
             "last_drift_step": self._last_drift_step,
+            "anytime": list(self._anytime),
+            "last_correct": [list(self._last_correct), list(self._last_correct.values())],
+            "flips": None if self._flips is None else list(self._flips),
             "probe": self._probe.state_dict(),
             "drift_detector": self.drift_detector.state_dict(),
         }
@@ -303,6 +380,7 @@ class StabilityPlasticityMonitor:
         self._event_counts.update(parsed["event_counts"])
         self._last_drift_step = parsed["last_drift_step"]
         self._probe, self.drift_detector = parsed["probe"], parsed["drift_detector"]
+        self._anytime, self._last_correct, self._flips = parsed["anytime"], parsed["last_correct"], parsed["flips"]
 
 
 def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, Any]:
@@ -366,6 +444,19 @@ def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, A
     if not isinstance(event_counts, dict) or not all(isinstance(k, str) for k in event_counts):
         raise fail("event_counts", "must map event names to counts")
     last_drift = state.get("last_drift_step")
+    anytime = state.get("anytime", [0.0, 0])
+    if not isinstance(anytime, list) or len(anytime) != 2:
+        raise fail("anytime", "must be [score sum, count]")
+    anytime_sum, anytime_count = _finite(anytime[0], fail, "anytime"), count("anytime", anytime[1])
+    last_correct = state.get("last_correct", [[], []])
+    if not isinstance(last_correct, list) or len(last_correct) != 2 or not all(isinstance(v, list) for v in last_correct):
+        raise fail("last_correct", "must be [sample ids, correct flags]")
+    ids, flags = last_correct
+    if len(ids) != len(flags) or not all(isinstance(f, bool) for f in flags):
+        raise fail("last_correct", "needs one bool flag per sample id")
+    flips = state.get("flips")
+    if flips is not None and (not isinstance(flips, list) or len(flips) != 2):
+        raise fail("flips", "must be None or [negative flip rate, flip impact]")
     probe = (ClassBalancedReplay if task.balances_classes else ReservoirReplay)(monitor.probe_capacity, seed=monitor.seed)
     probe.load_state_dict(state.get("probe", {}))  # atomic on the new probe
     detector = copy.deepcopy(monitor.drift_detector)
@@ -384,7 +475,16 @@ def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, A
         "last_drift_step": None if last_drift is None else count("last_drift_step"),
         "probe": probe,
         "drift_detector": detector,
+        "anytime": [anytime_sum, anytime_count],
+        "last_correct": {count("last_correct", i): f for i, f in zip(ids, flags)},
+        "flips": None if flips is None else (_finite(flips[0], fail, "flips"), _finite(flips[1], fail, "flips")),
     }
+
+
+def _finite(value: Any, fail: Callable[[str, str], ValueError], key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise fail(key, "must hold finite numbers")
+    return float(value)
 
 
 def _empty_batch(task: Task) -> tuple[torch.Tensor, torch.Tensor]:
