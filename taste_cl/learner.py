@@ -54,7 +54,7 @@ from taste_cl._restore import (
     validate_state,
 )
 from taste_cl.checkpoint import CheckpointLimits, read_checkpoint, write_checkpoint
-from taste_cl.exceptions import InvalidBatchError
+from taste_cl.exceptions import CheckpointError, InvalidBatchError
 from taste_cl.monitor import StabilityPlasticityMonitor
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.replay import ClassBalancedReplay, ReplayStrategy
