@@ -372,7 +372,7 @@ class OnlineLearner:
             metrics = totals.metrics(self.task)
             stats = ObserveStats(
                 loss=totals.mean_loss,
-                accuracy=metrics.get("accuracy", math.nan),
+                accuracy=metrics.get("accuracy", math.nan) if totals.scores else None,
                 samples=n,
                 replay_samples=totals.replay_samples,
                 batch_size=totals.batch_size,
