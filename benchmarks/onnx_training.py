@@ -35,7 +35,7 @@ ZOO_MODELS = ("resnet18", "mobilenet_v2", "mobilenet_v3_small", "lstm", "text_tr
 _CNN_LR = 0.01
 
 
-def _small_cases() -> dict[str, Callable[[int], tuple[nn.Module, nn.Module, torch.optim.Optimizer, Any]]]:
+def small_cases() -> dict[str, Callable[[int], tuple[nn.Module, nn.Module, torch.optim.Optimizer, Any]]]:
     def mlp(seed: int) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, Any]:
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
@@ -100,7 +100,7 @@ def _seconds_per_step(step: Callable[[], Any], steps: int) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("onnx", __doc__.splitlines()[0])
     parser.add_argument("--zoo", action="store_true", help="run the real-model zoo (tests/zoo.py) instead of two small models")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per training step")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds per variant")
     args = parse(parser, argv)
@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
     options.log_severity_level = 3
-    cases = _zoo_cases() if args.zoo else _small_cases()
+    cases = _zoo_cases() if args.zoo else small_cases()
     rows: list[list[Any]] = []
     size_rows: list[list[Any]] = []
     runs: list[dict[str, Any]] = []

@@ -25,8 +25,7 @@ import torch
 
 from taste_cl._report import format_table
 from taste_cl.benchmarks._common import base_parser, parse, save_result
-from taste_cl.benchmarks.onnx_training import MODELS
-from taste_cl.learner import OnlineLearner
+from taste_cl.benchmarks.onnx_training import small_cases
 
 _BROWSER_WARM_UP_MS = 3000
 
@@ -60,7 +59,7 @@ def _browser_load(key: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("web-step", __doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=20, help="samples per training step")
     parser.add_argument("--steps", type=int, default=50, help="steps per timed round")
     parser.add_argument("--repeats", type=int, default=7, help="alternating rounds per learner")
     parser.add_argument(
@@ -74,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import onnxruntime
 
     from taste_cl.adapters._web_compat import make_web_compatible
-    from taste_cl.adapters.onnx import OrtOnlineLearner, export
+    from taste_cl.adapters.onnx import OrtOnlineLearner, export_model
     from taste_cl.serve_demo import DemoServer, drive_browser
 
     threads = torch.get_num_threads()
@@ -96,19 +95,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = DemoServer(scratch).start()
         try:
             steps: list[dict[str, Any]] = []
-            for model_name, (build, shape) in MODELS.items():
+            for model_name, case in small_cases().items():
                 key = model_name.split()[0]
-                model = build(args.seed)
-                learner = OnlineLearner(
-                    model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), input_shape=shape, num_classes=10
-                )
-                folder = make_web_compatible(export(learner, Path(scratch) / key)).parent
+                model, loss_fn, optimizer, make_batch = case(args.seed)
+                x, y = make_batch(args.batch_size, args.seed)
+                folder = Path(scratch) / key
+                make_web_compatible(export_model(model, loss_fn, optimizer, (x, y), folder))
                 start = time.perf_counter()
                 devices[key] = OrtOnlineLearner.from_artifacts(folder, session_options=options)
                 load_ms[key] = (time.perf_counter() - start) * 1000
-                generator = torch.Generator().manual_seed(args.seed)
-                x = torch.rand((args.batch_size, *shape), generator=generator)
-                y = torch.randint(0, 10, (args.batch_size,), generator=generator)
                 batches[key] = (x.numpy(), y.numpy())
                 devices[key].train_step(*batches[key])  # warm-up: first-call allocations
                 python_ms[key] = []
@@ -130,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rows: list[list[Any]] = []
     runs: list[dict[str, Any]] = []
-    for model_name in MODELS:
+    for model_name in small_cases():
         key = model_name.split()[0]
         browser_ms = [float(results[f"{key}_browser_{r}"]) for r in range(args.repeats)]
         median = {"python": statistics.median(python_ms[key]), "browser": statistics.median(browser_ms)}

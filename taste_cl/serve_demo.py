@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from taste_cl._console import plain_text
+
 __all__ = ["HOST", "DemoServer", "browser_tools", "drive_browser", "main", "repo_root"]
 
 HOST = "127.0.0.1"  # never another interface: the page trains on what the user draws
@@ -217,7 +219,7 @@ def _export_default(folder: Path, seed: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="taste-cl serve-demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="taste-cl serve-demo", description=plain_text(__doc__.splitlines()[0]))
     parser.add_argument(
         "--artifacts",
         help="artifact folder written by `taste-cl export` (default: export one now)",
