@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("taste_cl.demo", "online class-incremental stream on sklearn digits, with a plot"),
     "export": ("taste_cl.export", "train the digits learner (or load a checkpoint), export ONNX Runtime artifacts"),
+    "fleet": ("taste_cl.fleet", "run the digits fleet on Flower's deployment engine: SuperLink + SuperNodes on loopback"),
 }
 
 
