@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import psutil
 import pytest
+import torch
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before flwr is first imported
 pytest.importorskip("flwr")
 
+from taste_cl.adapters import flower_app
 from taste_cl.adapters.flower_app import FleetConfig
-from taste_cl.adapters.flower_deployment import LoopbackDeployment
+from taste_cl.adapters.flower_deployment import LoopbackDeployment, _pyproject
+from taste_cl.datasets import make_mlp
 
 
 def test_fleet_config_round_trips_through_the_run_config() -> None:
@@ -33,6 +37,43 @@ def test_fleet_config_round_trips_through_the_run_config() -> None:
 def test_bad_fleet_config(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         FleetConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib")
+def test_generated_app_carries_the_config_as_its_run_config() -> None:
+    import tomllib
+
+    config = FleetConfig(devices=5, method="fedbabu", personal="4.,2.bias", evaluate_every_round=False)
+    app = tomllib.loads(_pyproject(config))["tool"]["flwr"]["app"]
+    assert FleetConfig.from_run_config(app["config"]) == config
+    assert app["components"] == {"serverapp": "taste_cl_fleet_app:server_app", "clientapp": "taste_cl_fleet_app:client_app"}
+
+
+@pytest.mark.parametrize(
+    ("privacy", "wrapper"),
+    [
+        ("off", "FedAvg"),
+        ("local", "FedAvg"),  # LocalDpMod works on the device alone
+        ("central", "DifferentialPrivacyServerSideFixedClipping"),
+        ("client", "DifferentialPrivacyClientSideFixedClipping"),
+    ],
+)
+def test_privacy_option_picks_flowers_wrapper(privacy: str, wrapper: str) -> None:
+    guard = flower_app._strategy(FleetConfig(privacy=privacy, clip=0.5, noise=0.3))
+    assert type(guard.strategy).__name__ == wrapper
+    if wrapper != "FedAvg":
+        assert (guard.strategy.clipping_norm, guard.strategy.noise_multiplier) == (0.5, 0.3)
+
+
+def test_fedbabu_finetune_moves_only_a_copy_of_the_head() -> None:
+    model = make_mlp(seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(40, 64), torch.randint(0, 10, (40,))
+    tuned = flower_app._finetune(model, FleetConfig(finetune_steps=5), x, y).state_dict()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    for name, value in tuned.items():
+        assert torch.equal(value, before[name]) != name.startswith("4.")
+    assert all(p.requires_grad for p in model.parameters())
 
 
 def test_deployment_refuses_bad_arguments() -> None:
