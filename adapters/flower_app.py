@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import psutil
@@ -128,8 +128,8 @@ class FleetConfig:
         for f in dataclasses.fields(cls):
             key = f.name.replace("_", "-")
             if key in run_config:
-                value = run_config[key]
-                kwargs[f.name] = value if isinstance(f.default, bool) else type(f.default)(value)
+                value, default = run_config[key], cast(Any, f.default)
+                kwargs[f.name] = value if isinstance(default, bool) else type(default)(value)
         return cls(**kwargs)
 
 
@@ -175,8 +175,12 @@ def _device(cfg: FleetConfig, msg: Message, context: Context) -> tuple[int, Onli
         raise ValueError(f"node config `partition-id == {partition}`, must be in [0, devices={cfg.devices})")
     fleet = _fleet(cfg.devices, cfg.rounds, cfg.seed)
     learner = _restore(context, fleet.build_learner(partition))
-    load_shared(learner.model, _record_to_numpy(msg.content["arrays"]), personal=cfg.prefixes)
+    load_shared(learner.model, _record_to_numpy(msg.content.array_records["arrays"]), personal=cfg.prefixes)
     return partition, learner
+
+
+def _server_round(msg: Message) -> int:
+    return int(cast(int, msg.content.config_records["config"]["server-round"]))
 
 
 def _train(fixed: FleetConfig | None, msg: Message, context: Context) -> Message:
@@ -189,7 +193,7 @@ def _train(fixed: FleetConfig | None, msg: Message, context: Context) -> Message
         _set_trainable(learner.model, _personal_predicate(cfg.prefixes), personal=False)
     start, samples = time.perf_counter(), 0
     try:
-        for batch in fleet.train_batches(partition, int(msg.content["config"]["server-round"])):
+        for batch in fleet.train_batches(partition, _server_round(msg)):
             samples += learner.observe(batch).samples
     finally:
         for param in learner.model.parameters():
@@ -209,7 +213,7 @@ def _evaluate(fixed: FleetConfig | None, msg: Message, context: Context) -> Mess
 
     cfg = _config(fixed, context)
     partition, learner = _device(cfg, msg, context)
-    server_round = int(msg.content["config"]["server-round"])
+    server_round = _server_round(msg)
     if cfg.out_dir and server_round == cfg.rounds:
         state = {k: v.detach().cpu().numpy() for k, v in learner.model.state_dict().items()}
         np.savez(Path(cfg.out_dir) / f"device-{partition}.npz", **state)
@@ -282,7 +286,7 @@ def _server_main(fixed: FleetConfig | None, grid: Grid, context: Context) -> Non
     if not cfg.out_dir:
         return
     out = Path(cfg.out_dir)
-    np.savez(out / "server.npz", **_record_to_numpy(result.arrays))
+    np.savez(out / "server.npz", **_record_to_numpy(result.arrays))  # type: ignore[arg-type]
     summary = {
         "config": cfg.to_run_config(),
         "seconds": time.perf_counter() - start,
