@@ -54,8 +54,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the with-block: processes stop
-    with deployment:
-        result: dict[str, Any] = deployment.run(config)[0]
+    try:
+        with deployment:
+            result: dict[str, Any] = deployment.run(config)[0]
+    except KeyboardInterrupt:
+        print("interrupted: every process this command started has been stopped", file=sys.stderr)
+        return 130
     final = result["evaluations"][str(args.rounds)]
     print(format_table(["device", "accuracy all", "accuracy own"],
                        [[d, m["accuracy-all"], m["accuracy-own"]] for d, m in sorted(final.items(), key=lambda kv: int(kv[0]))]))
