@@ -108,6 +108,7 @@ class LoopbackDeployment:
             raise ValueError(f"`timeout_s == {timeout_s!r}`, must be a number > 0")
         self.devices, self.timeout_s, self.verbose, self.keep = devices, float(timeout_s), verbose, keep
         self.work: Path | None = None
+        self.port = 0  # the SuperLink's port, chosen at start()
         self.procs: list[subprocess.Popen[bytes]] = []
         self._seen: dict[int, psutil.Process] = {}  # descendants, remembered while their parents live
         self._logs: list[IO[bytes]] = []
