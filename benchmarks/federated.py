@@ -59,6 +59,12 @@ class Fleet:
         lo, hi = bounds[server_round - 1], bounds[server_round]
         return [(x[s : min(s + self.batch_size, hi)], y[s : min(s + self.batch_size, hi)]) for s in range(lo, hi, self.batch_size)]
 
+    def seen(self, partition: int, server_round: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything the device observed in rounds ``1..server_round`` (it stays on the device)."""
+        bounds = np.linspace(0, self.x_train[partition].shape[0], self.num_rounds + 1).astype(int)
+        hi = bounds[server_round]
+        return self.x_train[partition][:hi], self.y_train[partition][:hi]
+
     def eval_sets(self, partition: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         own = torch.isin(self.y_test, torch.tensor(self.classes[partition]))
         return {"all": (self.x_test, self.y_test), "own": (self.x_test[own], self.y_test[own])}
@@ -109,14 +115,30 @@ def run_local(fleet: Fleet) -> dict[int, dict[str, float]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("federated", __doc__.splitlines()[0], threads=0)
-    parser.add_argument("--devices", type=int, default=10, help="simulated devices (1-20)")
-    parser.add_argument("--rounds", type=int, default=12, help="federated rounds")
-    parser.add_argument("--personal", default="4.bias", help="comma-separated state_dict name prefixes kept on device")
+    parser.add_argument("--devices", type=int, default=None, help="devices (1-20; default 10, with --deployment 3)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (default 12, with --deployment 2)")
+    parser.add_argument("--personal", default=None, help="comma-separated state_dict name prefixes kept on device (default 4.bias, with --deployment 4.)")
+    parser.add_argument("--deployment", action="store_true", help="devices as processes: a SuperLink and SuperNodes on loopback")
+    parser.add_argument("--privacy", choices=["central", "client", "local"], default="central", help="DP variant (--deployment)")
+    parser.add_argument("--clip", type=float, default=1.0, help="DP clipping norm of an update (--deployment)")
+    parser.add_argument("--noise", type=float, default=0.1, help="DP noise multiplier, central/client (--deployment)")
+    parser.add_argument("--epsilon", type=float, default=10.0, help="local DP epsilon per round (--deployment)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for startup and for each run (--deployment)")
+    parser.add_argument("--no-simulation", action="store_true", help="skip the simulation twin of the FedPer run (--deployment)")
     parser.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM server momentum (0 = FedAvg)")
     parser.add_argument("--client-cpus", type=float, default=1.0, help="CPU share of one simulated device")
     args = parse(parser, argv)
+    for name, default, deployed in (("devices", 10, 3), ("rounds", 12, 2), ("personal", "4.bias", "4.")):
+        if getattr(args, name) is None:
+            setattr(args, name, deployed if args.deployment else default)
     if not 1 <= args.devices <= 20:
         parser.error(f"`--devices == {args.devices}`, must be in [1, 20]")
+    if args.rounds < 1:
+        parser.error(f"`--rounds == {args.rounds}`, must be >= 1")
+    if args.deployment:
+        from taste_cl.benchmarks.federated_deployment import run_deployment_bench
+
+        return run_deployment_bench(args)
     from taste_cl.adapters.flower import require_flwr, run_fleet_simulation
 
     require_flwr()  # telemetry off before flwr is first imported

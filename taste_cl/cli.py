@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("taste_cl.demo", "online class-incremental stream on sklearn digits, with a plot"),
     "export": ("taste_cl.export", "train the digits learner (or load a checkpoint), export ONNX Runtime artifacts (extra [onnx])"),
     "serve-demo": ("taste_cl.serve_demo", "personalize a digits model in the browser (serves 127.0.0.1 only)"),
+    "fleet": ("taste_cl.fleet", "run the digits fleet on Flower's deployment engine: SuperLink + SuperNodes on loopback (extra [federated])"),
 }
 
 
