@@ -145,6 +145,7 @@ class UpdateGuard:
         self._windows = 0
         self._diverging = False
         self._snapshot: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self._sane_settings: list[tuple[tuple[str, Any], ...] | None] | None = None  # see check_hyperparameters
 
     @property
     def mode(self) -> str:
@@ -160,7 +161,10 @@ class UpdateGuard:
         """Why the optimizer must not step with these groups, or None when they are sane.
 
         Every comparison is written so that NaN fails it (``nan > bound`` is False).
+        The learning rates are checked on every call; the other hyperparameters only when
+        they differ from the last sane set (a NaN never equals itself, so it is always rechecked).
         """
+        settings = [_settings(group) for group in param_groups]
         for index, group in enumerate(param_groups):
             lr = _as_float(group.get("lr"))
             if lr is None:
@@ -169,6 +173,9 @@ class UpdateGuard:
                 return f"learning rate of param group {index} is {lr}, must be finite"
             if not 0.0 <= lr <= self.config.max_lr:
                 return f"learning rate of param group {index} is {lr:g}, must be in [0, max_lr={self.config.max_lr:g}]"
+        if None not in settings and settings == self._sane_settings:
+            return None
+        for index, group in enumerate(param_groups):
             for key, value in group.items():
                 if key in ("lr", "params"):
                     continue
@@ -177,6 +184,7 @@ class UpdateGuard:
                     problem = None if number is None else hyperparameter_problem(key, number)
                     if problem is not None:
                         return f"hyperparameter `{key}` of param group {index} {problem}"
+        self._sane_settings = settings
         return None
 
     def record_loss(self, loss: float) -> None:
@@ -340,6 +348,21 @@ class UpdateGuard:
         self._ema, self._best, self._windows = counters["ema"], counters["best"], counters["windows"]
         self._diverging = counters["diverging"]
         self._window_losses = counters["window_losses"]
+
+
+def _settings(group: dict[str, Any]) -> tuple[tuple[str, Any], ...] | None:
+    """A group's hyperparameters other than ``lr`` and ``params``, comparable with ``==``;
+    None when one holds a tensor (a tensor comparison is not a plain bool: never cached)."""
+    items = tuple(
+        (key, tuple(value) if isinstance(value, list) else value)  # a copy: a list may be changed in place
+        for key, value in group.items()
+        if key != "lr" and key != "params"
+    )
+    for _, value in items:
+        for member in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(member, torch.Tensor):
+                return None
+    return items
 
 
 def _as_float(value: Any) -> float | None:

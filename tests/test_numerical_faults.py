@@ -153,6 +153,22 @@ def test_a_non_finite_beta_skips_the_step():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("change", ["replace", "in place"])
+def test_a_hyperparameter_spoiled_after_sane_steps_is_still_caught(change):
+    """The guard remembers the last sane hyperparameters to skip rechecking them; a change, even in place, is seen."""
+    model = torch.nn.Linear(4, 3)
+    adam = OnlineLearner(model, optimizer=torch.optim.Adam(model.parameters()))
+    adam.optimizer.param_groups[0]["betas"] = [0.9, 0.999]
+    assert not adam.observe(batch()).skipped and not adam.observe(batch(seed=1)).skipped
+    if change == "in place":
+        adam.optimizer.param_groups[0]["betas"][1] = math.nan
+    else:
+        adam.optimizer.param_groups[0]["betas"] = [0.9, math.nan]
+    assert adam.observe(batch(seed=2)).skipped
+    adam.optimizer.param_groups[0]["betas"][1] = 0.999
+    assert not adam.observe(batch(seed=3)).skipped
+
+
 def test_a_batch_whose_loss_overflows_is_not_stored_in_replay_or_the_probe():
     learner = tiny_learner()
     for seed in range(3):
