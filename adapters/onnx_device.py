@@ -346,6 +346,8 @@ def _features(x: Any, spec: DeviceSpec) -> list[np.ndarray]:
 
 
 def _targets(y: Any, spec: DeviceSpec, n: int) -> np.ndarray:
+    if spec.labels.dtype == "float32" and spec.labels.shape == (1,) and np.ndim(y) == 1:
+        y = np.reshape(y, (-1, 1))  # like the learner: a regression target (n,) for an (n, 1) output
     labels = _array(y, spec.labels, "y", n)
     if spec.num_classes is not None and labels.size and (labels.min() < 0 or labels.max() >= spec.num_classes):
         raise InvalidBatchError(
