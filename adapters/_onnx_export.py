@@ -46,6 +46,7 @@ from taste_cl.adapters._parity import (
     check_parity,
     default_tolerance,
 )
+from taste_cl.adapters._web_compat import add_web_artifacts
 from taste_cl.exceptions import MissingDependencyError
 from taste_cl.tasks import Task, infer_task, resolve_task
 
@@ -658,6 +659,7 @@ def export_model(
             "max_loss_diff": report.max_loss_diff, "max_param_diff": report.max_param_diff,
             "tolerance": report.output_tol, "param_tolerance": report.param_tol}  # fmt: skip
         write_manifest(stage, manifest)
+        add_web_artifacts(stage)  # the browser learner's files, or the reason it cannot train this model
     return Path(directory).absolute()
 
 
