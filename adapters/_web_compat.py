@@ -313,8 +313,9 @@ def add_web_artifacts(folder: str | os.PathLike[str]) -> dict[str, Any]:
     """Make ``folder`` web-compatible, or record why not; return the manifest's new ``"web"`` entry.
 
     A :class:`WebCompatibilityError` (an optimizer, input, target or graph the browser cannot
-    run) is recorded as ``{"skipped": reason}`` with the folder otherwise unchanged; a damaged
-    folder still raises :class:`~taste_cl.CheckpointError`.
+    run), or a device without ONNX Runtime's Python training API, is recorded as
+    ``{"skipped": reason}`` with the folder otherwise unchanged; a damaged folder still
+    raises :class:`~taste_cl.CheckpointError`.
     """
     from taste_cl.adapters._artifacts import read_manifest, write_manifest
 
@@ -322,7 +323,7 @@ def add_web_artifacts(folder: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         make_web_compatible(target)
         entry: dict[str, Any] = {"manifest": WEB_MANIFEST}
-    except WebCompatibilityError as error:
+    except (WebCompatibilityError, MissingDependencyError) as error:
         entry = {"skipped": str(error)}
     manifest = {key: value for key, value in read_manifest(target).items() if key != "files"}
     write_manifest(target, {**manifest, "web": entry})
