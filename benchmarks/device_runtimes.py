@@ -116,7 +116,7 @@ def _device_step(device: Any, x: Any, y: Any) -> Callable[[], Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("device", __doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per training step")
     parser.add_argument("--steps", type=int, default=30, help="steps per timed round")
     parser.add_argument("--repeats", type=int, default=5, help="alternating rounds per variant")
     parser.add_argument("--zoo", action="store_true", help="add MobileNetV3-small and the BatchNorm+Dropout MLP")

@@ -100,7 +100,7 @@ def _seconds_per_step(step: Callable[[], Any], steps: int) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("onnx", __doc__.splitlines()[0])
     parser.add_argument("--zoo", action="store_true", help="run the real-model zoo (tests/zoo.py) instead of two small models")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per training step")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds per variant")
     args = parse(parser, argv)

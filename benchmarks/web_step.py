@@ -25,7 +25,7 @@ import torch
 
 from taste_cl._report import format_table
 from taste_cl.benchmarks._common import base_parser, parse, save_result
-from taste_cl.benchmarks.onnx_training import MODELS
+from taste_cl.benchmarks.onnx_training import _small_cases
 from taste_cl.learner import OnlineLearner
 
 _BROWSER_WARM_UP_MS = 3000
@@ -60,7 +60,7 @@ def _browser_load(key: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("web-step", __doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=20, help="samples per training step")
     parser.add_argument("--steps", type=int, default=50, help="steps per timed round")
     parser.add_argument("--repeats", type=int, default=7, help="alternating rounds per learner")
     parser.add_argument(
@@ -73,8 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import onnxruntime
 
-    from taste_cl.adapters._web_compat import make_web_compatible
-    from taste_cl.adapters.onnx import OrtOnlineLearner, export
+    from taste_cl.adapters.onnx import OrtOnlineLearner, export, read_manifest
     from taste_cl.serve_demo import DemoServer, drive_browser
 
     threads = torch.get_num_threads()
@@ -92,23 +91,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             device.train_step(x, y)
         python_ms[key].append((time.perf_counter() - start) * 1000 / args.steps)
 
+    cases = _small_cases()
     with tempfile.TemporaryDirectory(prefix="taste-cl-web-bench-") as scratch:
         server = DemoServer(scratch).start()
         try:
             steps: list[dict[str, Any]] = []
-            for model_name, (build, shape) in MODELS.items():
+            for model_name, build in cases.items():
                 key = model_name.split()[0]
-                model = build(args.seed)
-                learner = OnlineLearner(
-                    model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), input_shape=shape, num_classes=10
-                )
-                folder = make_web_compatible(export(learner, Path(scratch) / key)).parent
+                model, _, _, batch = build(args.seed)
+                x, y = batch(args.batch_size, args.seed)
+                learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+                folder = export(learner, Path(scratch) / key, example=(x, y))  # made web-compatible by the exporter
+                web = read_manifest(folder)["web"]
+                if "skipped" in web:
+                    raise RuntimeError(f"{model_name}: the browser learner cannot train it: {web['skipped']}")
                 start = time.perf_counter()
                 devices[key] = OrtOnlineLearner.from_artifacts(folder, session_options=options)
                 load_ms[key] = (time.perf_counter() - start) * 1000
-                generator = torch.Generator().manual_seed(args.seed)
-                x = torch.rand((args.batch_size, *shape), generator=generator)
-                y = torch.randint(0, 10, (args.batch_size,), generator=generator)
                 batches[key] = (x.numpy(), y.numpy())
                 devices[key].train_step(*batches[key])  # warm-up: first-call allocations
                 python_ms[key] = []
@@ -130,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rows: list[list[Any]] = []
     runs: list[dict[str, Any]] = []
-    for model_name in MODELS:
+    for model_name in cases:
         key = model_name.split()[0]
         browser_ms = [float(results[f"{key}_browser_{r}"]) for r in range(args.repeats)]
         median = {"python": statistics.median(python_ms[key]), "browser": statistics.median(browser_ms)}

@@ -217,7 +217,7 @@ def _export_default(folder: Path, seed: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="taste-cl serve-demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="taste-cl serve-demo", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument(
         "--artifacts",
         help="artifact folder written by `taste-cl export` (default: export one now)",
