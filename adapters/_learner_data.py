@@ -45,8 +45,7 @@ def buffered_rows(replay: ReplayStrategy | None) -> BufferedRows | None:
     storage = state.get("storage") if isinstance(state, dict) else None
     if not isinstance(storage, dict) or "size" not in storage:
         raise ExportError(
-            f"cannot export a {type(replay).__name__} buffer: its state_dict() has no 'storage' "
-            "(a BufferStorage state); pass include_replay=False"
+            f"cannot export a {type(replay).__name__} buffer: its state_dict() has no 'storage' (a BufferStorage state); pass include_replay=False"
         )
     size = int(storage["size"])
     if not size:

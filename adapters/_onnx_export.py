@@ -240,7 +240,7 @@ def _write_adamw_state(folder: Path, spec: device.DeviceSpec, state: dict[str, d
         offset = group._tab.Offset(6)
         if not offset:
             raise ExportError("ORT's checkpoint has no step field to set")
-        np.frombuffer(data, np.int64, 1, group._tab.Pos + offset)[...] = step  # type: ignore[index]
+        np.frombuffer(data, np.int64, 1, group._tab.Pos + offset)[...] = step
         for p in range(group.OptimizerStatesLength()):
             entry = group.OptimizerStates(p)
             name = spec.param_names[entry.ParamName().decode()]
@@ -347,7 +347,7 @@ def _gradient_failure(error: Exception, graph: Any) -> ExportError:
     """Name the op (and its module) in ORT's gradient-builder error when the message names one."""
     message = (str(error).splitlines() or [repr(error)])[0][:300]
     for node in graph.graph.node:
-        if node.name and node.name in str(error) or f"'{node.op_type}'" in message or f"{node.op_type}Grad" in message:
+        if (node.name and node.name in str(error)) or f"'{node.op_type}'" in message or f"{node.op_type}Grad" in message:
             return UnsupportedOperatorError(node.op_type, _module_path(node.name), message)
     return ExportError(f"ONNX Runtime could not build the training graph: {message}")
 

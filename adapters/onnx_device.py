@@ -260,7 +260,7 @@ def parse_manifest(manifest: Mapping[str, Any]) -> DeviceSpec:
     labels = _tensor(manifest.get("labels"), "labels", LABEL_DTYPES)
     output = _tensor(manifest.get("output"), "output", ("float32",))
     names = [spec.name for spec in inputs]
-    if len(set(names + [labels.name, output.name])) != len(names) + 2:
+    if len({*names, labels.name, output.name}) != len(names) + 2:
         raise _fail("inputs", names, "distinct names, different from the labels and output names")
     num_classes = manifest.get("num_classes")
     if num_classes is not None:
