@@ -146,7 +146,10 @@ class IOSpec:
         return [first, *rest]
 
     def targets(self, y: Any, n: int) -> torch.Tensor:
-        """Validate targets for ``n`` samples (class labels in range when ``num_classes`` is known)."""
+        """Validate targets for ``n`` samples (class labels in range when ``num_classes`` is known);
+        a regression target ``(n,)`` for an ``(n, 1)`` output is taken, as the learner takes it."""
+        if self.target.shape == (1,) and self.target.dtype.startswith("float") and getattr(y, "ndim", 0) == 1:
+            y = y.reshape(-1, 1)
         target = self.target.coerce(y, "y", n)
         if self.num_classes is not None and not target.is_floating_point():
             valid = target[target != -100]  # CrossEntropyLoss's default ignore_index

@@ -22,7 +22,6 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,10 @@ import torch
 from torch import nn
 
 from taste_cl import __version__
+from taste_cl._batch import call_model
 from taste_cl.adapters import onnx_device as device
 from taste_cl.adapters._artifacts import ExportError, staged_folder, write_manifest
+from taste_cl.adapters._learner_data import BufferedRows, task_targets
 from taste_cl.adapters._onnx_transforms import (
     apply_transforms,
     check_equivalent,
@@ -45,7 +46,9 @@ from taste_cl.adapters._parity import (
     check_parity,
     default_tolerance,
 )
+from taste_cl.adapters._web_compat import add_web_artifacts
 from taste_cl.exceptions import MissingDependencyError
+from taste_cl.tasks import Task, infer_task, resolve_task
 
 __all__ = ["NON_DIFFERENTIABLE_OPS", "ReplayRows", "UnsupportedOperatorError", "export_model"]
 
@@ -66,15 +69,7 @@ class UnsupportedOperatorError(ExportError):
         self.op, self.module = op, module
 
 
-@dataclass(frozen=True)
-class ReplayRows:
-    """Replay samples to ship: ``x`` shaped like the model input (batch first), targets ``y``."""
-
-    x: Any
-    y: Any
-    capacity: int
-    seen: int
-    seed: int = 0
+ReplayRows = BufferedRows  # replay samples to ship: ``x`` shaped like the model input (batch first), targets ``y``
 
 
 def _ort() -> Any:
@@ -112,26 +107,6 @@ def _native_info_silenced() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------ structure
-def _forward(model: Any, x: Any) -> Any:
-    """Call the model on ``x`` by its structure: the one place export calls a model."""
-    if isinstance(x, Mapping):
-        return model(**x)
-    if isinstance(x, (list, tuple)):
-        return model(*x)
-    return model(x)
-
-
-def _task_loss(loss_fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """``loss_fn`` with float targets reshaped to the output when only the shape differs ((n,) for (n, 1))."""
-
-    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if y.is_floating_point() and y.shape != out.shape and y.numel() == out.numel():
-            y = y.reshape(out.shape)
-        return loss_fn(out, y)
-
-    return loss
-
-
 def _leaves(x: Any) -> tuple[str, list[tuple[str, torch.Tensor]]]:
     if isinstance(x, torch.Tensor):
         return "tensor", [("input", x)]
@@ -140,6 +115,16 @@ def _leaves(x: Any) -> tuple[str, list[tuple[str, torch.Tensor]]]:
     if isinstance(x, (list, tuple)):
         return "sequence", [(f"input_{i}", value) for i, value in enumerate(x)]
     raise ExportError(f"example x must be a tensor, a dict or a list/tuple of tensors; got {type(x).__name__}")
+
+
+def _check_flat(leaves: list[tuple[str, Any]]) -> None:
+    """The device runtime feeds one graph input per leaf: nested structures are refused by name."""
+    nested = [name for name, value in leaves if not isinstance(value, torch.Tensor)]
+    if nested:
+        raise ExportError(
+            f"x[{nested[0]!r}] is a {type(dict(leaves)[nested[0]]).__name__}, not a tensor: the device runtime takes a "
+            "tensor or a flat dict/tuple/list of tensors (flatten nested inputs in a wrapper module)"
+        )
 
 
 def _rebuild(structure: str, names: Sequence[str], tensors: Sequence[Any]) -> Any:
@@ -179,7 +164,7 @@ class _Graph(nn.Module):
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         *inputs, labels = tensors
-        out = _forward(self.model, _rebuild(self.structure, self.names, inputs))
+        out = call_model(self.model, _rebuild(self.structure, self.names, inputs))
         return self.loss(out, labels), out
 
 
@@ -255,7 +240,7 @@ def _write_adamw_state(folder: Path, spec: device.DeviceSpec, state: dict[str, d
         offset = group._tab.Offset(6)
         if not offset:
             raise ExportError("ORT's checkpoint has no step field to set")
-        np.frombuffer(data, np.int64, 1, group._tab.Pos + offset)[...] = step  # type: ignore[index]
+        np.frombuffer(data, np.int64, 1, group._tab.Pos + offset)[...] = step
         for p in range(group.OptimizerStatesLength()):
             entry = group.OptimizerStates(p)
             name = spec.param_names[entry.ParamName().decode()]
@@ -362,7 +347,7 @@ def _gradient_failure(error: Exception, graph: Any) -> ExportError:
     """Name the op (and its module) in ORT's gradient-builder error when the message names one."""
     message = (str(error).splitlines() or [repr(error)])[0][:300]
     for node in graph.graph.node:
-        if node.name and node.name in str(error) or f"'{node.op_type}'" in message or f"{node.op_type}Grad" in message:
+        if (node.name and node.name in str(error)) or f"'{node.op_type}'" in message or f"{node.op_type}Grad" in message:
             return UnsupportedOperatorError(node.op_type, _module_path(node.name), message)
     return ExportError(f"ONNX Runtime could not build the training graph: {message}")
 
@@ -432,7 +417,7 @@ def _batchnorm_geometry(model: nn.Module, x: Any) -> tuple[dict[str, int], dict[
                 lambda m, inputs, _, path=path: per_sample.__setitem__(path, math.prod(inputs[0].shape[2:]))
             ))  # fmt: skip
     try:
-        eval_outputs(model, _forward, x)
+        eval_outputs(model, call_model, x)
     finally:
         for hook in hooks:
             hook.remove()
@@ -517,6 +502,7 @@ def export_model(
     parity_batches: Sequence[tuple[Any, Any]] | None = None,
     tolerance: float | None = None,
     opset: int = 17,
+    task: Task | str | None = None,
 ) -> Path:
     """Write ONNX Runtime training artifacts for ``model`` trained with ``loss_fn`` and ``optimizer``.
 
@@ -530,7 +516,10 @@ def export_model(
     run in torch and in the device runtime from identical weights (dropout off) and a
     difference beyond ``tolerance`` (default 1e-4 scaled, float32) raises
     :class:`~taste_cl.adapters._parity.ParityError` with the numbers; nothing is published.
-    Returns the published folder.
+    ``task`` (default: inferred from ``loss_fn`` and the output shape, as the learner does)
+    validates and shapes every target batch like :class:`~taste_cl.OnlineLearner`'s: a
+    regression target ``(n,)`` for an ``(n, 1)`` output is trained as ``(n, 1)`` (the device
+    takes either). Returns the published folder.
     """
     _ort()
     if not isinstance(model, nn.Module):
@@ -547,15 +536,14 @@ def export_model(
     x, y = example
     structure, leaves = _leaves(x)
     names = [name for name, _ in leaves]
-    if any(not isinstance(value, torch.Tensor) for _, value in leaves) or not isinstance(y, torch.Tensor):
-        raise ExportError("example x leaves and y must be tensors")
+    _check_flat(leaves)
+    if not isinstance(y, torch.Tensor):
+        raise ExportError(f"example y must be a tensor; got {type(y).__name__}")
     n = y.shape[0]
     if n < 2 or any(value.shape[0] != n for _, value in leaves):
         raise ValueError(f"example must hold at least 2 rows, the same number in every input; got {n} targets")
     dtypes = [_export_dtype(value, f"example x[{name!r}]") for name, value in leaves]
-    label_dtype = torch.int64 if not y.is_floating_point() else torch.float32
     ex_inputs = [value.detach().cpu().to(dtype) for (_, value), dtype in zip(leaves, dtypes)]
-    ex_labels = y.detach().cpu().to(label_dtype)
 
     # a float32 copy of model + optimizer (state keyed by the copied parameters), then the transforms
     source_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -571,10 +559,15 @@ def export_model(
     for name, parameter in work.named_parameters():  # the reference trains what the device trains
         parameter.requires_grad_(name in chosen)
     example_x = _rebuild(structure, names, ex_inputs)
-    before = eval_outputs(work, _forward, example_x)
+    before = eval_outputs(work, call_model, example_x)
+    output_shape = tuple(before.shape[1:])
+    task = resolve_task(task) if task is not None else infer_task(loss_fn, output_shape)
+    ex_labels = task_targets(task, example_x, y, output_shape)
+    label_dtype = torch.int64 if not ex_labels.is_floating_point() else torch.float32
+    ex_labels = ex_labels.to(label_dtype)
     transforms = apply_transforms(work, batchnorm=batchnorm)
-    check_equivalent(before, eval_outputs(work, _forward, example_x), tolerance=default_tolerance("float32"))
-    loss = _task_loss(loss_fn)
+    check_equivalent(before, eval_outputs(work, call_model, example_x), tolerance=default_tolerance("float32"))
+    loss = loss_fn
     work.train()
     snapshot = {key: value.clone() for key, value in work.state_dict().items()}
     graph = _trace(_Graph(work, loss, structure, names), [*ex_inputs, ex_labels], names, opset)
@@ -590,8 +583,9 @@ def export_model(
         raise ExportError(f"trainable parameters {missing} do not appear in the exported graph (unused or tied?)")
     frozen = [name for name in initializers if name not in requires_grad]
     param_names = {name: name.removeprefix(_PREFIX) for name in initializers if name.startswith(_PREFIX)}
-    output_shape = list(before.shape[1:])
     num_classes = int(output_shape[0]) if label_dtype == torch.int64 else None
+    if task is not None:
+        num_classes = task.num_classes(output_shape)
     manifest: dict[str, Any] = {
         "format": device.ARTIFACT_FORMAT,
         "producer": f"taste_cl {__version__}",
@@ -601,6 +595,7 @@ def export_model(
         "labels": _spec(device.LABEL_NAME, label_dtype, ex_labels),
         "output": device.TensorSpec(device.OUTPUT_NAME, "float32", tuple(output_shape)).as_json(),
         "loss": type(loss_fn).__name__,
+        "task": None if task is None else task.config(),
         "num_classes": num_classes,
         "source_dtype": str(source_dtype).removeprefix("torch."),
         "optimizer": config,
@@ -647,6 +642,8 @@ def export_model(
             manifest["sgd_state"] = session.sgd_order()
         del session
         if replay is not None:
+            replay = ReplayRows(replay.x, task_targets(task, replay.x, replay.y, output_shape), replay.capacity,
+                                replay.seen, replay.seed)  # fmt: skip
             data, size = _replay_bytes(replay, dtypes, label_dtype)
             (stage / device.REPLAY_FILE).write_bytes(data)
             manifest["replay"] = {"file": device.REPLAY_FILE, "capacity": replay.capacity, "size": size,
@@ -654,13 +651,15 @@ def export_model(
         report = None
         if verify:
             write_manifest(stage, manifest)
+            batches = [(bx, task_targets(task, bx, by, output_shape)) for bx, by in parity_batches or [example]]
             report = _parity_gate(stage, work, work_optimizer, loss, structure, names, dtypes, label_dtype,
-                                  parity_batches or [example], parity_steps, tolerance)  # fmt: skip
+                                  batches, parity_steps, tolerance)  # fmt: skip
         manifest["parity"] = None if report is None else {
             "steps": report.steps, "max_output_diff": report.max_output_diff,
             "max_loss_diff": report.max_loss_diff, "max_param_diff": report.max_param_diff,
             "tolerance": report.output_tol, "param_tolerance": report.param_tol}  # fmt: skip
         write_manifest(stage, manifest)
+        add_web_artifacts(stage)  # the browser learner's files, or the reason it cannot train this model
     return Path(directory).absolute()
 
 
@@ -691,7 +690,7 @@ def _parity_gate(
         # by up to lr per step. Outputs and losses keep the tight bound.
         tol = tolerance if tolerance is not None else default_tolerance("float32")
         param_tolerance = max(tol, 2.0 * float(work_optimizer.param_groups[0]["lr"]) * steps)
-    reference = TorchTrainer(work, work_optimizer, loss, forward=_forward)
+    reference = TorchTrainer(work, work_optimizer, loss, forward=call_model)
     disable_dropout(reference.model)
     with tempfile.TemporaryDirectory(prefix="taste_cl_parity_") as scratch:
         graph = Path(scratch) / device.TRAINING_MODEL

@@ -23,6 +23,12 @@
 
 The manifest's SHA-256 table is refreshed to cover the rewritten and added files.
 
+The ONNX Runtime exporter and ``OrtOnlineLearner.save`` call :func:`add_web_artifacts`
+on every folder they write: it runs :func:`make_web_compatible` and records the outcome in
+the manifest's ``"web"`` entry, ``{"manifest": "web.json"}`` or ``{"skipped": reason}`` for
+a model the browser learner cannot train (it takes one float32 input and class labels, and
+needs graphs that pass strict shape inference); the Python device learner works either way.
+
 >>> from taste_cl.adapters._web_compat import make_web_compatible
 >>> make_web_compatible("artifacts")  # doctest: +SKIP
 PosixPath('artifacts/web.json')
@@ -48,6 +54,7 @@ __all__ = [
     "WEB_MANIFEST",
     "WEB_OPTIMIZER_MODEL",
     "WebCompatibilityError",
+    "add_web_artifacts",
     "check_strict_shapes",
     "make_web_compatible",
 ]
@@ -109,6 +116,8 @@ def _optimizer_graph(folder: Path, config: dict[str, Any]) -> Any:
 
     if (folder / _OPTIMIZER).is_file():
         model = onnx.load(str(folder / _OPTIMIZER))
+    elif (folder / WEB_OPTIMIZER_MODEL).is_file():  # built on an earlier run: reuse it (onnxblock's names vary)
+        model = _without_constant_lr(onnx.load(str(folder / WEB_OPTIMIZER_MODEL)))
     else:
         extras = {key: config[key] for key in ("momentum", "weight_decay", "dampening", "nesterov") if config.get(key)}
         if config.get("type") != "sgd" or extras:
@@ -148,6 +157,17 @@ def _with_constant_lr(model: Any, lr: float) -> Any:
     return web
 
 
+def _without_constant_lr(web: Any) -> Any:
+    """Undo :func:`_with_constant_lr`: the optimizer graph reads its ``learning_rate`` input again."""
+    constant = f"taste_cl.{_LR_INPUT}"
+    kept = [init for init in web.graph.initializer if init.name != constant]
+    del web.graph.initializer[:]
+    web.graph.initializer.extend(kept)
+    for node in web.graph.node:
+        node.input[:] = [_LR_INPUT if name == constant else name for name in node.input]
+    return web
+
+
 def check_strict_shapes(path: str | os.PathLike[str]) -> None:
     """Raise :class:`CheckpointError` unless ``path`` passes strict shape inference.
 
@@ -184,15 +204,19 @@ def _rewrite_checkpoint(staging: Path, folder: Path, lr: float) -> None:
     CheckpointState.save_checkpoint(state, str(staging / _CHECKPOINT), include_optimizer_state=True)
 
 
-def _write_replay(staging: Path, folder: Path) -> dict[str, Any] | None:
-    """Write the buffer as raw little-endian ``x`` (float32), then ``y`` (int64) 8-byte aligned; return its header."""
+def _write_replay(staging: Path, folder: Path, info: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Write the buffer as raw little-endian ``x`` (float32), then ``y`` (int64) 8-byte aligned; return its header.
+
+    ``info`` is the manifest's replay entry (capacity, seen, seed); ``replay.npz`` holds one
+    array per input (``x0``) and ``y``.
+    """
     source = folder / _REPLAY_NPZ
-    if not source.is_file():
+    if info is None or not source.is_file():
         return None
     with np.load(source, allow_pickle=False) as data:
-        x = np.ascontiguousarray(data["x"], dtype="<f4")
+        x = np.ascontiguousarray(data["x0"], dtype="<f4")
         y = np.ascontiguousarray(data["y"], dtype="<i8")
-        header = {"capacity": int(data["capacity"]), "seen": int(data["seen"]), "seed": int(data["seed"])}
+    header = {"capacity": int(info["capacity"]), "seen": int(info["seen"]), "seed": int(info["seed"])}
     size = int(y.shape[0])
     if x.shape[0] != size and size:
         raise CheckpointError(f"{_REPLAY_NPZ} has {x.shape[0]} feature rows for {size} labels")
@@ -265,20 +289,62 @@ def _web_manifest(
     }
 
 
+def _check_browser_trainable(manifest: dict[str, Any]) -> None:
+    """Raise :class:`WebCompatibilityError` for what the browser learner (``web/taste_cl_web.js``) cannot train."""
+    inputs = manifest.get("inputs") or []
+    labels = manifest.get("labels") or {}
+    if len(inputs) != 1 or inputs[0].get("dtype") != "float32":
+        got = ", ".join(f"{spec.get('name')}: {spec.get('dtype')}" for spec in inputs)
+        raise WebCompatibilityError(f"the browser learner takes one float32 input; this model takes [{got}]")
+    if labels.get("dtype") != "int64" or labels.get("shape") not in ([], ["batch"], None) or manifest.get("num_classes") is None:
+        task = (manifest.get("task") or {}).get("name", "these targets")
+        raise WebCompatibilityError(
+            f"the browser learner trains with one class label per sample; {task} has {labels.get('dtype')} targets "
+            f"of shape {labels.get('shape')}"
+        )
+    if manifest.get("running_stats"):
+        raise WebCompatibilityError(
+            "batchnorm='batch' writes BatchNorm running statistics back after each step, which the browser learner "
+            "does not; export with batchnorm='frozen'"
+        )
+
+
+def add_web_artifacts(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """Make ``folder`` web-compatible, or record why not; return the manifest's new ``"web"`` entry.
+
+    A :class:`WebCompatibilityError` (an optimizer, input, target or graph the browser cannot
+    run), or a device without ONNX Runtime's Python training API, is recorded as
+    ``{"skipped": reason}`` with the folder otherwise unchanged; a damaged folder still
+    raises :class:`~taste_cl.CheckpointError`.
+    """
+    from taste_cl.adapters._artifacts import read_manifest, write_manifest
+
+    target = Path(folder)
+    try:
+        make_web_compatible(target)
+        entry: dict[str, Any] = {"manifest": WEB_MANIFEST}
+    except (WebCompatibilityError, MissingDependencyError) as error:
+        entry = {"skipped": str(error)}
+    manifest = {key: value for key, value in read_manifest(target).items() if key != "files"}
+    write_manifest(target, {**manifest, "web": entry})
+    return entry
+
+
 def make_web_compatible(folder: str | os.PathLike[str]) -> Path:
     """Fix and extend the artifact ``folder`` in place for every ORT client; return ``web.json``'s path.
 
     Idempotent. New files are built in a temporary folder and moved in only once all are
     built and the graphs pass :func:`check_strict_shapes`, the manifest last; on any error
-    the folder is left as it was. Raises :class:`WebCompatibilityError` for an optimizer
-    the browser cannot run and :class:`~taste_cl.CheckpointError` for a damaged folder or
-    a graph failing strict shape inference.
+    the folder is left as it was. Raises :class:`WebCompatibilityError` for an optimizer,
+    inputs or targets the browser learner cannot train or a graph failing strict shape
+    inference, and :class:`~taste_cl.CheckpointError` for a damaged folder.
     """
     onnx, _ = _imports()
-    from taste_cl.adapters.onnx import read_manifest  # verifies every file's SHA-256
+    from taste_cl.adapters._artifacts import read_manifest  # verifies every file's SHA-256
 
     target = Path(folder)
     manifest = read_manifest(target)
+    _check_browser_trainable(manifest)
     lr = float(manifest["optimizer"]["lr"])
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.web.", dir=target.absolute().parent))
     try:
@@ -286,12 +352,13 @@ def make_web_compatible(folder: str | os.PathLike[str]) -> Path:
         if (target / _OPTIMIZER).is_file():
             onnx.save(optimizer, str(staging / _OPTIMIZER))
         onnx.save(_with_constant_lr(optimizer, lr), str(staging / WEB_OPTIMIZER_MODEL))
-        for name in (_TRAINING, _EVAL, _INFERENCE):
-            check_strict_shapes(target / name)
-        for path in staging.glob("*.onnx"):
-            check_strict_shapes(path)
+        try:
+            for path in [*(target / name for name in (_TRAINING, _EVAL, _INFERENCE)), *staging.glob("*.onnx")]:
+                check_strict_shapes(path)
+        except CheckpointError as error:
+            raise WebCompatibilityError(str(error)) from error
         _rewrite_checkpoint(staging, target, lr)
-        replay = _write_replay(staging, target)
+        replay = _write_replay(staging, target, manifest.get("replay"))
         web = _web_manifest(target, staging, manifest, replay)
         (staging / WEB_MANIFEST).write_text(json.dumps(web, indent=2, sort_keys=True) + "\n")
         files = {path.name for path in target.iterdir()} | {path.name for path in staging.iterdir()}

@@ -111,7 +111,7 @@ def export(
             trial = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=stage.parent))
             try:
                 function(learner, trial / "out", **_accepted(function, options))
-            except Exception as error:  # noqa: BLE001 - refusals are ValueErrors, but the upstream
+            except Exception as error:
                 # exporters also fail with RuntimeError etc. (ONNX Runtime on BatchNorm): record and fall back
                 refused[name] = f"{type(error).__name__}: {error}"
                 continue

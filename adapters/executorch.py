@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from taste_cl import __version__
-from taste_cl._batch import split_batch
+from taste_cl._batch import call_model, index_batch, split_batch
 from taste_cl.adapters._artifacts import (
     ArtifactError,
     ExportError,
@@ -58,6 +58,7 @@ from taste_cl.adapters._et_runtime import (
     sgd_config,
 )
 from taste_cl.adapters._et_transforms import apply_transforms, needed_transforms
+from taste_cl.adapters._learner_data import buffered_rows, task_targets
 from taste_cl.adapters._parity import ParityReport, TorchTrainer, check_parity
 from taste_cl.learner import ObserveStats, OnlineLearner
 from taste_cl.replay import ReplayStrategy, ReservoirReplay
@@ -75,13 +76,6 @@ class UnsupportedModelError(ExportError):
     """ExecuTorch cannot capture, differentiate or lower the model (the message names the step and cause)."""
 
 
-def _forward(model: nn.Module, x: Any) -> Any:
-    """Call the model by the structure of ``x`` (the one place a model is called)."""
-    if isinstance(x, Mapping):
-        return model(**x)
-    return model(x)
-
-
 class _WithLoss(nn.Module):
     """Model + loss as one module: the loss first (what ExecuTorch differentiates), then the detached outputs."""
 
@@ -91,7 +85,7 @@ class _WithLoss(nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, x: Any, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = _forward(self.model, x)
+        out = call_model(self.model, x)
         return self.loss_fn(out, y), out.detach()
 
 
@@ -137,6 +131,11 @@ def _cpu_example(example: tuple[Any, Any], limit: int) -> tuple[Any, torch.Tenso
         return tensor.float() if tensor.is_floating_point() else tensor
 
     x, y = example
+    if not isinstance(x, (Mapping, torch.Tensor, np.ndarray)):
+        raise UnsupportedModelError(
+            f"the ExecuTorch backend takes x as a tensor or a dict of tensors, not a {type(x).__name__}: "
+            "wrap the model to take a dict, or use backend='onnxruntime'"
+        )
     return ({key: leaf(value) for key, value in x.items()} if isinstance(x, Mapping) else leaf(x)), leaf(y)
 
 
@@ -220,7 +219,7 @@ def export_model(
         _write_program(lowered, stage)
         program, data = (stage / PROGRAM).read_bytes(), (stage / WEIGHTS).read_bytes()
         report = check_parity(
-            TorchTrainer(prepared, reference_sgd, loss_fn, forward=_forward),
+            TorchTrainer(prepared, reference_sgd, loss_fn, forward=call_model),
             EtTrainer(program, data, spec, sgd),
             batches,
             backend=BACKEND,
@@ -260,20 +259,32 @@ def _report_json(report: ParityReport) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ the learner
 def _learner_example(learner: OnlineLearner, example: tuple[Any, Any] | None) -> tuple[Any, torch.Tensor]:
-    """The shape-fixing batch: ``example``, else the replay buffer's contents (at least 8 samples)."""
+    """The shape-fixing batch: ``example``, else the replay buffer's contents (at least 8 samples); targets
+    shaped by the learner's task once it has seen a batch."""
     if example is not None:
         x, y = split_batch(example)
+    else:
+        rows = buffered_rows(learner.replay)
+        size = 0 if rows is None else len(rows)
+        if rows is None or size < 8:
+            raise ValueError(
+                "exporting for ExecuTorch needs example data to fix shapes and check parity: pass example=(x, y) "
+                f"or export after the replay buffer holds at least 8 samples (it holds {size})"
+            )
+        x, y = index_batch(rows.x, slice(0, size)), rows.y
+    if learner.output_shape is None:
         return x, torch.as_tensor(y)
-    state = learner.replay.state_dict() if learner.replay is not None else {}
-    storage = state.get("storage") if isinstance(state, dict) else None
-    size = int(storage["size"]) if isinstance(storage, dict) and "size" in storage else 0
-    if size < 8:
-        raise ValueError(
-            "exporting for ExecuTorch needs example data to fix shapes and check parity: pass example=(x, y) "
-            f"or export after the replay buffer holds at least 8 samples (it holds {size})"
+    return x, task_targets(learner.task, x, y, learner.output_shape)
+
+
+def _check_replay_exportable(x: Any) -> None:
+    """Refuse, before the slow lowering, a buffer the ExecuTorch folder cannot hold (structured inputs)."""
+    if isinstance(x, (Mapping, list, tuple)):
+        raise ExportError(
+            "the ExecuTorch backend ships replay buffers of single-tensor inputs only (its replay.npz and device "
+            f"buffer hold one array); this learner's inputs are a {type(x).__name__}: pass include_replay=False "
+            "(the device then trains without replay) or use backend='onnxruntime', which ships structured buffers"
         )
-    assert isinstance(storage, dict)  # size > 0 was read from it
-    return storage["x"][:size].cpu(), storage["y"][:size].cpu()
 
 
 def _replay_writer(replay: ReplayStrategy | None) -> Callable[[Path], dict[str, Any]]:
@@ -307,6 +318,8 @@ def export(
         plan = learner.batch_plan
         replay = copy.deepcopy(learner.replay) if include_replay else None
         base = _learner_example(learner, example)
+        if replay is not None:
+            _check_replay_exportable(base[0])
         extra = {
             "batch_plan": None if plan is None else {
                 "micro_batch_size": plan.micro_batch_size,

@@ -26,18 +26,19 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from taste_cl._batch import index_batch
 from taste_cl.adapters._artifacts import (
     MANIFEST_FILE,
     ArtifactError,
     ExportError,
     read_manifest,
 )
+from taste_cl.adapters._learner_data import buffered_rows
 from taste_cl.adapters._onnx_export import (
     ReplayRows,
     UnsupportedOperatorError,
@@ -75,39 +76,6 @@ ARTIFACT_FILES = (TRAINING_MODEL, EVAL_MODEL, OPTIMIZER_MODEL, CHECKPOINT, INFER
 _EXAMPLE_ROWS = 8
 
 
-def _slice(x: Any, start: int, stop: int) -> Any:
-    """Rows ``start:stop`` of a tensor or of every leaf of a dict/tuple/list (``index_batch`` after the core merge)."""
-    if isinstance(x, Mapping):
-        return {key: value[start:stop] for key, value in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(value[start:stop] for value in x)
-    return x[start:stop]
-
-
-def _replay_rows(learner: OnlineLearner) -> ReplayRows | None:
-    """The learner's buffered rows (read from its state, so its random stream is not advanced)."""
-    if learner.replay is None:
-        return None
-    state = learner.replay.state_dict()
-    storage = state.get("storage")
-    if not isinstance(storage, dict) or "size" not in storage:
-        raise ExportError(
-            f"cannot export a {type(learner.replay).__name__} buffer: its state_dict() has no 'storage'; "
-            "pass include_replay=False"
-        )
-    size = int(storage["size"])
-    if not size:
-        return None
-    seen = state.get("seen")
-    return ReplayRows(
-        x=_slice(storage["x"], 0, size),
-        y=storage["y"][:size],
-        capacity=int(learner.replay.capacity),
-        seen=int(seen) if isinstance(seen, int) else size,
-        seed=int(state.get("seed", 0)),
-    )
-
-
 def export(
     learner: OnlineLearner,
     directory: str | os.PathLike[str],
@@ -134,7 +102,8 @@ def export(
         raise ValueError(f"`optimizer == {optimizer!r}`, must be None, 'sgd' or 'adamw'")
     with learner._lock:  # a consistent snapshot; the export itself runs without the lock
         model, torch_optimizer = copy.deepcopy((learner.model, learner.optimizer))
-        rows = _replay_rows(learner)
+        rows = buffered_rows(learner.replay)
+        task = learner.task
         counters = {"samples_seen": learner.samples_seen, "steps": learner.steps}
         if batch_size is None and learner.batch_plan is not None:
             batch_size = learner.batch_plan.micro_batch_size  # the tuner's choice
@@ -143,15 +112,14 @@ def export(
         kind = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
         torch_optimizer = kind([p for p in model.parameters() if p.requires_grad], lr=lr)
     if example is None:
-        if rows is None or rows.y.shape[0] < 2:
+        if rows is None or len(rows) < 2:
             raise ValueError("the learner's buffer holds fewer than 2 rows; pass example=(x, y) with at least 2 rows")
-        example = (_slice(rows.x, 0, _EXAMPLE_ROWS), rows.y[:_EXAMPLE_ROWS])
+        example = (index_batch(rows.x, slice(0, _EXAMPLE_ROWS)), rows.y[:_EXAMPLE_ROWS])
     batches = None
-    if rows is not None and rows.y.shape[0] >= 2:
+    if rows is not None and len(rows) >= 2:
         steps = options.get("parity_steps", 3)
-        size = rows.y.shape[0]
-        starts = [(i * _EXAMPLE_ROWS) % max(1, size - 1) for i in range(steps)]
-        batches = [(_slice(rows.x, s, s + _EXAMPLE_ROWS), rows.y[s : s + _EXAMPLE_ROWS]) for s in starts]
+        starts = [(i * _EXAMPLE_ROWS) % max(1, len(rows) - 1) for i in range(steps)]
+        batches = [(index_batch(rows.x, slice(s, s + _EXAMPLE_ROWS)), rows.y[s : s + _EXAMPLE_ROWS]) for s in starts]
     return export_model(
         model,
         learner.loss_fn,
@@ -164,5 +132,6 @@ def export(
         counters=counters,
         parity_batches=batches,
         batch_size=batch_size,
+        task=task,
         **options,
     )

@@ -43,6 +43,7 @@ from taste_cl.adapters._artifacts import (
     write_manifest,
 )
 from taste_cl.adapters._onnx_proto import check_no_external_data
+from taste_cl.adapters._web_compat import REPLAY_BINARY, WEB_MANIFEST, WEB_OPTIMIZER_MODEL, add_web_artifacts
 from taste_cl.exceptions import InvalidBatchError, MissingDependencyError
 
 __all__ = [
@@ -69,6 +70,7 @@ ARTIFACT_FORMAT = 2
 TRAINING_MODEL, EVAL_MODEL, OPTIMIZER_MODEL = "training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"
 CHECKPOINT, INFERENCE_MODEL = "checkpoint", "inference_model.onnx"
 REPLAY_FILE, SGD_STATE_FILE = "replay.npz", "sgd_state.npz"
+WEB_FILES = (WEB_MANIFEST, WEB_OPTIMIZER_MODEL, REPLAY_BINARY)  # what the browser learner reads; unused here
 LABEL_NAME, LOSS_NAME, OUTPUT_NAME = "labels", "loss", "logits"
 STRUCTURES = ("tensor", "dict", "sequence")
 INPUT_DTYPES = ("float32", "int64", "int32", "bool")
@@ -258,7 +260,7 @@ def parse_manifest(manifest: Mapping[str, Any]) -> DeviceSpec:
     labels = _tensor(manifest.get("labels"), "labels", LABEL_DTYPES)
     output = _tensor(manifest.get("output"), "output", ("float32",))
     names = [spec.name for spec in inputs]
-    if len(set(names + [labels.name, output.name])) != len(names) + 2:
+    if len({*names, labels.name, output.name}) != len(names) + 2:
         raise _fail("inputs", names, "distinct names, different from the labels and output names")
     num_classes = manifest.get("num_classes")
     if num_classes is not None:
@@ -346,6 +348,8 @@ def _features(x: Any, spec: DeviceSpec) -> list[np.ndarray]:
 
 
 def _targets(y: Any, spec: DeviceSpec, n: int) -> np.ndarray:
+    if spec.labels.dtype == "float32" and spec.labels.shape == (1,) and np.ndim(y) == 1:
+        y = np.reshape(y, (-1, 1))  # like the learner: a regression target (n,) for an (n, 1) output
     labels = _array(y, spec.labels, "y", n)
     if spec.num_classes is not None and labels.size and (labels.min() < 0 or labels.max() >= spec.num_classes):
         raise InvalidBatchError(
@@ -637,7 +641,8 @@ def load(
     folder = Path(directory)
     manifest = read_manifest(folder, required=(TRAINING_MODEL, EVAL_MODEL, CHECKPOINT))
     spec = parse_manifest(manifest)
-    allowed = {TRAINING_MODEL, EVAL_MODEL, OPTIMIZER_MODEL, CHECKPOINT, INFERENCE_MODEL, REPLAY_FILE, SGD_STATE_FILE}
+    allowed = {TRAINING_MODEL, EVAL_MODEL, OPTIMIZER_MODEL, CHECKPOINT, INFERENCE_MODEL, REPLAY_FILE, SGD_STATE_FILE,
+               *WEB_FILES}  # fmt: skip
     unknown = sorted(set(manifest["files"]) - allowed)
     if unknown:
         raise ArtifactError(f"the manifest lists files this format does not have: {unknown}")
@@ -777,7 +782,8 @@ class OrtOnlineLearner:
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write weights, optimizer state and buffer as a new artifact folder that :meth:`from_artifacts` resumes.
 
-        The folder is complete or absent (staged, then swapped into place).
+        The folder is complete or absent (staged, then swapped into place); like an export it
+        is made loadable by the browser learner where the model allows (the manifest's ``"web"``).
         """
         with self._lock, staged_folder(directory) as stage:
             for name in (TRAINING_MODEL, EVAL_MODEL, OPTIMIZER_MODEL):
@@ -795,4 +801,5 @@ class OrtOnlineLearner:
                 counters={"samples_seen": self.samples_seen, "steps": self.steps},
             )
             write_manifest(stage, manifest)
+            add_web_artifacts(stage)
         return Path(directory).absolute()

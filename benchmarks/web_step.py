@@ -26,6 +26,7 @@ import torch
 from taste_cl._report import format_table
 from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.benchmarks.onnx_training import small_cases
+from taste_cl.learner import OnlineLearner
 
 _BROWSER_WARM_UP_MS = 3000
 
@@ -72,8 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import onnxruntime
 
-    from taste_cl.adapters._web_compat import make_web_compatible
-    from taste_cl.adapters.onnx import OrtOnlineLearner, export_model
+    from taste_cl.adapters.onnx import OrtOnlineLearner, export, read_manifest
     from taste_cl.serve_demo import DemoServer, drive_browser
 
     threads = torch.get_num_threads()
@@ -91,16 +91,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             device.train_step(x, y)
         python_ms[key].append((time.perf_counter() - start) * 1000 / args.steps)
 
+    cases = small_cases()
     with tempfile.TemporaryDirectory(prefix="taste-cl-web-bench-") as scratch:
         server = DemoServer(scratch).start()
         try:
             steps: list[dict[str, Any]] = []
-            for model_name, case in small_cases().items():
+            for model_name, build in cases.items():
                 key = model_name.split()[0]
-                model, loss_fn, optimizer, make_batch = case(args.seed)
-                x, y = make_batch(args.batch_size, args.seed)
-                folder = Path(scratch) / key
-                make_web_compatible(export_model(model, loss_fn, optimizer, (x, y), folder))
+                model, _, _, batch = build(args.seed)
+                x, y = batch(args.batch_size, args.seed)
+                learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+                folder = export(learner, Path(scratch) / key, example=(x, y))  # made web-compatible by the exporter
+                web = read_manifest(folder)["web"]
+                if "skipped" in web:
+                    raise RuntimeError(f"{model_name}: the browser learner cannot train it: {web['skipped']}")
                 start = time.perf_counter()
                 devices[key] = OrtOnlineLearner.from_artifacts(folder, session_options=options)
                 load_ms[key] = (time.perf_counter() - start) * 1000
@@ -125,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rows: list[list[Any]] = []
     runs: list[dict[str, Any]] = []
-    for model_name in small_cases():
+    for model_name in cases:
         key = model_name.split()[0]
         browser_ms = [float(results[f"{key}_browser_{r}"]) for r in range(args.repeats)]
         median = {"python": statistics.median(python_ms[key]), "browser": statistics.median(browser_ms)}

@@ -72,7 +72,7 @@ def _export(learner: OnlineLearner, folder: Path, **kwargs: object) -> Path:
             )
         )
     learner.export_onnx(folder, **kwargs)
-    make_web_compatible(folder)
+    assert read_manifest(folder)["web"] == {"manifest": WEB_MANIFEST}  # the exporter made it web-compatible
     return folder
 
 
@@ -88,12 +88,14 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     x, y = _digits()
     for start in range(60, 84, 8):
         device.train_step(x[start : start + 8], y[start : start + 8])
-    make_web_compatible(device.save(root / "adamw_saved"))
+    assert read_manifest(device.save(root / "adamw_saved"))["web"] == {"manifest": WEB_MANIFEST}
     return root
 
 
 # ----------------------------------------------------------- artifacts (no browser)
 def test_web_artifacts_pass_strict_inference_and_keep_the_lr(artifacts: Path) -> None:
+    from onnxruntime.training.api import CheckpointState
+
     for name in ("sgd", "adamw", "cnn", "adamw_saved"):
         folder = artifacts / name
         read_manifest(folder)  # the manifest covers the rewritten and added files
@@ -102,16 +104,21 @@ def test_web_artifacts_pass_strict_inference_and_keep_the_lr(artifacts: Path) ->
         web = json.loads((folder / WEB_MANIFEST).read_text())
         assert web["models"]["optimizer"] == WEB_OPTIMIZER_MODEL
         assert web["optimizer"]["lr"] == pytest.approx(0.01 if name.startswith("adamw") else 0.05)
-        device = OrtOnlineLearner.from_artifacts(folder)
-        assert device.state.properties["taste_cl.learning_rate"] == pytest.approx(web["optimizer"]["lr"])
+        state = CheckpointState.load_checkpoint(str(folder / "checkpoint"))
+        assert state.properties["taste_cl.learning_rate"] == pytest.approx(web["optimizer"]["lr"])
+        assert OrtOnlineLearner.from_artifacts(folder).lr == pytest.approx(web["optimizer"]["lr"])  # the device loads it
 
 
 def test_strict_check_rejects_the_raw_sgd_optimizer(tmp_path: Path) -> None:
-    learner = build_digits_learner()
-    learner.observe((torch.rand(10, 64), torch.randint(0, 10, (10,))))
-    folder = learner.export_onnx(tmp_path / "raw")
-    with pytest.raises(CheckpointError, match="optimizer_model.onnx fails strict shape inference"):
-        check_strict_shapes(folder / "optimizer_model.onnx")
+    """onnxblock's SGD graph as it comes (``update_completed`` declared [1], inferred rank-0) fails strict clients."""
+    from onnxruntime.training import onnxblock
+
+    block = onnxblock.optim.SGD()
+    with onnxblock.empty_base(opset_version=17):
+        block(([onnx.helper.make_tensor("p", onnx.TensorProto.FLOAT, [1], [0.0])], []))
+        onnx.save(block.to_model_proto(), str(tmp_path / "optimizer_model.onnx"))
+    with pytest.raises(CheckpointError, match=r"optimizer_model\.onnx fails strict shape inference"):
+        check_strict_shapes(tmp_path / "optimizer_model.onnx")
 
 
 def test_plain_sgd_gets_an_optimizer_graph_when_the_folder_has_none(artifacts: Path, tmp_path: Path) -> None:
@@ -125,21 +132,65 @@ def test_plain_sgd_gets_an_optimizer_graph_when_the_folder_has_none(artifacts: P
         (tmp_path / name).write_bytes((source / name).read_bytes())
     onnx.save(_optimizer_graph(tmp_path, {"type": "sgd", "lr": 0.05}), str(tmp_path / "built.onnx"))
     x, y = _digits()
-    trained = []
-    for graph in (source / "optimizer_model.onnx", tmp_path / "built.onnx"):
-        state = CheckpointState.load_checkpoint(str(source / "checkpoint"))
-        module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
-        optimizer = Optimizer(str(graph), module)
-        optimizer.set_learning_rate(0.05)
-        for start in (0, 8):
-            module(x[start : start + 8], y[start : start + 8])
-            optimizer.step()
-            module.lazy_reset_grad()
-        trained.append({name: np.array(p.data) for name, p in state.parameters})
-    for name, value in trained[0].items():
-        np.testing.assert_array_equal(trained[1][name], value, err_msg=name)
+    state = CheckpointState.load_checkpoint(str(source / "checkpoint"))
+    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    optimizer = Optimizer(str(tmp_path / "built.onnx"), module)
+    optimizer.set_learning_rate(0.05)
+    device = OrtOnlineLearner.from_artifacts(source)  # the Python device steps plain SGD in numpy
+    for start in (0, 8):
+        module(x[start : start + 8], y[start : start + 8])
+        optimizer.step()
+        module.lazy_reset_grad()
+        device.train_step(x[start : start + 8], y[start : start + 8])
+    trained = {name.removeprefix("model."): np.array(p.data) for name, p in state.parameters}
+    for name, value in device.parameters().items():
+        np.testing.assert_allclose(trained[name], value, rtol=0, atol=1e-6, err_msg=name)
     with pytest.raises(WebCompatibilityError, match="plain SGD or AdamW only"):
         _optimizer_graph(tmp_path, {"type": "sgd", "lr": 0.05, "momentum": 0.9})
+
+
+def _skipped_reason(folder: Path) -> str:
+    assert not (folder / WEB_MANIFEST).exists() and not (folder / "replay.bin").exists()
+    return read_manifest(folder)["web"]["skipped"]
+
+
+@pytest.mark.parametrize(
+    ("build", "reason"),
+    [
+        (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), "trains with plain SGD or AdamW only"),
+        ("regression", "one class label per sample; regression has float32 targets"),
+    ],
+    ids=["sgd-momentum", "regression"],
+)
+def test_export_records_why_the_browser_cannot_train_and_the_device_still_works(tmp_path: Path, build, reason) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3 if build != "regression" else 1)
+    if build == "regression":
+        learner = OnlineLearner(model, loss_fn=nn.MSELoss(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        y = torch.randn(6)
+    else:
+        learner = OnlineLearner(model, optimizer=build(model))
+        y = torch.tensor([0, 1, 2, 0, 1, 2])
+    x = torch.randn(6, 4)
+    folder = learner.export_onnx(tmp_path / "art", example=(x, y))
+    assert reason in _skipped_reason(folder)
+    device = OrtOnlineLearner.from_artifacts(folder)
+    np.testing.assert_allclose(device.predict(x.numpy()), learner.predict(x).numpy(), atol=1e-5)
+    assert reason in _skipped_reason(device.save(tmp_path / "saved"))  # a device save decides the same
+
+
+def test_a_graph_failing_strict_inference_skips_the_web_step_not_the_export(tmp_path: Path, monkeypatch) -> None:
+    from taste_cl.adapters import _web_compat
+
+    def strict(path: object) -> None:
+        raise CheckpointError("training_model.onnx fails strict shape inference, so strict ORT clients reject it: test")
+
+    monkeypatch.setattr(_web_compat, "check_strict_shapes", strict)
+    learner = build_digits_learner()
+    learner.observe((torch.rand(10, 64), torch.randint(0, 10, (10,))))
+    folder = learner.export_onnx(tmp_path / "art")
+    assert "fails strict shape inference" in _skipped_reason(folder)
+    assert OrtOnlineLearner.from_artifacts(folder).observe((np.random.rand(4, 64), np.arange(4))).steps == 3
 
 
 def test_replay_binary_matches_the_npz(artifacts: Path) -> None:
@@ -148,17 +199,18 @@ def test_replay_binary_matches_the_npz(artifacts: Path) -> None:
     raw = (folder / header["file"]).read_bytes()
     x = np.frombuffer(raw, "<f4", count=header["arrays"]["x"]["nbytes"] // 4).reshape(header["arrays"]["x"]["shape"])
     y = np.frombuffer(raw, "<i8", offset=header["arrays"]["y"]["offset"])
+    info = read_manifest(folder)["replay"]
     with np.load(folder / "replay.npz") as data:
-        np.testing.assert_array_equal(x, data["x"])
+        np.testing.assert_array_equal(x, data["x0"])
         np.testing.assert_array_equal(y, data["y"])
-        assert header["seen"] == int(data["seen"]) and header["capacity"] == int(data["capacity"])
+    assert (header["seen"], header["capacity"], header["seed"]) == (info["seen"], info["capacity"], info["seed"])
 
 
 def test_replay_labels_are_8_byte_aligned_after_odd_sized_features(tmp_path: Path) -> None:
     model = nn.Linear(3, 2)
     learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), replay=ReservoirReplay(4))
     learner.observe((torch.rand(1, 3), torch.tensor([1])))
-    folder = learner.export_onnx(tmp_path / "odd")
+    folder = learner.export_onnx(tmp_path / "odd", example=(torch.rand(2, 3), torch.tensor([1, 0])))
     header = json.loads(make_web_compatible(folder).read_text())["replay"]
     assert header["arrays"]["x"]["nbytes"] == 12 and header["arrays"]["y"]["offset"] == 16
     raw = (folder / header["file"]).read_bytes()
@@ -173,7 +225,7 @@ def test_make_web_compatible_is_idempotent_and_refuses_tampering(artifacts: Path
     before = (folder / WEB_MANIFEST).read_text()
     make_web_compatible(folder)
     assert json.loads((folder / WEB_MANIFEST).read_text())["files"] == json.loads(before)["files"]
-    with pytest.raises(CheckpointError, match="no manifest.json"):
+    with pytest.raises(CheckpointError, match=r"no manifest\.json"):
         make_web_compatible(tmp_path)
     (folder / "eval_model.onnx").write_bytes(b"tampered")
     listing = {p.name: p.read_bytes() for p in folder.iterdir()}
