@@ -389,7 +389,7 @@ def _reply_problem(
             return problem
     except InvalidUpdateError as error:
         return str(error)
-    except Exception as error:  # undecodable payload: report it, never crash the round
+    except Exception as error:  # noqa: BLE001 - undecodable payload: report it, never crash the round
         return f"arrays cannot be decoded: {error}"
     (metrics,) = content.metric_records.values()
     if not _finite_positive(metrics.get(weight_key)):

@@ -603,7 +603,7 @@ class BatchSizeTuner(LearnerPlugin):
 
 def _result_from_state(saved: Any) -> TuningResult:
     """A :class:`TuningResult` from checkpoint values, each checked (ValueError naming the field)."""
-    names = {f for f in TuningResult.__dataclass_fields__}
+    names = set(TuningResult.__dataclass_fields__)
     if not isinstance(saved, dict) or set(saved) != names:
         raise ValueError(f"tuner state result must have exactly the keys {sorted(names)}")
     for label in ("batch_size", "threads", "min_batch_size"):
