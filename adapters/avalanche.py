@@ -164,7 +164,13 @@ class AvalancheReplay(_SeededStrategy):
         clock = SimpleNamespace(train_exp_counter=self._adds)
         return SimpleNamespace(experience=experience, device=device, eval_mb_size=256, clock=clock)
 
-    def add_validated(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def add_validated(self, x: Any, y: torch.Tensor, **fields: torch.Tensor) -> None:
+        if fields:  # the Avalanche policy's dataset holds (x, y) only
+            raise ValueError(
+                f"AvalancheReplay keeps no extra per-sample fields; got {sorted(fields)}. Use ReservoirReplay or ClassBalancedReplay"
+            )
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"AvalancheReplay stores tensor inputs only; got x of type {type(x).__name__}")
         ids = torch.arange(self.seen, self.seen + x.shape[0])
         experience = SimpleNamespace(dataset=self._dataset(x.detach().cpu(), y.cpu(), ids), current_experience=self._adds)
         with self._private_rng():

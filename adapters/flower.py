@@ -25,7 +25,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import numpy as np
 import psutil
@@ -212,7 +212,8 @@ def make_client_app(
         for batch in train_batches(partition, int(cast(int, msg.content.config_records["config"]["server-round"]))):
             stats = learner.observe(batch)
             samples += stats.samples
-            losses.append(stats.loss)
+            if stats.loss is not None:  # None: nothing trained yet (samples wait for a full micro-batch)
+                losses.append(stats.loss)
         seconds = time.perf_counter() - start
         _persist(context, learner)
         metrics = {
@@ -368,7 +369,7 @@ def _water_fill(weights: list[float], cap: float) -> list[float]:
     return shares
 
 
-def _finite_positive(value: Any) -> bool:
+def _finite_positive(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
@@ -389,7 +390,7 @@ def _reply_problem(
             return problem
     except InvalidUpdateError as error:
         return str(error)
-    except Exception as error:  # undecodable payload: report it, never crash the round
+    except Exception as error:  # noqa: BLE001 - undecodable payload: report it, never crash the round
         return f"arrays cannot be decoded: {error}"
     (metrics,) = content.metric_records.values()
     if not _finite_positive(metrics.get(weight_key)):
@@ -403,7 +404,13 @@ def apply_policy(contents: Sequence[RecordDict], weight_key: str, policy: Aggreg
     Returns, per reply, why its weight was reduced (None when it was not).
     """
     metrics = [next(iter(content.metric_records.values())) for content in contents]
-    shares, notes = policy.shares([float(m[weight_key]) for m in metrics])
+    weights: list[float] = []
+    for m in metrics:
+        weight = m[weight_key]
+        if not _finite_positive(weight):
+            raise ValueError(f"metric `{weight_key}` must be a finite number > 0 in every reply; got {weight!r}")
+        weights.append(float(weight))
+    shares, notes = policy.shares(weights)
     for record, share in zip(metrics, shares):
         record[weight_key] = share
     return notes

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,7 +113,7 @@ CASES = {
 }
 
 
-def _interleaved(runner: ProbeRunner, points: dict[str, tuple[int, int | None]], rounds: int, min_time: float) -> dict[str, float]:
+def _interleaved(runner: ProbeRunner, points: Mapping[str, tuple[int, int | None]], rounds: int, min_time: float) -> dict[str, float]:
     """Median samples/s per labelled (batch, threads), measured round by round."""
     rates: dict[str, list[float]] = {label: [] for label in points}
     for _ in range(rounds):
@@ -133,8 +133,8 @@ def run_case(case: Case, *, max_batch: int | None, rounds: int, min_time: float)
         runner = ProbeRunner(model, optimizer, loss_fn, samples)
         start = time.perf_counter()
         minimum = runner.smallest_trainable(limit)[0]  # what the tuner searches from (BatchNorm: 2)
-        sizes = candidate_batch_sizes(limit, per_octave=tuner.per_octave, min_batch_size=minimum)
-        grid = {b: runner.measure(b, min_time=min_time) for b in sizes}
+        candidates = candidate_batch_sizes(limit, per_octave=tuner.per_octave, min_batch_size=minimum)
+        grid = {b: runner.measure(b, min_time=min_time) for b in candidates}
         grid_seconds = time.perf_counter() - start
         cold = tuner.tune(model, optimizer, loss_fn, samples, foreign_load=0.0)
         warm = tuner.tune(model, optimizer, loss_fn, samples, foreign_load=0.0)

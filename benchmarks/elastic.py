@@ -108,7 +108,10 @@ def _head(model: nn.Module) -> tuple[nn.Module, str]:
         return model, str(len(model) - 1)
     if hasattr(model, "fc"):
         return model, "fc"
-    return model.classifier, str(len(model.classifier) - 1)  # type: ignore[arg-type]
+    classifier = model.classifier
+    if not isinstance(classifier, nn.Sequential):
+        raise TypeError(f"{type(model).__name__} has no fc and its classifier is not an nn.Sequential: no final linear layer found")
+    return classifier, str(len(classifier) - 1)
 
 
 def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -187,7 +190,7 @@ def finetune(
     for step in range(args.steps):
         rows = slice(offset + step * b, offset + (step + 1) * b)
         batch = (data["train_x"][rows], data["train_y"][rows])
-        for name in names[step % len(names) :] + names[: step % len(names)]:
+        for name in [*names[step % len(names) :], *names[: step % len(names)]]:
             call = time.perf_counter()
             stats = variants[name][0].observe(batch)
             if step == 0:

@@ -11,6 +11,7 @@ Run: ``taste-cl bench online-digits`` or ``python benchmarks/online_digits.py``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--capacity", type=int, default=200, help="reservoir replay capacity")
     args = parse(parser, argv)
     tasks = split_digits(5, seed=args.seed)
-    runs = {}
+    runs: dict[str, dict[str, Any]] = {}
     for label, capacity, prequential in (
         ("reservoir", args.capacity, "auto"),
         ("reservoir_eval_scoring", args.capacity, "eval"),

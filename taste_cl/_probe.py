@@ -54,18 +54,18 @@ def num_threads(threads: int | None) -> Iterator[None]:
 def preserved_rng(*owners: object) -> Iterator[None]:
     """Restore torch's, numpy's and Python's global RNGs, and every ``torch.Generator``
     attribute of ``owners`` (a replay buffer's), when the block ends."""
-    cuda = torch.cuda.is_initialized()
-    saved = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None, np.random.get_state(), random.getstate())
+    saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     generators = [g for owner in owners for g in vars(owner).values() if isinstance(g, torch.Generator)]
     states = [g.get_state() for g in generators]
     try:
         yield
     finally:
         torch.set_rng_state(saved[0])
-        if cuda:
-            torch.cuda.set_rng_state_all(saved[1])
-        np.random.set_state(saved[2])
-        random.setstate(saved[3])
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        np.random.set_state(saved[1])
+        random.setstate(saved[2])
         for generator, state in zip(generators, states):
             generator.set_state(state)
 

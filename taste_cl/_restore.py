@@ -196,7 +196,9 @@ def monitor_kwargs(config: Any) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise _Invalid("`config.monitor` must be a dict")
     _keys("config.monitor", config, set(MONITOR_CONFIG))
-    kwargs: dict[str, Any] = {name: _int(f"config.monitor.{name}", config[name], 1, 2**31) for name in ("probe_capacity", "eval_every", "window", "max_events")}
+    kwargs: dict[str, Any] = {
+        name: _int(f"config.monitor.{name}", config[name], 1, 2**31) for name in ("probe_capacity", "eval_every", "window", "max_events")
+    }
     kwargs["seed"] = _int("config.monitor.seed", config["seed"], -(2**63), 2**64 - 1)
     kwargs["forgetting_threshold"] = _number("config.monitor.forgetting_threshold", config["forgetting_threshold"])
     if config["prequential"] not in PREQUENTIAL_MODES:
@@ -597,7 +599,7 @@ def _load_plugins(learner: OnlineLearner, states: dict[str, Any]) -> None:
         try:
             plugin.load_state_dict(states[plugin.name])
         except Exception as error:
-            for loaded, previous in reversed(done + [(plugin, before)]):
+            for loaded, previous in reversed([*done, (plugin, before)]):
                 loaded.load_state_dict(previous)
             raise CheckpointError(f"checkpoint does not fit this learner: plugin {plugin.name!r}: {error}") from error
         done.append((plugin, before))

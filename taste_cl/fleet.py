@@ -27,9 +27,19 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="taste-cl fleet", description=plain_text(__doc__.splitlines()[0]))
     parser.add_argument("--devices", type=int, default=3, help="SuperNode processes, one per device")
     parser.add_argument("--rounds", type=int, default=2, help="federated rounds")
-    parser.add_argument("--method", choices=["fedper", "fedbabu"], default="fedper", help="personalization: FedPer, or FedBABU (head frozen in rounds, fine-tuned locally)")
+    parser.add_argument(
+        "--method",
+        choices=["fedper", "fedbabu"],
+        default="fedper",
+        help="personalization: FedPer, or FedBABU (head frozen in rounds, fine-tuned locally)",
+    )
     parser.add_argument("--personal", default="4.", help="comma-separated state_dict prefixes kept on the device")
-    parser.add_argument("--privacy", choices=["off", "central", "client", "local"], default="off", help="differential privacy: central (server clips and adds noise), client (clients clip), local (clients add noise)")
+    parser.add_argument(
+        "--privacy",
+        choices=["off", "central", "client", "local"],
+        default="off",
+        help="differential privacy: central (server clips and adds noise), client (clients clip), local (clients add noise)",
+    )
     parser.add_argument("--clip", type=float, default=1.0, help="DP clipping norm of an update")
     parser.add_argument("--noise", type=float, default=0.1, help="DP noise multiplier (central, client)")
     parser.add_argument("--epsilon", type=float, default=10.0, help="local DP epsilon per round")

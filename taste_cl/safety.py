@@ -13,8 +13,8 @@ Two conditions are reported as monitor events:
   but huge step every loss overflows). With ``rollback=True`` the model and optimizer
   go back to the last good snapshot, taken every ``snapshot_every`` ordinary steps just
   before a step whose loss was finite and whose size bound is within ``update_bound``
-  (so the snapshot's parameters give a finite loss and its learning rates are sane). Snapshots cost one copy of the model and optimizer state, hence off
-  by default.
+  (so the snapshot's parameters give a finite loss and its learning rates are sane).
+  Snapshots cost one copy of the model and optimizer state, hence off by default.
 - ``diverging``: the smoothed loss rose above ``divergence_factor`` times its best
   value so far (orders of magnitude; the default is 1000x).
 

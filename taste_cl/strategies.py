@@ -105,7 +105,9 @@ class Strategy:
     def attach(self, learner: OnlineLearner) -> None:
         """Called once when the learner is built with this strategy."""
 
-    def loss(self, loss_fn: LossFn, outputs: torch.Tensor, y: torch.Tensor, *, x: Inputs, n_stream: int, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+    def loss(
+        self, loss_fn: LossFn, outputs: torch.Tensor, y: torch.Tensor, *, x: Inputs, n_stream: int, fields: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         """Training loss of a micro-batch: the first ``n_stream`` rows are stream samples,
         the rest replayed ones (with their stored ``fields``)."""
         return loss_fn(outputs, y)
@@ -147,7 +149,9 @@ class ERACE(Strategy):
     name = "er_ace"
     tasks = ("classification",)
 
-    def loss(self, loss_fn: LossFn, outputs: torch.Tensor, y: torch.Tensor, *, x: Inputs, n_stream: int, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+    def loss(
+        self, loss_fn: LossFn, outputs: torch.Tensor, y: torch.Tensor, *, x: Inputs, n_stream: int, fields: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         stream_y = y[:n_stream]
         present = torch.unique(stream_y)  # sorted
         stream_loss = loss_fn(outputs[:n_stream].index_select(1, present), torch.searchsorted(present, stream_y))
@@ -176,7 +180,9 @@ class DERPlusPlus(Strategy):
         self.alpha = _check_weight("alpha", alpha)
         self.beta = _check_weight("beta", beta)
 
-    def loss(self, loss_fn: LossFn, outputs: torch.Tensor, y: torch.Tensor, *, x: Inputs, n_stream: int, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+    def loss(
+        self, loss_fn: LossFn, outputs: torch.Tensor, y: torch.Tensor, *, x: Inputs, n_stream: int, fields: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         loss = loss_fn(outputs[:n_stream], y[:n_stream])
         if n_stream == y.shape[0]:
             return loss
@@ -240,7 +246,9 @@ class LwF(Strategy):
         if self.every is not None and self.chunks % self.every == 0:
             self.snapshot()
 
-    def loss(self, loss_fn: LossFn, outputs: torch.Tensor, y: torch.Tensor, *, x: Inputs, n_stream: int, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+    def loss(
+        self, loss_fn: LossFn, outputs: torch.Tensor, y: torch.Tensor, *, x: Inputs, n_stream: int, fields: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         loss = loss_fn(outputs, y)
         if self.teacher is None or not self.alpha:
             return loss

@@ -101,7 +101,9 @@ def _check_length(y: torch.Tensor, n: int, name: str) -> None:
         raise InvalidBatchError(f"x and {name} lengths differ: x has {n} samples, {name} has {got}")
 
 
-def _class_targets(value: Any, *, n: int, num_classes: int, shape: tuple[int, ...], ignore_index: int | None, task: str, device: torch.device) -> torch.Tensor:
+def _class_targets(
+    value: Any, *, n: int, num_classes: int, shape: tuple[int, ...], ignore_index: int | None, task: str, device: torch.device
+) -> torch.Tensor:
     """Integer class labels of shape ``(n, *shape)`` in ``[0, num_classes)`` (or ``ignore_index``)."""
     y = as_tensor(value, "y")
     if y.is_floating_point() or y.dtype == torch.bool:

@@ -17,6 +17,7 @@ the learner exactly as it was, warns, and is retried later.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -240,9 +241,9 @@ class BatchSizeTuner(LearnerPlugin):
             ("probe_samples", probe_samples, 1),
         ):
             _int_arg(label, value, low)
-        for label, value in (("effective_batch_size", effective_batch_size), ("reference_batch_size", reference_batch_size),
+        for label, size in (("effective_batch_size", effective_batch_size), ("reference_batch_size", reference_batch_size),
                              ("max_wait_samples", max_wait_samples), ("retune_every", retune_every)):
-            _int_arg(label, value, 1, optional=True)
+            _int_arg(label, size, 1, optional=True)
         if not callable(lr_rule) and lr_rule not in _LR_RULES:
             raise ValueError(f"`lr_rule == {lr_rule!r}`, must be one of {', '.join(map(repr, _LR_RULES))} or a callable")
         for label, number in (("load_tolerance", load_tolerance), ("min_probe_time", min_probe_time), ("max_wait_s", max_wait_s)):
@@ -389,7 +390,7 @@ class BatchSizeTuner(LearnerPlugin):
             return
         for _ in range(2):
             for point in (top, best):
-                search.record(point, lambda p=point: self._measure(runner, p[0], p[1], None, self.min_probe_time), fit=False)
+                search.record(point, functools.partial(self._measure, runner, point[0], point[1], None, self.min_probe_time), fit=False)
 
     def _explore(self, search: GridSearch, runner: ProbeRunner, design: list[tuple[int, int]], calls: int) -> None:
         """Measure ``design`` then surrogate suggestions, ``calls`` probes at most; slower sizes stop
@@ -406,7 +407,8 @@ class BatchSizeTuner(LearnerPlugin):
                 break  # the surrogate insists on what it knows and the best point's neighbours are measured
             best = search.best_rate()
             stop_below = None if best is None else best / 2
-            rate = search.record(point, lambda p=point, s=stop_below: self._measure(runner, p[0], p[1], s, self.min_probe_time), fit=call < calls - 1)
+            measure = functools.partial(self._measure, runner, point[0], point[1], stop_below, self.min_probe_time)
+            rate = search.record(point, measure, fit=call < calls - 1)
             if call >= len(design):
                 stalled = 0 if before is None or (rate is not None and rate > 1.02 * before) else stalled + 1
 
@@ -498,7 +500,7 @@ class BatchSizeTuner(LearnerPlugin):
         """Real samples: the replay buffer's (its RNG left as it was), else the first stream batch."""
         replay = learner.replay
         stored = 0 if replay is None else len(replay)
-        if stored and (self._recent is None or stored >= batch_len(self._recent[0])):
+        if replay is not None and stored and (self._recent is None or stored >= batch_len(self._recent[0])):
             with preserved_rng(replay):
                 return replay.sample(min(stored, self.probe_samples))
         if self._recent is None:
@@ -603,7 +605,7 @@ class BatchSizeTuner(LearnerPlugin):
 
 def _result_from_state(saved: Any) -> TuningResult:
     """A :class:`TuningResult` from checkpoint values, each checked (ValueError naming the field)."""
-    names = {f for f in TuningResult.__dataclass_fields__}
+    names = set(TuningResult.__dataclass_fields__)
     if not isinstance(saved, dict) or set(saved) != names:
         raise ValueError(f"tuner state result must have exactly the keys {sorted(names)}")
     for label in ("batch_size", "threads", "min_batch_size"):

@@ -113,6 +113,19 @@ def test_class_balanced_policy_balances_classes():
     assert torch.bincount(replay.labels).tolist() == [10, 10]
 
 
+def test_replay_refuses_extra_fields_and_non_tensor_inputs_leaving_the_buffer_as_it_was():
+    replay = AvalancheReplay(ReservoirSamplingBuffer(20), seed=1)
+    x, y = _batches(n=1)[0]
+    replay.add(x, y)
+    before = replay.state_dict()["storage"]
+    with pytest.raises(ValueError, match=r"keeps no extra per-sample fields; got \['logits'\]"):
+        replay.add_validated(x, y, logits=torch.zeros(len(y), 2))
+    with pytest.raises(TypeError, match="tensor inputs only; got x of type dict"):
+        replay.add_validated({"x": x}, y)
+    after = replay.state_dict()["storage"]
+    assert replay.seen == len(y) and torch.equal(after["x"], before["x"]) and torch.equal(after["y"], before["y"])
+
+
 @pytest.mark.parametrize("name", POLICIES)
 def test_replay_is_seeded_and_leaves_global_rng_alone(name):
     first, second = AvalancheReplay(POLICIES[name](), seed=3), AvalancheReplay(POLICIES[name](), seed=3)

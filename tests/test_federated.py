@@ -216,6 +216,13 @@ def test_one_client_claiming_1e300_examples_does_not_take_over_the_mean() -> Non
     assert np.allclose(aggregate_arrayrecords(contents, "num-examples")["w"].numpy(), 50.0)  # not 100
 
 
+def test_apply_policy_refuses_a_weight_that_is_not_a_finite_positive_number_and_changes_nothing() -> None:
+    contents = _contents([1.0, 3.0], [2.0, 0.0])
+    with pytest.raises(ValueError, match=r"metric `num-examples` must be a finite number > 0 in every reply; got 0.0"):
+        flower.apply_policy(contents, "num-examples", flower.AggregationPolicy())
+    assert [next(iter(c.metric_records.values()))["num-examples"] for c in contents] == [2.0, 0.0]
+
+
 @pytest.mark.parametrize(
     ("value", "dropped"),
     [(3e38, True), (-2e6, True), (1e6, False), (0.5, False)],

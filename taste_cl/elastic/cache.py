@@ -156,5 +156,7 @@ def load_or_profile(
     try:
         atomic_write_bytes(path, (json.dumps(payload, sort_keys=False) + "\n").encode())
     except (OSError, ValueError) as error:
-        warnings.warn(f"cannot write the elastic profile cache {str(path)!r} ({error}); using the fresh profile uncached", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"cannot write the elastic profile cache {str(path)!r} ({error}); using the fresh profile uncached", RuntimeWarning, stacklevel=2
+        )
     return profile, False

@@ -160,6 +160,11 @@ def _direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in module.named_parameters(recurse=False) if p.requires_grad]
 
 
+def _detached_copy(value: Any) -> Any:
+    """A tensor's detached copy (other values as they are): a recorded call must not change later."""
+    return value.detach().clone() if torch.is_tensor(value) else value
+
+
 def _capture(model: nn.Module, example: Any) -> list[tuple[str, nn.Module, tuple[Any, ...], dict[str, Any]]]:
     """Run ``model`` once; return (name, module, args, kwargs) of the modules with parameters
     of their own and of the parameter-free leaf modules, in the order they were first called."""
@@ -171,8 +176,7 @@ def _capture(model: nn.Module, example: Any) -> list[tuple[str, nn.Module, tuple
         def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if name not in seen:
                 seen.add(name)
-                detach = lambda t: t.detach().clone() if torch.is_tensor(t) else t
-                calls.append((name, module, pytree.tree_map(detach, args), pytree.tree_map(detach, kwargs)))
+                calls.append((name, module, pytree.tree_map(_detached_copy, args), pytree.tree_map(_detached_copy, kwargs)))
 
         return record
 
