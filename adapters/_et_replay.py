@@ -29,8 +29,7 @@ def save_replay(path: Path, replay: ReplayStrategy) -> dict[str, Any]:
     storage = state.get("storage")
     if not isinstance(storage, dict) or "size" not in storage:
         raise ExportError(
-            f"cannot export a {type(replay).__name__} buffer: its state_dict() has no 'storage' "
-            "(a BufferStorage state); pass include_replay=False"
+            f"cannot export a {type(replay).__name__} buffer: its state_dict() has no 'storage' (a BufferStorage state); pass include_replay=False"
         )
     size = int(storage["size"])
     if size and not isinstance(storage["x"], torch.Tensor):
@@ -65,9 +64,7 @@ def load_replay(data: bytes, spec: IOSpec) -> ReservoirReplay:
             if x is None:
                 raise ValueError("a buffer of dict inputs cannot be read by this version")
             storage.update(x=x, y=spec.targets(arrays["y"], size))
-        generator = (
-            torch.from_numpy(arrays["generator"]) if "generator" in arrays else torch.Generator().manual_seed(seed).get_state()
-        )
+        generator = torch.from_numpy(arrays["generator"]) if "generator" in arrays else torch.Generator().manual_seed(seed).get_state()
         replay.load_state_dict({"capacity": capacity, "storage": storage, "generator": generator, "seen": seen})
     except (KeyError, ValueError, TypeError, RuntimeError, OSError, InvalidBatchError) as error:
         raise ArtifactError(f"replay.npz is not a valid replay buffer for this program: {error}") from None

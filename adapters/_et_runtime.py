@@ -122,9 +122,7 @@ class IOSpec:
         if not isinstance(value, Mapping) or not isinstance(value.get("inputs"), list) or not value["inputs"]:
             raise ValueError(f"manifest 'io' {value!r} must hold a non-empty 'inputs' list")
         keys = value.get("keys")
-        if keys is not None and (
-            not isinstance(keys, list) or len(keys) != len(value["inputs"]) or not all(isinstance(k, str) for k in keys)
-        ):
+        if keys is not None and (not isinstance(keys, list) or len(keys) != len(value["inputs"]) or not all(isinstance(k, str) for k in keys)):
             raise ValueError(f"manifest io 'keys' {keys!r} must be null or one name per input")
         if keys is None and len(value["inputs"]) != 1:
             raise ValueError("manifest io without 'keys' must have exactly one input")
@@ -221,9 +219,7 @@ class EtTrainer:
         from executorch.extension.training import get_sgd_optimizer
 
         s = self.sgd
-        return get_sgd_optimizer(
-            self.module.named_parameters(), s["lr"], s["momentum"], s["dampening"], s["weight_decay"], s["nesterov"]
-        )
+        return get_sgd_optimizer(self.module.named_parameters(), s["lr"], s["momentum"], s["dampening"], s["weight_decay"], s["nesterov"])
 
     def set_lr(self, lr: float) -> None:
         """Change the learning rate; the shipped SGD has no setter, so it is rebuilt and momentum restarts."""

@@ -191,9 +191,7 @@ def _optimizer_config(optimizer: torch.optim.Optimizer, lr: float | None) -> dic
     if kind is torch.optim.AdamW or (kind is torch.optim.Adam and not group["weight_decay"]):
         return {"type": "adamw", "lr": float(rate), "betas": [float(b) for b in group["betas"]],
                 "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"])}  # fmt: skip
-    raise ExportError(
-        f"optimizer {kind.__name__} cannot run on the device; use SGD, AdamW or Adam without weight decay"
-    )
+    raise ExportError(f"optimizer {kind.__name__} cannot run on the device; use SGD, AdamW or Adam without weight decay")
 
 
 def _adamw_block(config: dict[str, Any]) -> Any:
@@ -393,9 +391,7 @@ def _running_stats_outputs(graph: Any, per_sample: dict[str, int], momenta: dict
         if node.op_type == "BatchNormalization" and len(node.output) == 3:
             path = node.input[3].removeprefix(_PREFIX).removesuffix(".running_mean")
             for output, parameter, stat in ((node.output[1], node.input[3], "mean"), (node.output[2], node.input[4], "var")):
-                graph.graph.output.append(
-                    onnx.helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, sizes[parameter])
-                )
+                graph.graph.output.append(onnx.helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, sizes[parameter]))
                 stats.append({"output": output, "parameter": parameter, "stat": stat,
                               "momentum": momenta[path], "per_sample": per_sample[path]})  # fmt: skip
     return stats
@@ -409,9 +405,7 @@ def _batchnorm_geometry(model: nn.Module, x: Any) -> tuple[dict[str, int], dict[
     for path, module in model.named_modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             if module.momentum is None or module.running_mean is None:
-                raise ExportError(
-                    f"BatchNorm {path!r} has momentum=None or no running statistics; batchnorm='batch' needs both"
-                )
+                raise ExportError(f"BatchNorm {path!r} has momentum=None or no running statistics; batchnorm='batch' needs both")
             momenta[path] = float(module.momentum)
             hooks.append(module.register_forward_hook(
                 lambda m, inputs, _, path=path: per_sample.__setitem__(path, math.prod(inputs[0].shape[2:]))
@@ -696,5 +690,4 @@ def _parity_gate(
         graph = Path(scratch) / device.TRAINING_MODEL
         _without_dropout(stage / device.TRAINING_MODEL, graph)
         candidate = _SessionTrainer(device.load(stage, training_model=graph))
-        return check_parity(reference, candidate, numpy_batches, backend="onnxruntime", tolerance=tolerance,
-                            param_tolerance=param_tolerance)
+        return check_parity(reference, candidate, numpy_batches, backend="onnxruntime", tolerance=tolerance, param_tolerance=param_tolerance)

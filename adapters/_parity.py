@@ -140,11 +140,7 @@ class ParityReport:
     @property
     def passed(self) -> bool:
         """Every difference is finite and within its tolerance."""
-        return (
-            self.max_output_diff <= self.output_tol
-            and self.max_loss_diff <= self.loss_tol
-            and self.max_param_diff <= self.param_tol
-        )
+        return self.max_output_diff <= self.output_tol and self.max_loss_diff <= self.loss_tol and self.max_param_diff <= self.param_tol
 
     def __str__(self) -> str:
         verdict = "passed" if self.passed else "FAILED"

@@ -122,8 +122,7 @@ def _optimizer_graph(folder: Path, config: dict[str, Any]) -> Any:
         extras = {key: config[key] for key in ("momentum", "weight_decay", "dampening", "nesterov") if config.get(key)}
         if config.get("type") != "sgd" or extras:
             raise WebCompatibilityError(
-                f"no {_OPTIMIZER} and the optimizer is {config.get('type')!r} with {extras}: ONNX Runtime Web "
-                "trains with plain SGD or AdamW only"
+                f"no {_OPTIMIZER} and the optimizer is {config.get('type')!r} with {extras}: ONNX Runtime Web trains with plain SGD or AdamW only"
             )
         block = onnxblock.optim.SGD()
         with onnxblock.empty_base(opset_version=17):  # the graph only needs the parameters' dtype
@@ -183,9 +182,7 @@ def check_strict_shapes(path: str | os.PathLike[str]) -> None:
         options.add_session_config_entry(_STRICT_CONFIG, "1")
         ort.InferenceSession(str(file), options, providers=["CPUExecutionProvider"])
     except Exception as error:  # onnx and ORT raise their own unrelated exception types
-        raise CheckpointError(
-            f"{file.name} fails strict shape inference, so strict ORT clients reject it: {error}"
-        ) from error
+        raise CheckpointError(f"{file.name} fails strict shape inference, so strict ORT clients reject it: {error}") from error
 
 
 def _rewrite_checkpoint(staging: Path, folder: Path, lr: float) -> None:
@@ -243,9 +240,7 @@ def _loss_output(eval_model: Any, logits: str) -> str:
     return names[0]
 
 
-def _web_manifest(
-    folder: Path, staging: Path, manifest: dict[str, Any], replay: dict[str, Any] | None
-) -> dict[str, Any]:
+def _web_manifest(folder: Path, staging: Path, manifest: dict[str, Any], replay: dict[str, Any] | None) -> dict[str, Any]:
     import onnx
 
     evaluation = onnx.load(str(folder / _EVAL), load_external_data=False)
@@ -254,9 +249,7 @@ def _web_manifest(
     inputs = [dict(spec) for spec in manifest.get("inputs") or [manifest["input"]]]  # newer manifests list them
     named = [spec["name"] for spec in inputs] + [manifest["labels"]["name"]]
     if any(name not in graph_inputs for name in named):
-        raise CheckpointError(
-            f"{_EVAL} inputs {graph_inputs} do not match the manifest's input and labels names {named}"
-        )
+        raise CheckpointError(f"{_EVAL} inputs {graph_inputs} do not match the manifest's input and labels names {named}")
     files = [_TRAINING, _EVAL, WEB_OPTIMIZER_MODEL, _CHECKPOINT, _INFERENCE] + ([REPLAY_BINARY] if replay else [])
     digests = {name: _sha256((staging if (staging / name).exists() else folder) / name) for name in files}
     return {
@@ -299,8 +292,7 @@ def _check_browser_trainable(manifest: dict[str, Any]) -> None:
     if labels.get("dtype") != "int64" or labels.get("shape") not in ([], ["batch"], None) or manifest.get("num_classes") is None:
         task = (manifest.get("task") or {}).get("name", "these targets")
         raise WebCompatibilityError(
-            f"the browser learner trains with one class label per sample; {task} has {labels.get('dtype')} targets "
-            f"of shape {labels.get('shape')}"
+            f"the browser learner trains with one class label per sample; {task} has {labels.get('dtype')} targets of shape {labels.get('shape')}"
         )
     if manifest.get("running_stats"):
         raise WebCompatibilityError(

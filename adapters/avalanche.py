@@ -142,9 +142,7 @@ class AvalancheReplay(_SeededStrategy):
     def __init__(self, policy: Any, *, seed: int = 0, task_label: int = 0, agent: Any = None) -> None:
         storage_policy = _avalanche("training.storage_policy")
         if not isinstance(policy, storage_policy.ExemplarsBuffer):
-            raise TypeError(
-                f"policy must be an avalanche.training.storage_policy.ExemplarsBuffer; got {type(policy).__name__}"
-            )
+            raise TypeError(f"policy must be an avalanche.training.storage_policy.ExemplarsBuffer; got {type(policy).__name__}")
         super().__init__(policy.max_size, seed)
         self.policy = policy
         self.task_label = task_label
@@ -166,9 +164,7 @@ class AvalancheReplay(_SeededStrategy):
 
     def add_validated(self, x: Any, y: torch.Tensor, **fields: torch.Tensor) -> None:
         if fields:  # the Avalanche policy's dataset holds (x, y) only
-            raise ValueError(
-                f"AvalancheReplay keeps no extra per-sample fields; got {sorted(fields)}. Use ReservoirReplay or ClassBalancedReplay"
-            )
+            raise ValueError(f"AvalancheReplay keeps no extra per-sample fields; got {sorted(fields)}. Use ReservoirReplay or ClassBalancedReplay")
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"AvalancheReplay stores tensor inputs only; got x of type {type(x).__name__}")
         ids = torch.arange(self.seen, self.seen + x.shape[0])
@@ -190,9 +186,7 @@ class AvalancheReplay(_SeededStrategy):
         if len(keep) > self.capacity:
             raise RuntimeError(f"the Avalanche policy holds {len(keep)} samples, more than its max_size {self.capacity}")
         positions = _positions(pool_ids, keep)
-        self._storage.load_state_dict(
-            {"capacity": self.capacity, "size": len(keep), "x": pool_x[positions], "y": pool_y[positions]}
-        )
+        self._storage.load_state_dict({"capacity": self.capacity, "size": len(keep), "x": pool_x[positions], "y": pool_y[positions]})
         self._ids = keep
 
     @staticmethod
@@ -389,9 +383,7 @@ def _plugin_class() -> type[Any]:
             values = {**report, "drift_count": report["drift"]["count"]}
             for name in METRIC_NAMES:
                 if values[name] is not None:
-                    evaluator.publish_metric_value(
-                        metric_results.MetricValue(self, f"Taste/{name}", values[name], strategy.clock.train_iterations)
-                    )
+                    evaluator.publish_metric_value(metric_results.MetricValue(self, f"Taste/{name}", values[name], strategy.clock.train_iterations))
 
     return TasteMonitorPlugin
 
@@ -466,9 +458,7 @@ def _batch_plugin_class() -> type:
             Retune after the monitor of an attached :class:`TasteMonitorPlugin` reports drift.
         """
 
-        def __init__(
-            self, tuner: BatchSizeTuner | None = None, *, retune_every: int | None = None, retune_on_drift: bool = True
-        ) -> None:
+        def __init__(self, tuner: BatchSizeTuner | None = None, *, retune_every: int | None = None, retune_on_drift: bool = True) -> None:
             super().__init__()
             if tuner is not None and not isinstance(tuner, BatchSizeTuner):
                 raise TypeError(f"tuner must be a taste_cl.tuning.BatchSizeTuner or None; got {type(tuner).__name__}")

@@ -111,7 +111,7 @@ def export(
             trial = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=stage.parent))
             try:
                 function(learner, trial / "out", **_accepted(function, options))
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - under auto, any exporter failure is that backend's recorded refusal
                 # exporters also fail with RuntimeError etc. (ONNX Runtime on BatchNorm): record and fall back
                 refused[name] = f"{type(error).__name__}: {error}"
                 continue
@@ -124,10 +124,7 @@ def export(
                 return Path(directory).absolute()
             finally:
                 shutil.rmtree(trial, ignore_errors=True)
-        raise ExportError(
-            "no device backend can train this model with parity: "
-            + "; ".join(f"{name}: {reason}" for name, reason in refused.items())
-        )
+        raise ExportError("no device backend can train this model with parity: " + "; ".join(f"{name}: {reason}" for name, reason in refused.items()))
 
 
 def _exporter_or_none(backend: str) -> Callable[..., Path] | None:

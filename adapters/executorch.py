@@ -321,7 +321,9 @@ def export(
         if replay is not None:
             _check_replay_exportable(base[0])
         extra = {
-            "batch_plan": None if plan is None else {
+            "batch_plan": None
+            if plan is None
+            else {
                 "micro_batch_size": plan.micro_batch_size,
                 "accumulation_steps": plan.accumulation_steps,
                 "lr_scale": plan.lr_scale,
@@ -510,4 +512,3 @@ def _count(value: Any, name: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ArtifactError(f"manifest `{name} == {value!r}`, must be an int >= {low}")
     return value
-

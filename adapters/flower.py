@@ -124,9 +124,7 @@ def check_update(arrays: Mapping[str, np.ndarray], expected: ArraySpec) -> None:
     for name, (shape, dtype) in expected.items():
         array = arrays[name]
         if tuple(array.shape) != shape or array.dtype != dtype:
-            raise InvalidUpdateError(
-                f"`{name}` must be {dtype} of shape {shape}; got {array.dtype} of shape {tuple(array.shape)}"
-            )
+            raise InvalidUpdateError(f"`{name}` must be {dtype} of shape {shape}; got {array.dtype} of shape {tuple(array.shape)}")
         if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
             raise InvalidUpdateError(f"`{name}` has {int((~np.isfinite(array)).sum())} non-finite values")
 
@@ -373,15 +371,10 @@ def _finite_positive(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def _reply_problem(
-    content: RecordDict, expected: ArraySpec, weight_key: str, policy: AggregationPolicy | None = None
-) -> str | None:
+def _reply_problem(content: RecordDict, expected: ArraySpec, weight_key: str, policy: AggregationPolicy | None = None) -> str | None:
     """Why a train reply cannot be aggregated, or None when it is fine."""
     if len(content.array_records) != 1 or len(content.metric_records) != 1:
-        return (
-            f"expected one ArrayRecord and one MetricRecord; got {len(content.array_records)} "
-            f"and {len(content.metric_records)}"
-        )
+        return f"expected one ArrayRecord and one MetricRecord; got {len(content.array_records)} and {len(content.metric_records)}"
     (record,) = content.array_records.values()
     try:
         arrays = _record_to_numpy(record)
@@ -465,9 +458,7 @@ def _build_validating_strategy() -> type:
             self._bytes_down = arrays.count_bytes() * len(messages)
             return messages
 
-        def aggregate_train(
-            self, server_round: int, replies: Iterable[Message]
-        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
             kept, bytes_up, client_rss, client_s = [], 0, [], []
             for msg in replies:
                 if msg.has_error():
@@ -602,13 +593,9 @@ def run_fleet_simulation(
     from flwr.serverapp.strategy import FedAvg
     from flwr.simulation import run_simulation
 
-    client_app = make_client_app(
-        build_learner=build_learner, train_batches=train_batches, eval_sets=eval_sets, personal=personal, mods=client_mods
-    )
+    client_app = make_client_app(build_learner=build_learner, train_batches=train_batches, eval_sets=eval_sets, personal=personal, mods=client_mods)
     initial = shared_state(build_learner(0).model, personal=personal)
-    inner = strategy if strategy is not None else FedAvg(
-        min_train_nodes=num_devices, min_evaluate_nodes=num_devices, min_available_nodes=num_devices
-    )
+    inner = strategy if strategy is not None else FedAvg(min_train_nodes=num_devices, min_evaluate_nodes=num_devices, min_available_nodes=num_devices)
     guard = _validating_strategy_class()(inner, policy)
     outcome: dict[str, Any] = {}
     server_app = ServerApp()

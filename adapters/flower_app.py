@@ -280,9 +280,7 @@ def _server_main(fixed: FleetConfig | None, grid: Grid, context: Context) -> Non
     initial = shared_state(fleet.build_learner(0).model, personal=cfg.prefixes)
     guard = _strategy(cfg)
     start = time.perf_counter()
-    result = guard.start(
-        grid=grid, initial_arrays=ArrayRecord({k: Array(v) for k, v in initial.items()}), num_rounds=cfg.rounds
-    )
+    result = guard.start(grid=grid, initial_arrays=ArrayRecord({k: Array(v) for k, v in initial.items()}), num_rounds=cfg.rounds)
     if not cfg.out_dir:
         return
     out = Path(cfg.out_dir)

@@ -168,8 +168,14 @@ class LoopbackDeployment:
                 self._spawn(
                     f"supernode-{i}",
                     [
-                        "flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.port}",
-                        "--port", str(free_port()), "--node-config", f"partition-id={i} num-partitions={self.devices}",
+                        "flower-supernode",
+                        "--insecure",
+                        "--superlink",
+                        f"127.0.0.1:{self.port}",
+                        "--port",
+                        str(free_port()),
+                        "--node-config",
+                        f"partition-id={i} num-partitions={self.devices}",
                     ],
                 )
         except BaseException:
@@ -191,14 +197,17 @@ class LoopbackDeployment:
         app.mkdir()
         (app / "pyproject.toml").write_text(_pyproject(config))
         (app / f"{_APP_MODULE}.py").write_text(
-            "from taste_cl.adapters import flower_app\n\n"
-            "server_app = flower_app.server_app\nclient_app = flower_app.client_app\n"
+            "from taste_cl.adapters import flower_app\n\nserver_app = flower_app.server_app\nclient_app = flower_app.client_app\n"
         )
         log = None if self.verbose else open(out / "flwr-run.log", "wb")  # noqa: SIM115
         try:
             cli = subprocess.Popen(
                 [str(self._bin / "flwr"), "run", str(app), "loopback", "--stream"],
-                env=self._env(), cwd=out, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True,
+                env=self._env(),
+                cwd=out,
+                stdout=log,
+                stderr=subprocess.STDOUT if log else None,
+                start_new_session=True,
             )
             self.procs.append(cli)
             deadline = time.monotonic() + self.timeout_s

@@ -352,9 +352,7 @@ def _targets(y: Any, spec: DeviceSpec, n: int) -> np.ndarray:
         y = np.reshape(y, (-1, 1))  # like the learner: a regression target (n,) for an (n, 1) output
     labels = _array(y, spec.labels, "y", n)
     if spec.num_classes is not None and labels.size and (labels.min() < 0 or labels.max() >= spec.num_classes):
-        raise InvalidBatchError(
-            f"y holds labels in [{labels.min()}, {labels.max()}], must be in [0, {spec.num_classes - 1}]"
-        )
+        raise InvalidBatchError(f"y holds labels in [{labels.min()}, {labels.max()}], must be in [0, {spec.num_classes - 1}]")
     return labels
 
 
@@ -436,9 +434,7 @@ class NumpyReplay:
         for key, (dtype, shape) in expected.items():
             array = arrays[key]
             if array.dtype != np.dtype(dtype) or array.shape != (size, *shape):
-                raise ArtifactError(
-                    f"{REPLAY_FILE}: array {key!r} is {array.dtype} {array.shape}, must be {dtype} {(size, *shape)}"
-                )
+                raise ArtifactError(f"{REPLAY_FILE}: array {key!r} is {array.dtype} {array.shape}, must be {dtype} {(size, *shape)}")
             if array.dtype.kind == "f" and not np.isfinite(array).all():
                 raise ArtifactError(f"{REPLAY_FILE}: array {key!r} holds NaN or infinite values")
         y = arrays["y"]
@@ -485,14 +481,8 @@ class OrtSession:
             if options is None:
                 options = C.SessionOptions()
                 options.log_severity_level = 3  # errors only: sessions log every graph pass at INFO
-            self.module = C.Module(
-                str(training_model or folder / TRAINING_MODEL), self.state, str(folder / EVAL_MODEL), device, options
-            )
-            self.optimizer = (
-                C.Optimizer(str(folder / OPTIMIZER_MODEL), self.state, device, options)
-                if spec.optimizer["type"] == "adamw"
-                else None
-            )
+            self.module = C.Module(str(training_model or folder / TRAINING_MODEL), self.state, str(folder / EVAL_MODEL), device, options)
+            self.optimizer = C.Optimizer(str(folder / OPTIMIZER_MODEL), self.state, device, options) if spec.optimizer["type"] == "adamw" else None
         except RuntimeError as error:
             raise ArtifactError(f"ONNX Runtime could not load the artifacts in {str(folder)!r}: {error}") from error
         missing = [name for name in spec.param_names if not self.state.has_parameter(name)]
@@ -633,9 +623,7 @@ class _Loaded:
     replay: NumpyReplay | None = field(default=None)
 
 
-def load(
-    directory: str | os.PathLike[str], *, training_model: Path | None = None, session_options: Any | None = None
-) -> _Loaded:
+def load(directory: str | os.PathLike[str], *, training_model: Path | None = None, session_options: Any | None = None) -> _Loaded:
     """Check an artifact folder completely, then load it (see :meth:`OrtOnlineLearner.from_artifacts`)."""
     _ort()  # the install hint comes before any file is read
     folder = Path(directory)

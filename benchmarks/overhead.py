@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -243,10 +244,7 @@ def run_case(case: Case, args: Any, cache_dir: str) -> dict[str, Any]:
     for block in progress_bar(range(repeats + 1), enabled=not args.no_progress, desc=case.name):
         for variant in VARIANTS:
             batches = [next_batch(variant) for _ in range(steps)]
-            if variant in raws:
-                step: Callable[[torch.Tensor, torch.Tensor], Any] = raws[variant].observe
-            else:
-                step = lambda x, y, learner=learners[variant]: learner.observe((x, y))  # noqa: E731
+            step: Callable[[torch.Tensor, torch.Tensor], Any] = raws[variant].observe if variant in raws else partial(_observe, learners[variant])
             if variant == "defaults" and block == 1:  # count the timed blocks only
                 phases.seconds = dict.fromkeys(PHASES, 0.0)
             start = time.perf_counter()
@@ -335,3 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _observe(learner: OnlineLearner, x: torch.Tensor, y: torch.Tensor) -> Any:
+    return learner.observe((x, y))

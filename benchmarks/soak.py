@@ -9,7 +9,6 @@ Run: ``taste-cl bench soak`` (200k samples) or ``--samples 20000`` for a short o
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from pathlib import Path

@@ -15,18 +15,17 @@ JSON-able description, so checkpoints hold no code).
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
 
 from taste_cl.exceptions import InvalidBatchError
 
-ArrayLike = Union[torch.Tensor, np.ndarray]
-BatchLike = Union[tuple[Any, Any], Sequence[Any], Mapping[str, Any]]
+ArrayLike = torch.Tensor | np.ndarray
+BatchLike = tuple[Any, Any] | Sequence[Any] | Mapping[str, Any]
 Inputs = Any  # a tensor, or a dict / tuple / list of Inputs
 
 __all__ = [
@@ -53,9 +52,7 @@ __all__ = [
 
 # Dtypes whose CPU tensors share memory with a numpy array: there a check is one numpy
 # call (about a microsecond) instead of two torch ops with their dispatch cost.
-_NUMPY_DTYPES = frozenset(
-    {torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
-)
+_NUMPY_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 _INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 # torch's wide unsigned dtypes have few kernels: they become the next signed dtype that holds them.
 _WIDE_UNSIGNED = {torch.uint16: torch.int32, torch.uint32: torch.int64, torch.uint64: torch.int64}
@@ -169,8 +166,10 @@ class Spec:
             raise ValueError(f"input spec must be a mapping with kind tensor/dict/tuple/list; got {data!r:.200}")
         if data["kind"] == "tensor":
             shape = data.get("shape")
-            if data.get("leaf") not in ("float", "int", "bool") or not isinstance(shape, list) or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+            if (
+                data.get("leaf") not in ("float", "int", "bool")
+                or not isinstance(shape, list)
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
             ):
                 raise ValueError(f"input spec leaf is malformed: {data!r:.200}")
             dtype = data.get("dtype", "")
@@ -290,29 +289,21 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
     if isinstance(batch, Mapping):
         missing = [key for key in ("x", "y") if key not in batch]
         if missing:
-            raise InvalidBatchError(
-                f"batch mapping must have keys 'x' and 'y'; missing {missing}, got keys {sorted(map(str, batch))}"
-            )
+            raise InvalidBatchError(f"batch mapping must have keys 'x' and 'y'; missing {missing}, got keys {sorted(map(str, batch))}")
         return batch["x"], batch["y"]
     if isinstance(batch, (tuple, list)):
         if len(batch) != 2:
             raise InvalidBatchError(f"batch must be a pair (x, y); got a {type(batch).__name__} of length {len(batch)}")
         return batch[0], batch[1]
-    raise InvalidBatchError(
-        f"batch must be an (x, y) pair or a mapping with keys 'x' and 'y'; got {type(batch).__name__}"
-    )
+    raise InvalidBatchError(f"batch must be an (x, y) pair or a mapping with keys 'x' and 'y'; got {type(batch).__name__}")
 
 
 def _from_numpy(value: np.ndarray, name: str) -> torch.Tensor:
     kind = value.dtype.kind
     if kind in _NUMPY_REFUSED:
-        raise InvalidBatchError(
-            f"{name} must have a numeric dtype (float, integer or bool); got {_NUMPY_REFUSED[kind]} numpy dtype {value.dtype}"
-        )
+        raise InvalidBatchError(f"{name} must have a numeric dtype (float, integer or bool); got {_NUMPY_REFUSED[kind]} numpy dtype {value.dtype}")
     if kind == "f" and value.dtype.itemsize > 8:
-        raise InvalidBatchError(
-            f"{name} has numpy dtype {value.dtype} (longdouble), which torch cannot hold; convert with .astype(np.float64)"
-        )
+        raise InvalidBatchError(f"{name} has numpy dtype {value.dtype} (longdouble), which torch cannot hold; convert with .astype(np.float64)")
     if not value.dtype.isnative:  # big-endian data on a little-endian machine (or the reverse)
         value = value.astype(value.dtype.newbyteorder("="))
     if kind == "u" and value.dtype.itemsize > 1:
@@ -352,15 +343,12 @@ def as_tensor(value: Any, name: str) -> torch.Tensor:
     raise InvalidBatchError(f"{name} must be a torch.Tensor or numpy.ndarray; got {type(value).__name__}")
 
 
-def _to_leaf(
-    value: Any, expected: Spec | None, name: str, *, min_dim: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, Spec]:
+def _to_leaf(value: Any, expected: Spec | None, name: str, *, min_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, Spec]:
     """Validate one leaf and return a fresh tensor (never the caller's memory) and its spec."""
     x = as_tensor(value, name)
     if x.dim() < min_dim:
         raise InvalidBatchError(
-            f"{name} must have shape (batch, *features) with at least {min_dim} dimension{'s' if min_dim > 1 else ''}; "
-            f"got shape {tuple(x.shape)}"
+            f"{name} must have shape (batch, *features) with at least {min_dim} dimension{'s' if min_dim > 1 else ''}; got shape {tuple(x.shape)}"
         )
     if x.shape[0] == 0:
         raise InvalidBatchError(f"{name} is an empty batch (shape {tuple(x.shape)}); give at least one sample")
@@ -369,13 +357,9 @@ def _to_leaf(
         if not expected.is_tensor:
             raise InvalidBatchError(f"{name} is a tensor but the first batch had a {expected.kind} there")
         if tuple(x.shape[1:]) != expected.shape:
-            raise InvalidBatchError(
-                f"{name} has feature shape {tuple(x.shape[1:])}, expected {expected.shape} (full shape got {tuple(x.shape)})"
-            )
+            raise InvalidBatchError(f"{name} has feature shape {tuple(x.shape[1:])}, expected {expected.shape} (full shape got {tuple(x.shape)})")
         if kind != expected.leaf and (kind, expected.leaf) != ("int", "float"):  # integers for a float leaf are converted
-            raise InvalidBatchError(
-                f"{name} has dtype {x.dtype}; the first batch had {expected.dtype or 'floating point'} there"
-            )
+            raise InvalidBatchError(f"{name} has dtype {x.dtype}; the first batch had {expected.dtype or 'floating point'} there")
         kind = expected.leaf
     if kind == "float":
         x = x.to(device=device, dtype=dtype, copy=True).contiguous()
@@ -395,9 +379,7 @@ def _to_leaf(
     return x, expected or describe(x)
 
 
-def to_inputs(
-    value: Any, *, spec: Spec | None, dtype: torch.dtype, device: torch.device, name: str = "x"
-) -> tuple[Inputs, Spec]:
+def to_inputs(value: Any, *, spec: Spec | None, dtype: torch.dtype, device: torch.device, name: str = "x") -> tuple[Inputs, Spec]:
     """Validate an input batch (a tensor/array or a dict/tuple/list of them) against ``spec``
     (None on the first batch) and return fresh tensors in the model's placement and its spec.
 
@@ -447,16 +429,13 @@ def _to_tree(value: Any, spec: Spec | None, name: str, *, dtype: torch.dtype, de
             want = f"{len(spec.children)} items" if spec.kind in ("tuple", "list") else f"a {spec.kind}"
             raise InvalidBatchError(f"{name} has {len(value)} items, expected {want} like the first batch")
         children = [
-            _to_tree(item, None if spec is None else spec.children[i], f"{name}[{i}]", dtype=dtype, device=device)
-            for i, item in enumerate(value)
+            _to_tree(item, None if spec is None else spec.children[i], f"{name}[{i}]", dtype=dtype, device=device) for i, item in enumerate(value)
         ]
         kind = spec.kind if spec is not None else ("tuple" if isinstance(value, tuple) else "list")
         items = [c for c, _ in children]
         return (tuple(items) if kind == "tuple" else items), Spec(kind, children=tuple(s for _, s in children))
     if spec is None or not spec.is_tensor:
-        raise InvalidBatchError(
-            f"{name} must be a torch.Tensor or numpy.ndarray, or a dict/tuple/list of them; got {type(value).__name__}"
-        )
+        raise InvalidBatchError(f"{name} must be a torch.Tensor or numpy.ndarray, or a dict/tuple/list of them; got {type(value).__name__}")
     return _to_leaf(value, spec, name, min_dim=1, dtype=dtype, device=device)
 
 
@@ -492,7 +471,5 @@ def to_labels(value: Any, *, n: int, num_classes: int | None, device: torch.devi
         low, high = label_range(y)
         if low < 0 or high >= num_classes:
             offending = low if low < 0 else high
-            raise InvalidBatchError(
-                f"{name} has label {offending} out of range; labels must be in [0, {num_classes - 1}]"
-            )
+            raise InvalidBatchError(f"{name} has label {offending} out of range; labels must be in [0, {num_classes - 1}]")
     return y.to(device=device, dtype=torch.long, copy=True)

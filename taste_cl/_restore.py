@@ -349,9 +349,7 @@ def _optimizer_state_value(where: str, key: str, value: Any, shape: tuple[int, .
         return
     tensor = _tensor(where, value)
     got = tuple(tensor.shape)
-    fits = got == shape or (
-        key in _FACTORED_STATE and len(got) == len(shape) and all(g in (1, s) for g, s in zip(got, shape))
-    )
+    fits = got == shape or (key in _FACTORED_STATE and len(got) == len(shape) and all(g in (1, s) for g, s in zip(got, shape)))
     if not fits or not (tensor.is_floating_point() or tensor.is_complex()):
         raise _Invalid(f"`{where}` must be a floating tensor of the parameter's shape {shape}; got {tensor.dtype} {got}")
 
@@ -440,9 +438,7 @@ def _training(ctx: _Context) -> Apply:
     if not isinstance(grads, list) or len(grads) != len(parameters):
         raise _Invalid(f"`training.grads` must be a list of {len(parameters)} entries (one per parameter)")
     for i, (grad, param) in enumerate(zip(grads, parameters)):
-        if grad is not None and (
-            not isinstance(grad, torch.Tensor) or tuple(grad.shape) != tuple(param.shape) or grad.dtype != param.dtype
-        ):
+        if grad is not None and (not isinstance(grad, torch.Tensor) or tuple(grad.shape) != tuple(param.shape) or grad.dtype != param.dtype):
             raise _Invalid(
                 f"`training.grads[{i}]` must be None or a {param.dtype} tensor of shape {tuple(param.shape)}; "
                 f"got {_short(grad) if not isinstance(grad, torch.Tensor) else (grad.dtype, tuple(grad.shape))}"

@@ -85,9 +85,7 @@ class GridSearch:
 
     def nearest_open(self, point: Point) -> Point | None:
         """The unmeasured feasible point nearest ``point`` on the grid, or None if none is left."""
-        open_points = [
-            (b, t) for b in self.batches for t in self.threads if (b, t) not in self.rates and (b, t) not in self.infeasible
-        ]
+        open_points = [(b, t) for b in self.batches for t in self.threads if (b, t) not in self.rates and (b, t) not in self.infeasible]
         here = self._coords(point)
         return min(open_points, key=lambda p: sum(abs(a - c) for a, c in zip(self._coords(p), here)), default=None)
 
@@ -151,4 +149,3 @@ def best_point(observations: list[tuple[int, int, float]]) -> tuple[Point, float
         grouped.setdefault((batch, threads), []).append(rate)
     point = max(grouped, key=lambda p: statistics.fmean(grouped[p]))
     return point, statistics.fmean(grouped[point])
-

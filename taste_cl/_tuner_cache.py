@@ -128,4 +128,3 @@ class SurrogateCache:
 
 def _warn(message: str) -> None:
     warnings.warn(message, TunerCacheWarning, stacklevel=4)
-

@@ -113,8 +113,7 @@ class _Encoder:
                 return {k: self.encode(v, f"{where}.{k}") for k, v in value.items()}
             return {"$dict": [[self.encode(k, f"{where} key"), self.encode(v, f"{where}[{k!r}]")] for k, v in value.items()]}
         raise CheckpointError(
-            f"cannot checkpoint {where}: a {type(value).__name__}; only tensors, dicts, lists, tuples, "
-            "str, int, float, bool and None are stored"
+            f"cannot checkpoint {where}: a {type(value).__name__}; only tensors, dicts, lists, tuples, str, int, float, bool and None are stored"
         )
 
     def _add_tensor(self, tensor: torch.Tensor, where: str) -> str:
@@ -237,9 +236,7 @@ def decode_state(data: bytes, *, limits: CheckpointLimits = DEFAULT_LIMITS, sour
     if len(data) > limits.max_bytes:
         raise CheckpointError(f"{source} is {len(data)} bytes, over the bound max_bytes={limits.max_bytes}")
     if data.startswith(_OLD_MAGIC):
-        raise CheckpointError(
-            f"{source} is a format-1 (pickle-based) checkpoint, which is no longer read; save it again with this version"
-        )
+        raise CheckpointError(f"{source} is a format-1 (pickle-based) checkpoint, which is no longer read; save it again with this version")
     if len(data) < _PREFIX + _LENGTH_SIZE or not data.startswith(_MAGIC):
         raise CheckpointError(f"{source} is not a taste_cl checkpoint (bad header)")
     body = memoryview(data)[_PREFIX:]
@@ -247,9 +244,7 @@ def decode_state(data: bytes, *, limits: CheckpointLimits = DEFAULT_LIMITS, sour
         raise CheckpointError(f"{source} is corrupt or was modified: checksum mismatch")
     header_len = int.from_bytes(body[:_LENGTH_SIZE], "little")
     if header_len > min(limits.max_header_bytes, len(body) - _LENGTH_SIZE):
-        raise CheckpointError(
-            f"{source} has a malformed header: length {header_len} exceeds the file or max_header_bytes={limits.max_header_bytes}"
-        )
+        raise CheckpointError(f"{source} has a malformed header: length {header_len} exceeds the file or max_header_bytes={limits.max_header_bytes}")
     try:
         header = json.loads(bytes(body[_LENGTH_SIZE : _LENGTH_SIZE + header_len]))
     except (ValueError, RecursionError) as error:  # bad UTF-8/JSON, huge ints, deep nesting
@@ -383,9 +378,7 @@ def _read_bounded(path: Path, max_bytes: int) -> bytes:
         os.close(fd)
 
 
-def read_checkpoint(
-    directory: str | os.PathLike[str], *, limits: CheckpointLimits = DEFAULT_LIMITS
-) -> dict[str, Any]:
+def read_checkpoint(directory: str | os.PathLike[str], *, limits: CheckpointLimits = DEFAULT_LIMITS) -> dict[str, Any]:
     """Read and verify a checkpoint written by :func:`write_checkpoint` (a folder or the file itself).
 
     Raises :class:`CheckpointNotFoundError` when there is no file, :class:`CheckpointError`

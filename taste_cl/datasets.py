@@ -88,10 +88,17 @@ def make_cnn(n_classes: int = 10, *, channels: int = 3, seed: int = 0) -> nn.Mod
     torch.manual_seed(seed)
     try:
         return nn.Sequential(
-            nn.Conv2d(channels, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(), nn.Linear(64, n_classes),
+            nn.Conv2d(channels, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(64, n_classes),
         )
     finally:
         torch.set_rng_state(generator_state)
@@ -105,4 +112,3 @@ def make_pattern_images(n: int, *, n_classes: int = 10, size: int = 32, noise: f
     y = torch.randint(0, n_classes, (n,), generator=generator)
     x = patterns[y] + noise * torch.randn(n, 3, size, size, generator=generator)
     return x, y
-

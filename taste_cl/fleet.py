@@ -58,8 +58,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         config = FleetConfig(
-            devices=args.devices, rounds=args.rounds, method=args.method, personal=args.personal, privacy=args.privacy,
-            clip=args.clip, noise=args.noise, epsilon=args.epsilon, seed=args.seed,
+            devices=args.devices,
+            rounds=args.rounds,
+            method=args.method,
+            personal=args.personal,
+            privacy=args.privacy,
+            clip=args.clip,
+            noise=args.noise,
+            epsilon=args.epsilon,
+            seed=args.seed,
         )
         deployment = LoopbackDeployment(args.devices, timeout_s=args.timeout, verbose=args.verbose)
     except ValueError as error:
@@ -72,12 +79,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted: every process this command started has been stopped", file=sys.stderr)
         return 130
     final = result["evaluations"][str(args.rounds)]
-    print(format_table(["device", "accuracy all", "accuracy own"],
-                       [[d, m["accuracy-all"], m["accuracy-own"]] for d, m in sorted(final.items(), key=lambda kv: int(kv[0]))]))
+    print(
+        format_table(
+            ["device", "accuracy all", "accuracy own"],
+            [[d, m["accuracy-all"], m["accuracy-own"]] for d, m in sorted(final.items(), key=lambda kv: int(kv[0]))],
+        )
+    )
     print()
-    print(format_table(["round", "accepted", "dropped", "bytes down", "bytes up", "seconds"],
-                       [[r["server_round"], r["accepted"], r["dropped"], r["bytes_down"], r["bytes_up"], r["seconds"]]
-                        for r in result["rounds"]]))
+    print(
+        format_table(
+            ["round", "accepted", "dropped", "bytes down", "bytes up", "seconds"],
+            [[r["server_round"], r["accepted"], r["dropped"], r["bytes_down"], r["bytes_up"], r["seconds"]] for r in result["rounds"]],
+        )
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"result written to {args.out}")

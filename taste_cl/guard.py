@@ -301,4 +301,3 @@ class ProbeGuard(LearnerPlugin):
     def lost_updates(self) -> float:
         """Share of windows rolled back (NaN before the first window)."""
         return self.rollbacks / self.windows if self.windows else math.nan
-

@@ -23,10 +23,10 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,7 +63,6 @@ from taste_cl.strategies import Strategy, resolve_strategy
 from taste_cl.tasks import Classification, Task, infer_task, resolve_task
 
 __all__ = ["BatchPlan", "ObserveStats", "OnlineLearner"]
-
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,7 @@ class ObserveStats:
 
     def __str__(self) -> str:
         """One rounded line for ``print(stats)``."""
-        fields = {
+        fields: dict[str, float | int | None] = {
             "loss": self.loss,
             **(self.metrics or {"accuracy": self.accuracy}),
             "samples": self.samples,
@@ -460,7 +459,7 @@ class OnlineLearner:
             self._window_stream += n
         finite = True
         stream_outputs = self._logits(x) if self._score_eval else None
-        for iteration in range(self.train_iterations):
+        for _ in range(self.train_iterations):
             train_x, train_y, fields = self._with_replay(x, y, n_replay)
             outputs, loss = self._micro_step(train_x, train_y, n, fields, weight)
             finite &= math.isfinite(loss)
@@ -798,24 +797,19 @@ def _check_optimizer_covers(model: nn.Module, optimizer: torch.optim.Optimizer) 
     named = list(model.named_parameters())
     if named and not any(id(p) in held for _, p in named):
         raise ValueError(
-            "optimizer holds none of the model's parameters (was it built for another model or a copy?); "
-            "build it from model.parameters()"
+            "optimizer holds none of the model's parameters (was it built for another model or a copy?); build it from model.parameters()"
         )
     missing = [name for name, p in named if p.requires_grad and id(p) not in held]
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(
-            f"{len(missing)} trainable parameter(s) are in no optimizer group: {shown}; "
-            "add them to the optimizer or set requires_grad=False"
+            f"{len(missing)} trainable parameter(s) are in no optimizer group: {shown}; add them to the optimizer or set requires_grad=False"
         )
 
 
 def _check_replay_fits(replay: ReplayStrategy | None, task: Task | None) -> None:
     if isinstance(replay, ClassBalancedReplay) and task is not None and not task.balances_classes:
-        raise ValueError(
-            f"ClassBalancedReplay balances on one class label per sample; the {task.name} task has none. "
-            "Use ReservoirReplay"
-        )
+        raise ValueError(f"ClassBalancedReplay balances on one class label per sample; the {task.name} task has none. Use ReservoirReplay")
 
 
 def _total_norm(tensors: list[torch.Tensor]) -> float:

@@ -212,9 +212,7 @@ class StabilityPlasticityMonitor:
         return list(self._events)
 
     # ----------------------------------------------------------- measurements
-    def record(
-        self, x: Any, y: torch.Tensor, outputs: torch.Tensor, *, validated: bool = False, store: bool = True
-    ) -> tuple[float, ...]:
+    def record(self, x: Any, y: torch.Tensor, outputs: torch.Tensor, *, validated: bool = False, store: bool = True) -> tuple[float, ...]:
         """Score a stream batch with outputs computed *before* training on it, then store it in the probe.
 
         Returns the task's additive statistics of the batch (for classification
@@ -385,6 +383,7 @@ class StabilityPlasticityMonitor:
 
 def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, Any]:
     """Validate a monitor state into plain values and new probe/detector objects (``monitor`` is untouched)."""
+
     def fail(key: str, rule: str) -> ValueError:
         value = state.get(key) if isinstance(state, dict) else None
         return ValueError(f"monitor state `{key}` {rule}; got {str(value)[:80]}")
@@ -421,9 +420,7 @@ def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, A
         raise fail("recent", f"must be a list of [*{task.name} statistics, loss] rows of length {width}")
     recent_items = []
     for row in recent:
-        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in row) or not all(
-            math.isfinite(v) and v >= 0 for v in row[:-1]
-        ):
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in row) or not all(math.isfinite(v) and v >= 0 for v in row[:-1]):
             raise fail("recent", "needs finite, non-negative statistics and a numeric loss")
         stats = tuple(float(v) for v in row[:-1])
         primary = task.metrics(stats)[task.primary]

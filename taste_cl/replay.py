@@ -78,15 +78,11 @@ class ReplayStrategy(ABC):
 
     def state_dict(self) -> State:
         """Everything needed to resume: tensors, ints, floats, strings, lists and dicts only."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not implement state_dict(); learner checkpoints need it"
-        )
+        raise NotImplementedError(f"{type(self).__name__} does not implement state_dict(); learner checkpoints need it")
 
     def load_state_dict(self, state: State) -> None:
         """Restore what :meth:`state_dict` returned."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not implement load_state_dict(); learner checkpoints need it"
-        )
+        raise NotImplementedError(f"{type(self).__name__} does not implement load_state_dict(); learner checkpoints need it")
 
 
 class BufferStorage:
@@ -146,8 +142,7 @@ class BufferStorage:
         if any(t.dim() < 1 or t.shape[0] != n for t in [*x_leaves, *named.values()]):
             shapes = [tuple(t.shape) for t in x_leaves]
             raise InvalidBatchError(
-                f"x must be (n, *features) and y (n, ...) with the same n; got {shapes if len(shapes) > 1 else shapes[0]} "
-                f"and {tuple(y.shape)}"
+                f"x must be (n, *features) and y (n, ...) with the same n; got {shapes if len(shapes) > 1 else shapes[0]} and {tuple(y.shape)}"
             )
         for t in x_leaves:
             if count_nonfinite(t):
@@ -255,7 +250,7 @@ class BufferStorage:
             return
         fields = state.get("fields", {})
         if not isinstance(fields, dict) or not all(isinstance(name, str) for name in fields):
-            raise ValueError("storage state `fields` must map names to tensors")  # noqa: TRY004 (a bad state is a ValueError)
+            raise ValueError("storage state `fields` must map names to tensors")
         try:
             spec = Spec.from_json(state["x_spec"]) if "x_spec" in state else None
             x = state.get("x") if spec is None else unflatten(spec, list(state["x"]))
@@ -360,9 +355,7 @@ class _SeededStrategy(ReplayStrategy):
     def _parse_base_state(self, state: State) -> tuple[BufferStorage, torch.Generator]:
         """New storage and generator from ``state`` (ValueError if anything is off); ``self`` is untouched."""
         if not isinstance(state, dict) or not _is_int(state.get("capacity"), self.capacity):
-            raise ValueError(
-                f"checkpointed {type(self).__name__} has capacity {_describe(state, 'capacity')}, this one has {self.capacity}"
-            )
+            raise ValueError(f"checkpointed {type(self).__name__} has capacity {_describe(state, 'capacity')}, this one has {self.capacity}")
         storage = BufferStorage(self.capacity)
         storage.load_state_dict(state.get("storage", {}))
         return storage, _parse_generator(state.get("generator"))
@@ -530,7 +523,7 @@ class ClassBalancedReplay(_SeededStrategy):
             raise ValueError("`classes` must be distinct and as long as `seen` and `slots`")
         if not all(isinstance(c, int) and not isinstance(c, bool) for c in classes):
             raise ValueError("`classes` must be ints")
-        slot_lists = [[int(i) for i in (s.tolist() if isinstance(s, torch.Tensor) and s.dim() == 1 and not s.is_floating_point() else [])] for s in slots]
+        slot_lists = [_slot_list(s) for s in slots]
         if sorted(i for lst in slot_lists for i in lst) != list(range(len(storage))):
             raise ValueError(f"`slots` must list each of the {len(storage)} stored slots exactly once")
         if len(storage) and (storage.labels.dtype != torch.long or storage.labels.dim() != 1):
@@ -549,3 +542,10 @@ class ClassBalancedReplay(_SeededStrategy):
         self._seen = {c: int(s) for c, s in zip(self._classes, seen)}
         self._slots = dict(zip(self._classes, slot_lists))
         self._set_quotas()
+
+
+def _slot_list(slots: Any) -> list[int]:
+    """Slots of one class from a checkpoint: a 1-D integer tensor, else none (the count check refuses it)."""
+    if isinstance(slots, torch.Tensor) and slots.dim() == 1 and not slots.is_floating_point():
+        return [int(i) for i in slots.tolist()]
+    return []

@@ -232,9 +232,7 @@ class UpdateGuard:
         with torch.no_grad():
             saved_params = torch._foreach_mul(params, 1.0)  # one fused copy
         saved_state = {
-            p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[p].items()}
-            for p in params
-            if p in optimizer.state
+            p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[p].items()} for p in params if p in optimizer.state
         }
         optimizer.step()
         if math.isfinite(float(torch.nn.utils.get_total_norm(params, norm_type=math.inf))):  # max |p|: no overflow
@@ -331,9 +329,7 @@ class UpdateGuard:
             raise ValueError(f"guard `diverging == {state['diverging']!r}`, must be a bool")  # noqa: TRY004
         counters["diverging"] = state["diverging"]
         losses = state["window_losses"]
-        if not isinstance(losses, list) or len(losses) > 2**20 or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in losses
-        ):
+        if not isinstance(losses, list) or len(losses) > 2**20 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in losses):
             raise ValueError("guard `window_losses` must be a list of numbers (the losses of the open window)")
         counters["window_losses"] = [float(v) for v in losses]
         return guard, counters

@@ -93,9 +93,7 @@ class DemoServer:
         }
         for name, folder in roots.items():
             if not folder.is_dir():
-                raise FileNotFoundError(
-                    f"demo folder {str(folder)!r} ({name or 'page'}) is missing; serve-demo needs a source checkout"
-                )
+                raise FileNotFoundError(f"demo folder {str(folder)!r} ({name or 'page'}) is missing; serve-demo needs a source checkout")
         if not (roots["web"] / _ORT_BUNDLE).is_file():
             raise FileNotFoundError(f"onnxruntime-web is not installed: run `npm install` in {str(roots['web'])!r}")
         self._httpd = ThreadingHTTPServer((HOST, port), partial(_Handler, roots=roots))
@@ -130,17 +128,13 @@ def browser_tools(root: Path | None = None) -> tuple[str, list[str]]:
     version = subprocess.run([node, "--version"], capture_output=True, text=True, check=False).stdout.strip()
     major_minor = tuple(int(part) for part in version.lstrip("v").split(".")[:2] if part.isdigit())
     if major_minor < (20, 10):
-        raise FileNotFoundError(
-            f"node {version or '(unknown version)'} is too old: the browser driver needs Node >= 20.10"
-        )
+        raise FileNotFoundError(f"node {version or '(unknown version)'} is too old: the browser driver needs Node >= 20.10")
     if not ((root or repo_root()) / "web" / _ORT_BUNDLE).is_file():
         raise FileNotFoundError("onnxruntime-web is not installed: run `npm install` in web/")
     return chromium, [node, "--experimental-websocket"] if major_minor < (22, 0) else [node]
 
 
-def _wait(
-    process: subprocess.Popen[bytes], pause: Path, on_pause: Callable[[str], None] | None, deadline: float
-) -> None:
+def _wait(process: subprocess.Popen[bytes], pause: Path, on_pause: Callable[[str], None] | None, deadline: float) -> None:
     """Wait for the driver, serving its pauses; TimeoutExpired past ``deadline``."""
     while process.poll() is None:
         if pause.is_file() and on_pause is not None:
@@ -180,11 +174,7 @@ def drive_browser(
     chromium, node = browser_tools(root)
     with tempfile.TemporaryDirectory(prefix="taste-cl-drive-") as scratch:
         spec, out = Path(scratch) / "spec.json", Path(scratch) / "out.json"
-        spec.write_text(
-            json.dumps(
-                {"chromium": chromium, "out": str(out), "steps": steps, "timeout_ms": 60000, "js_flags": js_flags}
-            )
-        )
+        spec.write_text(json.dumps({"chromium": chromium, "out": str(out), "steps": steps, "timeout_ms": 60000, "js_flags": js_flags}))
         script = root / "web" / "tools" / "drive.mjs"
         log = Path(scratch) / "driver.log"
         with log.open("w") as sink:
@@ -202,9 +192,7 @@ def drive_browser(
                 process.wait()
             _stop_group(Path(f"{out}.pid"))
         if not out.is_file():
-            raise RuntimeError(
-                f"browser driver wrote no results (exit {process.returncode}): {log.read_text()[-2000:]}"
-            )
+            raise RuntimeError(f"browser driver wrote no results (exit {process.returncode}): {log.read_text()[-2000:]}")
         results: dict[str, Any] = json.loads(out.read_text())
     if "error" in results:
         raise RuntimeError(f"browser step failed: {results['error']}\n{results.get('browser_stderr', '')[-1500:]}")

@@ -69,9 +69,7 @@ class Task(ABC):
         """Raise :class:`InvalidBatchError` unless a model output of ``(n, *output_shape)`` fits."""
 
     @abstractmethod
-    def to_targets(
-        self, value: Any, *, n: int, output_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
+    def to_targets(self, value: Any, *, n: int, output_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Validate a target batch for outputs ``(n, *output_shape)``; return a fresh tensor."""
 
     @abstractmethod
@@ -121,9 +119,7 @@ def _class_targets(
             low, high = label_range(valid)
             if low < 0 or high >= num_classes:
                 extra = "" if ignore_index is None else f" (or {ignore_index}, ignored)"
-                raise InvalidBatchError(
-                    f"y has label {low if low < 0 else high} out of range; labels must be in [0, {num_classes - 1}]{extra}"
-                )
+                raise InvalidBatchError(f"y has label {low if low < 0 else high} out of range; labels must be in [0, {num_classes - 1}]{extra}")
     return y.to(device=device, dtype=torch.long, copy=True)
 
 

@@ -47,9 +47,7 @@ def _rows(x: Any, y: torch.Tensor) -> list[tuple[float, ...]]:
     return [tuple(row) for row in flat.tolist()]
 
 
-def check_replay_strategy(
-    strategy: ReplayStrategy, *, n_features: int = 4, n_classes: int = 3, structured: bool = False
-) -> None:
+def check_replay_strategy(strategy: ReplayStrategy, *, n_features: int = 4, n_classes: int = 3, structured: bool = False) -> None:
     """Raise ``AssertionError`` naming the rule an empty ``strategy`` breaks.
 
     Checked: starts empty; ``len`` stays within ``capacity``; ``add`` does not modify its

@@ -241,8 +241,12 @@ class BatchSizeTuner(LearnerPlugin):
             ("probe_samples", probe_samples, 1),
         ):
             _int_arg(label, value, low)
-        for label, size in (("effective_batch_size", effective_batch_size), ("reference_batch_size", reference_batch_size),
-                             ("max_wait_samples", max_wait_samples), ("retune_every", retune_every)):
+        for label, size in (
+            ("effective_batch_size", effective_batch_size),
+            ("reference_batch_size", reference_batch_size),
+            ("max_wait_samples", max_wait_samples),
+            ("retune_every", retune_every),
+        ):
             _int_arg(label, size, 1, optional=True)
         if not callable(lr_rule) and lr_rule not in _LR_RULES:
             raise ValueError(f"`lr_rule == {lr_rule!r}`, must be one of {', '.join(map(repr, _LR_RULES))} or a callable")
@@ -342,11 +346,27 @@ class BatchSizeTuner(LearnerPlugin):
         self.cache.save(key, CachedSurface(minimum, known + observations))
         infeasible += [(b, t, why) for (b, t), why in search.infeasible.items()]
         result = TuningResult(
-            batch, rate, checks + observations, time.perf_counter() - start, bool(known), key, candidates, best_threads, minimum, infeasible,
+            batch,
+            rate,
+            checks + observations,
+            time.perf_counter() - start,
+            bool(known),
+            key,
+            candidates,
+            best_threads,
+            minimum,
+            infeasible,
             statistics.fmean(at_top) if at_top else None,
         )
-        logger.info("tuned batch %d x %d threads (%.0f samples/s), %d probes in %.2fs (warm=%s)",
-                    batch, best_threads, rate, len(observations), result.seconds, result.warm)
+        logger.info(
+            "tuned batch %d x %d threads (%.0f samples/s), %d probes in %.2fs (warm=%s)",
+            batch,
+            best_threads,
+            rate,
+            len(observations),
+            result.seconds,
+            result.warm,
+        )
         return result
 
     def _search(
@@ -534,8 +554,11 @@ class BatchSizeTuner(LearnerPlugin):
             plan = self.plan_for(result, learner.optimizer)
             micro, accumulation, lr_scale = plan if plan is not None else (None, 1, 1.0)
             learner.set_batch_plan(
-                micro, accumulation_steps=accumulation, lr_scale=lr_scale,
-                max_wait_samples=self.max_wait_samples, max_wait_s=self.max_wait_s,
+                micro,
+                accumulation_steps=accumulation,
+                lr_scale=lr_scale,
+                max_wait_samples=self.max_wait_samples,
+                max_wait_s=self.max_wait_s,
             )
         except Exception as error:  # noqa: BLE001 - a failed tune must never break observe
             self._failures += 1
@@ -627,7 +650,15 @@ def _result_from_state(saved: Any) -> TuningResult:
     if top is not None and (isinstance(top, bool) or not isinstance(top, (int, float)) or not 0 < top <= MAX_SAMPLES_PER_S):
         raise ValueError(f"tuner state result.top_samples_per_s must be None or a rate in (0, {MAX_SAMPLES_PER_S:g}]; got {top!r}")
     return TuningResult(
-        saved["batch_size"], float(saved["samples_per_s"]), probes, float(saved["seconds"]), saved["warm"], saved["key"],
-        list(candidates), saved["threads"], saved["min_batch_size"], [(int(b), int(t), str(r)) for b, t, r in infeasible],
+        saved["batch_size"],
+        float(saved["samples_per_s"]),
+        probes,
+        float(saved["seconds"]),
+        saved["warm"],
+        saved["key"],
+        list(candidates),
+        saved["threads"],
+        saved["min_batch_size"],
+        [(int(b), int(t), str(r)) for b, t, r in infeasible],
         None if top is None else float(top),
     )

@@ -428,9 +428,7 @@ def profile_tensors(
             while True:
                 _run_rounds(measures, target - rounds, device=device, rng=rng)
                 rounds = target
-                profile = _summarise(
-                    units, weight, act, forward, backward, param_bytes, input_bytes, act_bytes, granularity, rounds
-                )
+                profile = _summarise(units, weight, act, forward, backward, param_bytes, input_bytes, act_bytes, granularity, rounds)
                 if profile.relative_noise() <= tolerance or rounds >= max_rounds:
                     break
                 target = min(2 * rounds, max_rounds)

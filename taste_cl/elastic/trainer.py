@@ -264,9 +264,7 @@ class ElasticTrainer(LearnerPlugin):
             "windows": len(rows),
             "raw": mean_error("raw_s"),
             "corrected": mean_error("predicted_s"),
-            "corrected_after_first": (
-                statistics.fmean(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in later) if later else None
-            ),
+            "corrected_after_first": (statistics.fmean(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in later) if later else None),
         }
 
     def apply_selection(self, selected: Sequence[str]) -> None:
