@@ -3,7 +3,9 @@
 Each block runs alone (nothing from the blocks before it), in a fresh namespace, in a
 temporary working directory, under a time limit. A block that is not meant to run alone
 (it shows a call inside a larger program) is marked by the line ``<!-- fragment -->``
-right before its opening fence. A block needing an optional extra that is not installed
+right before its opening fence. A block that starts real processes for minutes (the
+Flower deployment) is marked ``<!-- slow -->``: it runs under the ``slow`` marker, with a
+longer limit, in CI's slow step. A block needing an optional extra that is not installed
 is skipped (the ``[all]`` extra installs them all).
 """
 
@@ -21,7 +23,9 @@ from taste_cl.exceptions import MissingDependencyError
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAGMENT = "<!-- fragment -->"
+SLOW = "<!-- slow -->"
 TIMEOUT_S = 120
+SLOW_TIMEOUT_S = 900
 # top-level modules of the optional extras: a block that needs a missing one is skipped
 EXTRAS = {"avalanche", "flwr", "onnx", "onnxruntime", "ray", "torchvision"}
 _FENCE = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -29,16 +33,26 @@ _FENCE = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 def python_blocks(path: Path) -> Iterator[tuple[int, str]]:
     """``(line number, code)`` of each ```python block of ``path`` not marked as a fragment."""
+    for line, code, _ in _marked_blocks(path):
+        yield line, code
+
+
+def _marked_blocks(path: Path) -> Iterator[tuple[int, str, bool]]:
+    """``(line number, code, slow)`` of each runnable block of ``path``."""
     text = path.read_text()
     for match in _FENCE.finditer(text):
-        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        if before.strip() != FRAGMENT:
-            yield text.count("\n", 0, match.start()) + 1, match.group(1)
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
+        if before != FRAGMENT:
+            yield text.count("\n", 0, match.start()) + 1, match.group(1), before == SLOW
 
 
 def _cases() -> list[pytest.param]:
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    return [pytest.param(code, id=f"{path.relative_to(ROOT)}:{line}") for path in files for line, code in python_blocks(path)]
+    return [
+        pytest.param(code, SLOW_TIMEOUT_S if slow else TIMEOUT_S, id=f"{path.relative_to(ROOT)}:{line}", marks=[pytest.mark.slow] if slow else [])
+        for path in files
+        for line, code, slow in _marked_blocks(path)
+    ]
 
 
 def test_the_extraction_finds_blocks_and_honours_the_fragment_marker(tmp_path: Path) -> None:
@@ -49,17 +63,17 @@ def test_the_extraction_finds_blocks_and_honours_the_fragment_marker(tmp_path: P
 
 
 def _timeout(signum: int, frame: FrameType | None) -> None:
-    raise TimeoutError(f"the block ran longer than {TIMEOUT_S} s")
+    raise TimeoutError("the block ran past its time limit")
 
 
-@pytest.mark.parametrize("code", _cases())
-def test_block_runs_alone(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("code", "limit_s"), _cases())
+def test_block_runs_alone(code: str, limit_s: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # files a block writes (ckpt/, artifacts/) land here
     monkeypatch.setenv("TASTE_CL_CACHE_DIR", str(tmp_path / "cache"))  # tuner/profiler caches too
     if not hasattr(signal, "SIGALRM"):
         pytest.skip("the time limit needs SIGALRM (POSIX)")
     previous = signal.signal(signal.SIGALRM, _timeout)
-    signal.alarm(TIMEOUT_S)
+    signal.alarm(limit_s)
     try:
         exec(compile(code, "<doc block>", "exec"), {"__name__": "__main__"})
     except ModuleNotFoundError as error:
