@@ -27,12 +27,7 @@ from taste_cl.adapters.executorch import (
 STEPS = 20
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class TinyText(nn.Module):

@@ -18,12 +18,7 @@ from taste_cl.adapters.device_export import AUTO_ORDER
 from taste_cl.adapters.executorch import EtOnlineLearner
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trained(model: nn.Module, shape: tuple[int, ...], optimizer: torch.optim.Optimizer | None = None) -> OnlineLearner:

@@ -26,13 +26,7 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models train several times faster on one thread than on two contended ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _mlp() -> nn.Module:

@@ -31,12 +31,7 @@ from taste_cl.demo import make_mlp
 Batch = tuple[Any, torch.Tensor]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _digits() -> tuple[OnlineLearner, Callable[[int, int], Batch]]:

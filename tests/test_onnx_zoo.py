@@ -46,12 +46,7 @@ CNN_LR = 0.01
 BATCH = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _call(model: nn.Module, x: Any) -> torch.Tensor:

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from taste_cl.benchmarks.soak import run_soak
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """A tiny model on a shared 2-core machine runs ~10x faster on one intra-op thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _check(result: dict, samples: int) -> None:

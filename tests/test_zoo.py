@@ -32,12 +32,7 @@ EXPECTED_TASK = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batch_size(case: ZooCase) -> int:
