@@ -602,6 +602,7 @@ def export_model(
         "output": device.TensorSpec(device.OUTPUT_NAME, "float32", tuple(output_shape)).as_json(),
         "loss": type(loss_fn).__name__,
         "num_classes": num_classes,
+        "ignore_index": int(loss_fn.ignore_index) if isinstance(loss_fn, nn.CrossEntropyLoss) else None,
         "source_dtype": str(source_dtype).removeprefix("torch."),
         "optimizer": config,
         "batchnorm": batchnorm,
