@@ -241,7 +241,9 @@ def _write_adamw_state(folder: Path, spec: device.DeviceSpec, state: dict[str, d
 
     session = device.OrtSession(folder, spec)
     session.lr = 0.0
-    session.train_step(*example)
+    session.module.lazy_reset_grad()  # a bare step: no running statistics written back
+    session._run(*example, True)
+    session.optimizer.optimizer_step()
     session._C.save_checkpoint(session.state, str(folder / device.CHECKPOINT), True)
     del session
     data = bytearray((folder / device.CHECKPOINT).read_bytes())

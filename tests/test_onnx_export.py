@@ -180,3 +180,18 @@ def test_token_tagger_trains_on_device_with_ignored_padding(tmp_path: Path) -> N
     assert stats.loss == pytest.approx(expected, rel=1e-5)
     with pytest.raises(InvalidBatchError, match=r"must be in \[0, 3\] \(or -100, ignored\)"):
         device.observe((x.numpy(), np.full_like(y.numpy(), 7)))
+
+
+def test_adamw_state_and_batch_statistics_travel_unchanged(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(6, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _example()
+    for _ in range(2):  # moments, step and running statistics all non-trivial
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    folder = export_model(model, nn.CrossEntropyLoss(), optimizer, (x, y), tmp_path / "art", batchnorm="batch")
+    exported = OrtOnlineLearner.from_artifacts(folder).parameters()
+    for name, value in model.state_dict().items():
+        if name in exported:
+            np.testing.assert_array_equal(exported[name], value.numpy(), err_msg=name)
