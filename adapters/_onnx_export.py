@@ -224,7 +224,9 @@ def _write_adamw_state(folder: Path, spec: device.DeviceSpec, state: dict[str, d
 
     session = device.OrtSession(folder, spec)
     session.lr = 0.0
-    session.train_step(*example)
+    session.module.lazy_reset_grad()  # a bare step: no running statistics written back
+    session._run(*example, True)
+    session.optimizer.optimizer_step()
     session._C.save_checkpoint(session.state, str(folder / device.CHECKPOINT), True)
     del session
     data = bytearray((folder / device.CHECKPOINT).read_bytes())
@@ -591,6 +593,7 @@ def export_model(
         "loss": type(loss_fn).__name__,
         "task": None if task is None else task.config(),
         "num_classes": num_classes,
+        "ignore_index": int(loss_fn.ignore_index) if isinstance(loss_fn, nn.CrossEntropyLoss) else None,
         "source_dtype": str(source_dtype).removeprefix("torch."),
         "optimizer": config,
         "batchnorm": batchnorm,

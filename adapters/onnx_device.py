@@ -129,6 +129,7 @@ class DeviceSpec:
     labels: TensorSpec
     output: TensorSpec
     num_classes: int | None
+    ignore_index: int | None
     optimizer: dict[str, Any]
     param_names: dict[str, str]
     trainable: tuple[str, ...]
@@ -267,6 +268,9 @@ def parse_manifest(manifest: Mapping[str, Any]) -> DeviceSpec:
         num_classes = _int(manifest, "num_classes", 1, MAX_CLASSES)
     if (labels.dtype == "int64") != (num_classes is not None):
         raise _fail("num_classes", num_classes, "an int exactly when the labels are int64 class indices")
+    ignore_index = manifest.get("ignore_index")
+    if ignore_index is not None:
+        ignore_index = _int(manifest, "ignore_index", -(2**31), 2**31 - 1)
     param_names = manifest.get("param_names")
     if not isinstance(param_names, Mapping) or not param_names:
         raise _fail("param_names", param_names, "a non-empty object mapping graph names to PyTorch names")
@@ -292,6 +296,7 @@ def parse_manifest(manifest: Mapping[str, Any]) -> DeviceSpec:
         labels=labels,
         output=output,
         num_classes=num_classes,
+        ignore_index=ignore_index,
         optimizer=_optimizer(manifest.get("optimizer")),
         param_names=dict(param_names),
         trainable=tuple(trainable),
@@ -347,12 +352,24 @@ def _features(x: Any, spec: DeviceSpec) -> list[np.ndarray]:
     return arrays
 
 
+def _bad_labels(labels: np.ndarray, spec: DeviceSpec) -> str | None:
+    """Why class labels are out of range (the loss's ``ignore_index`` is allowed), or None."""
+    if spec.num_classes is None:
+        return None
+    kept = labels[labels != spec.ignore_index] if spec.ignore_index is not None else labels
+    if kept.size and (kept.min() < 0 or kept.max() >= spec.num_classes):
+        ignored = f" (or {spec.ignore_index}, ignored)" if spec.ignore_index is not None else ""
+        return f"labels in [{kept.min()}, {kept.max()}], must be in [0, {spec.num_classes - 1}]{ignored}"
+    return None
+
+
 def _targets(y: Any, spec: DeviceSpec, n: int) -> np.ndarray:
     if spec.labels.dtype == "float32" and spec.labels.shape == (1,) and np.ndim(y) == 1:
         y = np.reshape(y, (-1, 1))  # like the learner: a regression target (n,) for an (n, 1) output
     labels = _array(y, spec.labels, "y", n)
-    if spec.num_classes is not None and labels.size and (labels.min() < 0 or labels.max() >= spec.num_classes):
-        raise InvalidBatchError(f"y holds labels in [{labels.min()}, {labels.max()}], must be in [0, {spec.num_classes - 1}]")
+    problem = _bad_labels(labels, spec)
+    if problem:
+        raise InvalidBatchError(f"y holds {problem}")
     return labels
 
 
@@ -438,8 +455,9 @@ class NumpyReplay:
             if array.dtype.kind == "f" and not np.isfinite(array).all():
                 raise ArtifactError(f"{REPLAY_FILE}: array {key!r} holds NaN or infinite values")
         y = arrays["y"]
-        if spec.num_classes is not None and size and (y.min() < 0 or y.max() >= spec.num_classes):
-            raise ArtifactError(f"{REPLAY_FILE}: labels in [{y.min()}, {y.max()}], must be in [0, {spec.num_classes - 1}]")
+        problem = _bad_labels(y, spec)
+        if problem:
+            raise ArtifactError(f"{REPLAY_FILE}: {problem}")
         for i in range(len(spec.inputs)):
             replay._x[i][:size] = arrays[f"x{i}"]
         replay._y[:size] = y

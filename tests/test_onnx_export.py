@@ -18,6 +18,7 @@ from zoo import ZOO
 from taste_cl.adapters import _onnx_export
 from taste_cl.adapters.onnx import ParityError, UnsupportedOperatorError, export_model
 from taste_cl.adapters.onnx_device import OrtOnlineLearner
+from taste_cl.exceptions import InvalidBatchError
 
 
 def _mlp() -> nn.Module:
@@ -164,3 +165,33 @@ def test_export_prints_no_onnxruntime_info_logs(tmp_path: Path, capfd: pytest.Ca
     _export(_mlp(), tmp_path / "art")
     OrtOnlineLearner.from_artifacts(tmp_path / "art").observe(tuple(t.numpy() for t in _example()))
     assert "[I:onnxruntime" not in capfd.readouterr().err
+
+
+def test_token_tagger_trains_on_device_with_ignored_padding(tmp_path: Path) -> None:
+    case = ZOO["token_tagger"]
+    model, loss_fn, optimizer = case.build(0)
+    folder = export_model(model, loss_fn, optimizer, case.batch(4), tmp_path / "art")
+    device = OrtOnlineLearner.from_artifacts(folder)
+    x, y = case.batch(6, 1)
+    assert (y == -100).any()  # padded positions carry the ignore index
+    stats = device.observe((x.numpy(), y.numpy()))
+    with torch.no_grad():
+        expected = float(loss_fn(model(x), y))
+    assert stats.loss == pytest.approx(expected, rel=1e-5)
+    with pytest.raises(InvalidBatchError, match=r"must be in \[0, 3\] \(or -100, ignored\)"):
+        device.observe((x.numpy(), np.full_like(y.numpy(), 7)))
+
+
+def test_adamw_state_and_batch_statistics_travel_unchanged(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(6, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _example()
+    for _ in range(2):  # moments, step and running statistics all non-trivial
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    folder = export_model(model, nn.CrossEntropyLoss(), optimizer, (x, y), tmp_path / "art", batchnorm="batch")
+    exported = OrtOnlineLearner.from_artifacts(folder).parameters()
+    for name, value in model.state_dict().items():
+        if name in exported:
+            np.testing.assert_array_equal(exported[name], value.numpy(), err_msg=name)
