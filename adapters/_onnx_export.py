@@ -225,7 +225,9 @@ def _write_adamw_state(folder: Path, spec: device.DeviceSpec, state: dict[str, d
     session = device.OrtSession(folder, spec)
     session.lr = 0.0
     session.module.lazy_reset_grad()  # a bare step: no running statistics written back
-    session._run(*example, True)
+    inputs, labels = example
+    session._run(inputs, labels, True)
+    assert session.optimizer is not None  # the session was built from a training folder
     session.optimizer.optimizer_step()
     session._C.save_checkpoint(session.state, str(folder / device.CHECKPOINT), True)
     del session
