@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from taste_cl._checks import check_int
 from taste_cl.datasets import Task
 from taste_cl.evaluation import accuracy, average_forgetting, backward_transfer
 from taste_cl.exceptions import MissingDependencyError
@@ -357,8 +358,7 @@ def _plugin_class() -> type[Any]:
 
         def __init__(self, monitor: StabilityPlasticityMonitor | None = None, *, batch_size: int = 256) -> None:
             super().__init__()
-            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-                raise ValueError(f"`batch_size == {batch_size!r}`, must be an int >= 1")
+            check_int("batch_size", batch_size, 1)
             self.monitor = monitor if monitor is not None else StabilityPlasticityMonitor()
             self.batch_size = batch_size
             self._evaluated_at = 0
@@ -578,8 +578,7 @@ def run_on_avalanche_stream(
     the accuracy matrix, forgetting and BWT (:func:`avalanche_metrics` names them the
     Avalanche way). ``train_seconds`` counts only ``observe`` calls.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"`batch_size == {batch_size!r}`, must be an int >= 1")
+    check_int("batch_size", batch_size, 1)
     train_stream = getattr(benchmark_or_stream, "train_stream", benchmark_or_stream)
     if test_stream is None:
         test_stream = getattr(benchmark_or_stream, "test_stream", None)

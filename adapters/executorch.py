@@ -40,6 +40,7 @@ from torch import nn
 
 from taste_cl import __version__
 from taste_cl._batch import call_model, index_batch, split_batch
+from taste_cl._checks import check_int
 from taste_cl.adapters._artifacts import (
     ArtifactError,
     ExportError,
@@ -159,10 +160,8 @@ def _parity_batches(example: tuple[Any, torch.Tensor], steps: int) -> list[tuple
 
 
 def _validate_options(max_batch_size: Any, transforms: Any, parity_steps: Any) -> list[str]:
-    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 8:
-        raise ValueError(f"`max_batch_size == {max_batch_size!r}`, must be an int >= 8")
-    if isinstance(parity_steps, bool) or not isinstance(parity_steps, int) or parity_steps < 1:
-        raise ValueError(f"`parity_steps == {parity_steps!r}`, must be an int >= 1")
+    check_int("max_batch_size", max_batch_size, 8)
+    check_int("parity_steps", parity_steps, 1)
     if isinstance(transforms, str) or not isinstance(transforms, Sequence):
         raise TypeError(f"`transforms == {transforms!r}`, must be a sequence of names")
     return list(transforms)

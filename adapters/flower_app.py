@@ -39,6 +39,7 @@ import psutil
 import torch
 from torch import nn
 
+from taste_cl._checks import check_int
 from taste_cl.adapters.flower import (
     AggregationPolicy,
     _persist,
@@ -98,8 +99,7 @@ class FleetConfig:
     def __post_init__(self) -> None:
         for name in ("devices", "rounds"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name} == {value!r}`, must be an int >= 1")
+            check_int(name, value, 1)
         if self.method not in METHODS:
             raise ValueError(f"`method == {self.method!r}`, must be one of {METHODS}")
         if self.privacy not in PRIVACY:

@@ -27,6 +27,7 @@ from typing import IO, Any
 
 import psutil
 
+from taste_cl._checks import check_int
 from taste_cl.adapters.flower import require_flwr
 from taste_cl.adapters.flower_app import FleetConfig, read_outputs
 from taste_cl.exceptions import TasteCLError
@@ -102,8 +103,7 @@ class LoopbackDeployment:
     """
 
     def __init__(self, devices: int, *, timeout_s: float = 300.0, verbose: bool = False, keep: bool = False) -> None:
-        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-            raise ValueError(f"`devices == {devices!r}`, must be an int >= 1")
+        check_int("devices", devices, 1)
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"`timeout_s == {timeout_s!r}`, must be a number > 0")
         self.devices, self.timeout_s, self.verbose, self.keep = devices, float(timeout_s), verbose, keep

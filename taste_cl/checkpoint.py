@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from taste_cl._checks import check_int
 from taste_cl.exceptions import CheckpointError, CheckpointNotFoundError
 
 __all__ = [
@@ -80,8 +81,7 @@ class CheckpointLimits:
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name} == {value!r}`, must be an int >= 1")
+            check_int(name, value, 1)
 
 
 DEFAULT_LIMITS = CheckpointLimits()

@@ -54,6 +54,7 @@ from taste_cl._batch import (
     map_leaves,
     to_inputs,
 )
+from taste_cl._checks import check_int
 from taste_cl.monitor import sample_correct
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.replay import ClassBalancedReplay, ReservoirReplay
@@ -123,16 +124,13 @@ class ProbeGuard(LearnerPlugin):
         warmup: int = 0,
         seed: int = 0,
     ) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"`window == {window!r}`, must be an int >= 1")
-        if isinstance(probe_capacity, bool) or not isinstance(probe_capacity, int) or probe_capacity < 1:
-            raise ValueError(f"`probe_capacity == {probe_capacity!r}`, must be an int >= 1")
+        check_int("window", window, 1)
+        check_int("probe_capacity", probe_capacity, 1)
         if isinstance(lr_factor, bool) or not isinstance(lr_factor, (int, float)) or not 0 < lr_factor <= 1:
             raise ValueError(f"`lr_factor == {lr_factor!r}`, must be a number in (0, 1]")
         if probe is not None and (not isinstance(probe, (tuple, list)) or len(probe) != 2):
             raise ValueError("probe must be a pair (x, y) of held-out samples or None")
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"`warmup == {warmup!r}`, must be an int >= 0")
+        check_int("warmup", warmup, 0)
         self.window = window
         self.warmup = warmup
         if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) or not max_drop >= 0:

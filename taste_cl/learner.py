@@ -45,6 +45,7 @@ from taste_cl._batch import (
     split_batch,
     to_inputs,
 )
+from taste_cl._checks import check_int
 from taste_cl._report import format_fields
 from taste_cl._restore import (
     CHECKPOINT_FORMAT,
@@ -234,10 +235,8 @@ class OnlineLearner:
             raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
         if replay is not None and not isinstance(replay, ReplayStrategy):
             raise TypeError(f"replay must be a taste_cl.ReplayStrategy or None; got {type(replay).__name__}")
-        if isinstance(replay_batch_size, bool) or not isinstance(replay_batch_size, int) or replay_batch_size < 0:
-            raise ValueError(f"`replay_batch_size == {replay_batch_size!r}`, must be an int >= 0")
-        if isinstance(train_iterations, bool) or not isinstance(train_iterations, int) or train_iterations < 1:
-            raise ValueError(f"`train_iterations == {train_iterations!r}`, must be an int >= 1")
+        check_int("replay_batch_size", replay_batch_size, 0)
+        check_int("train_iterations", train_iterations, 1)
         if num_classes is not None and num_classes < 1:
             raise ValueError(f"`num_classes == {num_classes}`, must be >= 1")
         names = [plugin.name for plugin in plugins]
@@ -321,8 +320,7 @@ class OnlineLearner:
             for label, value in (("micro_batch_size", micro_batch_size), ("max_wait_samples", max_wait_samples)):
                 if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                     raise ValueError(f"`{label} == {value!r}`, must be an int >= 1 or None")
-            if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-                raise ValueError(f"`accumulation_steps == {accumulation_steps!r}`, must be an int >= 1")
+            check_int("accumulation_steps", accumulation_steps, 1)
             if not isinstance(lr_scale, (int, float)) or not math.isfinite(lr_scale) or lr_scale <= 0:
                 raise ValueError(f"`lr_scale == {lr_scale!r}`, must be a finite number > 0")
             if max_wait_s is not None and (not isinstance(max_wait_s, (int, float)) or not math.isfinite(max_wait_s) or max_wait_s <= 0):

@@ -31,6 +31,7 @@ from taste_cl._batch import (
     spec_mismatch,
     unflatten,
 )
+from taste_cl._checks import check_int
 from taste_cl.exceptions import InvalidBatchError
 
 __all__ = ["BufferStorage", "ClassBalancedReplay", "ReplayStrategy", "ReservoirReplay"]
@@ -332,8 +333,7 @@ class _SeededStrategy(ReplayStrategy):
     def sample(self, n: int, *, with_fields: bool = False) -> Any:
         """Up to ``n`` distinct stored samples, uniformly: ``(x, y)``, or ``(x, y, fields)``
         with ``with_fields=True`` (``fields`` maps each extra field name to its tensor)."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"`n == {n!r}`, must be an int >= 0")
+        check_int("n", n, 0)
         size = len(self._storage)
         if size == 0:
             raise ValueError(f"cannot sample from an empty {type(self).__name__}; check len() first")

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from taste_cl._checks import check_int
+
 if TYPE_CHECKING:
     from taste_cl.learner import OnlineLearner
 
@@ -80,12 +82,6 @@ def _positive_number(name: str, value: Any) -> float:
     return float(value)
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name} == {value!r}`, must be an int >= 1")
-    return value
-
-
 class UpdateGuard:
     """Refuse or undo optimizer steps that would poison the model; detect stuck and diverging runs.
 
@@ -129,9 +125,9 @@ class UpdateGuard:
             mode=mode,
             max_lr=_positive_number("max_lr", max_lr),
             update_bound=_positive_number("update_bound", update_bound),
-            stuck_after=_positive_int("stuck_after", stuck_after),
+            stuck_after=check_int("stuck_after", stuck_after, 1),
             rollback=rollback,
-            snapshot_every=_positive_int("snapshot_every", snapshot_every),
+            snapshot_every=check_int("snapshot_every", snapshot_every, 1),
             divergence_factor=_positive_number("divergence_factor", divergence_factor),
         )
         self._reset()

@@ -1,0 +1,17 @@
+"""Argument checks shared by every constructor: one rule, one message shape.
+
+Torch-free, so the device runtimes (``adapters/onnx_device.py``) can use it too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["check_int"]
+
+
+def check_int(name: str, value: Any, low: int = 0) -> int:
+    """``value`` if it is an int (not a bool) ``>= low``, else ``ValueError`` naming the argument, rule and value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{name} == {value!r}`, must be an int >= {low}")
+    return value
