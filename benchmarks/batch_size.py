@@ -24,6 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,27 +34,11 @@ from torch import nn
 from taste_cl._probe import ProbeRunner, Samples, preserved_rng
 from taste_cl._report import format_table
 from taste_cl.benchmarks._common import base_parser, parse, save_result
-from taste_cl.datasets import make_cnn, make_mlp, make_pattern_images
+from taste_cl.datasets import TextClassifier, make_cnn, make_mlp, make_pattern_images
 from taste_cl.tuning import BatchSizeTuner, candidate_batch_sizes
 
 HOG = "import time\nend = time.time() + {seconds}\nwhile time.time() < end:\n    pass\n"
 DEFAULT_THREADS = torch.get_num_threads()  # torch's own default, read before --threads applies
-
-
-class _Text(nn.Module):
-    """Embedding + 2-layer TransformerEncoder with a padding mask, over ``{"input_ids", "attention_mask"}``."""
-
-    def __init__(self, vocab: int = 100, dim: int = 64, classes: int = 10) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=128, dropout=0.1, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
-        self.head = nn.Linear(dim, classes)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.encoder(self.embed(input_ids), src_key_padding_mask=attention_mask == 0)
-        weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        return self.head((hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0))
 
 
 class _LSTM(nn.Module):
@@ -108,7 +93,8 @@ CASES = {
         Case("resnet18", _torchvision("resnet18"), _sgd, lambda: make_pattern_images(256), 256),
         Case("lstm", _LSTM, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
              lambda: (torch.randn(256, 20, 16), torch.randint(0, 10, (256,))), 1024),
-        Case("transformer", _Text, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), lambda: _tokens(256), 512),
+        Case("transformer", partial(TextClassifier, vocab=100, dim=64, classes=10, feedforward=128),
+             lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), lambda: _tokens(256), 512),
     )
 }
 

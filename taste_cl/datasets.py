@@ -2,6 +2,8 @@
 
 ``split_digits`` turns scikit-learn's bundled handwritten digits (1797 8x8 images) into
 a class-incremental sequence of tasks, the standard "split" continual-learning setup.
+The small models here (``make_mlp``, ``make_cnn``, ``TextClassifier``) are the ones the
+benchmarks and the test zoo train.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["Task", "make_cnn", "make_mlp", "make_pattern_images", "split_digits", "stream"]
+__all__ = ["Task", "TextClassifier", "make_cnn", "make_mlp", "make_pattern_images", "split_digits", "stream"]
 
 
 @dataclass(frozen=True)
@@ -112,3 +114,23 @@ def make_pattern_images(n: int, *, n_classes: int = 10, size: int = 32, noise: f
     y = torch.randint(0, n_classes, (n,), generator=generator)
     x = patterns[y] + noise * torch.randn(n, 3, size, size, generator=generator)
     return x, y
+
+
+class TextClassifier(nn.Module):
+    """Embedding + 2-layer TransformerEncoder over integer tokens with a padding mask.
+
+    Takes a dict ``{"input_ids": (n, t) int, "attention_mask": (n, t) 0/1}`` (called as
+    ``model(**x)``) and averages the unmasked positions before the linear head.
+    """
+
+    def __init__(self, vocab: int = 50, dim: int = 32, classes: int = 4, *, feedforward: int = 64, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=feedforward, dropout=dropout, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(self.embed(input_ids), src_key_padding_mask=attention_mask == 0)
+        weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return self.head((hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0))

@@ -20,27 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from taste_cl.datasets import TextClassifier
+
 __all__ = ["ZOO", "ZooCase", "TextClassifier", "TokenTagger", "LSTMClassifier"]
 
 NUM_CLASSES = 4
 VOCAB = 50
 SEQ_LEN = 12
-
-
-class TextClassifier(nn.Module):
-    """Embedding + TransformerEncoder over integer tokens with a padding mask; takes a dict."""
-
-    def __init__(self, vocab: int = VOCAB, dim: int = 32, classes: int = NUM_CLASSES) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=64, dropout=0.1, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
-        self.head = nn.Linear(dim, classes)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.encoder(self.embed(input_ids), src_key_padding_mask=attention_mask == 0)
-        weights = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        return self.head((hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0))
 
 
 class TokenTagger(nn.Module):
