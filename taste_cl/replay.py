@@ -223,6 +223,13 @@ class BufferStorage:
         x = [t.index_select(0, slots) for t in self._x]
         return x[0] if self._spec.is_tensor else unflatten(self._spec, x), self._y.index_select(0, slots)
 
+    def contents(self) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor]]:
+        """Views of every stored ``(x, y, fields)`` in slot order (no copy: read, never modify)."""
+        assert self._spec is not None and self._y is not None
+        x = [t[: self._size] for t in self._x]
+        fields = {name: t[: self._size] for name, t in self._fields.items()}
+        return x[0] if self._spec.is_tensor else unflatten(self._spec, x), self._y[: self._size], fields
+
     def gather_fields(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Return copies of the extra fields at ``slots``."""
         return {name: t.index_select(0, slots.to(t.device)) for name, t in self._fields.items()}
@@ -340,6 +347,13 @@ class _SeededStrategy(ReplayStrategy):
         picks = torch.randperm(size, generator=self._generator)[: min(n, size)]
         x, y = self._storage.gather(picks)
         return (x, y, self._storage.gather_fields(picks)) if with_fields else (x, y)
+
+    def contents(self) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor]]:
+        """Every stored ``(x, y, fields)`` in storage order, as read-only views (no copy and no
+        random draw: for evaluating the whole buffer)."""
+        if len(self._storage) == 0:
+            raise ValueError(f"{type(self).__name__} is empty; check len() first")
+        return self._storage.contents()
 
     def _uniform(self, n: int) -> torch.Tensor:
         return torch.rand(n, generator=self._generator, dtype=torch.float64)
