@@ -488,9 +488,13 @@ class OnlineLearner:
             replay_x, replay_y, fields = self.replay.sample(n_replay, with_fields=True)  # type: ignore[call-arg, misc]
         else:
             replay_x, replay_y = self.replay.sample(n_replay)
+        if replay_y.dtype != y.dtype or replay_y.device != y.device:
+            replay_y = replay_y.to(y)
         if isinstance(x, torch.Tensor):  # the common case, without the pytree walk
-            return torch.cat([x, replay_x.to(x)]), torch.cat([y, replay_y.to(y)]), fields
-        return cat_batches([x, self._place(replay_x)]), torch.cat([y, replay_y.to(y)]), fields
+            if replay_x.dtype != x.dtype or replay_x.device != x.device:
+                replay_x = replay_x.to(x)
+            return torch.cat([x, replay_x]), torch.cat([y, replay_y]), fields
+        return cat_batches([x, self._place(replay_x)]), torch.cat([y, replay_y]), fields
 
     def _place(self, x: Inputs) -> Inputs:
         """Stored samples moved to the model: floating leaves to its dtype, all to its device."""

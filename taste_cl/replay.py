@@ -196,9 +196,9 @@ class BufferStorage:
     def write(self, slots: torch.Tensor, x: Any, y: torch.Tensor, **fields: torch.Tensor) -> None:
         """Overwrite the given (distinct, filled) slots."""
         assert self._y is not None
-        slots = slots.to(self._y.device)
+        slots = _on(slots, self._y)
         for store, batch in self._columns(x, y, fields):
-            store.index_copy_(0, slots, batch.to(store))
+            store.index_copy_(0, slots, batch if batch.dtype == store.dtype and batch.device == store.device else batch.to(store))
 
     def write_rows(self, x: Any, y: torch.Tensor, rows_by_slot: dict[int, int], **fields: torch.Tensor) -> None:
         """Overwrite each (filled) slot with row ``rows_by_slot[slot]`` of the batch."""
@@ -211,7 +211,7 @@ class BufferStorage:
         ``0 .. len(slots) - 1`` in that order; the rest are dropped."""
         assert self._y is not None
         n = slots.shape[0]
-        slots = slots.to(self._y.device)
+        slots = _on(slots, self._y)
         for store in [*self._x, self._y, *self._fields.values()]:
             store[:n] = store.index_select(0, slots)  # a copy first, so overlapping slots are safe
         self._size = n
@@ -219,7 +219,7 @@ class BufferStorage:
     def gather(self, slots: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """Return copies of ``(x, y)`` at ``slots``."""
         assert self._spec is not None and self._y is not None
-        slots = slots.to(self._y.device)
+        slots = _on(slots, self._y)
         x = [t.index_select(0, slots) for t in self._x]
         return x[0] if self._spec.is_tensor else unflatten(self._spec, x), self._y.index_select(0, slots)
 
@@ -232,7 +232,7 @@ class BufferStorage:
 
     def gather_fields(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Return copies of the extra fields at ``slots``."""
-        return {name: t.index_select(0, slots.to(t.device)) for name, t in self._fields.items()}
+        return {name: t.index_select(0, _on(slots, t)) for name, t in self._fields.items()}
 
     def state_dict(self) -> State:
         """Plain values and tensors: ``x`` (one tensor, or a list of leaves with ``x_spec``), ``y``, ``fields``."""
@@ -556,6 +556,11 @@ class ClassBalancedReplay(_SeededStrategy):
         self._seen = {c: int(s) for c, s in zip(self._classes, seen)}
         self._slots = dict(zip(self._classes, slot_lists))
         self._set_quotas()
+
+
+def _on(index: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
+    """``index`` on ``store``'s device (without a dispatch when it is there already: the hot path)."""
+    return index if index.device == store.device else index.to(store.device)
 
 
 def _slot_list(slots: Any) -> list[int]:
