@@ -64,6 +64,12 @@ CAPACITY = 200
 BATCH = 10
 ALPHA, BETA = 0.5, 2.0  # DER++ weights for both libraries (grid in the module docstring)
 EVAL_EVERY = 5  # stream batches between evaluations
+EQUAL_COMPUTE = (
+    f"per stream batch of {BATCH}, every method: one forward and backward over {BATCH} stream + {BATCH} replayed samples "
+    f"and one SGD step (LwF: the {BATCH} stream samples plus a snapshot forward; Avalanche DER: plus an eval forward "
+    f"over the {BATCH} to store their logits)"
+)
+BUFFER = f"class-balanced, capacity {CAPACITY}, both libraries (taste_cl ClassBalancedReplay, Avalanche ClassBalancedBuffer)"
 
 
 @dataclass
@@ -314,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         curves[stream] = {name: found[0].curve for name, found in runs.items()}
         rows = [[name, s["final_accuracy"], s["anytime_accuracy"], s["forgetting"], s["negative_flip_rate"], s["samples_per_s"],
                  s.get("x_avalanche_samples_per_s", float("nan"))] for name, s in summary.items()]
-        print(f"\n{stream}: mean of {args.seeds} seeds (samples/s: median)")
+        print(f"\n{stream}: mean of {args.seeds} seeds (samples/s: median)\nequal compute: {EQUAL_COMPUTE}\nbuffer: {BUFFER}")
         print(format_table(["method", "final acc", "anytime acc", "forgetting", "neg. flip rate", "samples/s", "x avalanche"], rows))
     guard_runs: dict[str, list[dict[str, Any]]] = {"unguarded": [], "guarded": []}
     for seed in seeds:
@@ -340,7 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"time inside the guard / the rest of training, same run: median {statistics.median(own):.3f} (runs: {', '.join(f'{r:.3f}' for r in own)})")
     _plot(Path(args.out) / "strategies.png", curves, {n: found[0]["curve"] for n, found in guard_runs.items()}, guard_runs["guarded"][0]["harmful_samples"])
     config = {"lr": LR, "optimizer": "SGD", "replay_capacity": CAPACITY, "stream_batch": BATCH, "replayed_per_step": BATCH,
-              "steps_per_batch": 1, "der_alpha": ALPHA, "der_beta": BETA, "eval_every_batches": EVAL_EVERY, "seeds": list(seeds),
+              "steps_per_batch": 1, "equal_compute": EQUAL_COMPUTE, "buffer": BUFFER, "der_alpha": ALPHA, "der_beta": BETA,
+              "eval_every_batches": EVAL_EVERY, "seeds": list(seeds),
               "threads": torch.get_num_threads(), "guard": {"window": 10, "max_drop": ProbeGuard().max_drop,
               "max_flip_rate": ProbeGuard().max_flip_rate, "warmup_windows": 4, "steps_per_batch": 3}}
     save_result(args.out, "strategies", {"config": config, "streams": results, "guard": guard_summary})
