@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from zoo import ZOO
 
-from taste_cl import OnlineLearner, ReplayStrategy, ReservoirReplay
+from taste_cl import ClassBalancedReplay, OnlineLearner, ReplayStrategy, ReservoirReplay
 from taste_cl.strategies import ERACE, DERPlusPlus, ExperienceReplay, LwF, Strategy
 
 
@@ -69,6 +69,20 @@ def test_der_stores_logits_at_insertion_and_the_checkpoint_holds_them(tmp_path: 
     assert torch.equal(again[2]["logits"], everything[2]["logits"])
     first = [int((again[0] == row).all(1).nonzero()) for row in x]
     assert torch.allclose(again[2]["logits"][first], at_insertion, atol=1e-6)
+
+
+def test_der_logits_stay_with_their_samples_in_a_class_balanced_buffer_across_new_classes() -> None:
+    # the benchmark's setting: class-incremental stream, each new class makes the older ones give up slots
+    learner = _learner("der++", replay=ClassBalancedReplay(6, seed=0), lr=0.0)  # frozen model: stored logits == model(x)
+    for classes in ([0, 1], [2, 3], [4]):
+        for _ in range(3):
+            y = torch.tensor(classes).repeat(4)
+            learner.observe((torch.randn(y.shape[0], 4), y))
+        stored_x, stored_y, fields = learner.replay.sample(6, with_fields=True)
+        with torch.no_grad():
+            assert torch.allclose(fields["logits"], learner.model(stored_x), atol=1e-6)
+    assert learner.replay.class_counts() == {0: 2, 1: 1, 2: 1, 3: 1, 4: 1}
+    assert sorted(stored_y.tolist()) == [0, 0, 1, 2, 3, 4]
 
 
 def test_der_loss_adds_logit_mse_and_replay_loss() -> None:
