@@ -40,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
         default="off",
         help="differential privacy: central (server clips and adds noise), client (clients clip), local (clients add noise)",
     )
+    parser.add_argument(
+        "--secagg",
+        action="store_true",
+        help="secure aggregation (Flower's SecAgg+): the server sees only the sum of the updates; >= 3 devices, not with --privacy central",
+    )
     parser.add_argument("--clip", type=float, default=1.0, help="DP clipping norm of an update")
     parser.add_argument("--noise", type=float, default=0.1, help="DP noise multiplier (central, client)")
     parser.add_argument("--epsilon", type=float, default=10.0, help="local DP epsilon per round")
@@ -63,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             method=args.method,
             personal=args.personal,
             privacy=args.privacy,
+            secagg=args.secagg,
             clip=args.clip,
             noise=args.noise,
             epsilon=args.epsilon,
