@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--clip", type=float, default=1.0, help="DP clipping norm of an update")
     parser.add_argument("--noise", type=float, default=0.1, help="DP noise multiplier (central, client)")
     parser.add_argument("--epsilon", type=float, default=10.0, help="local DP epsilon per round")
+    parser.add_argument("--evaluate-last-only", action="store_true", help="evaluate the devices after the last round only (fewer messages, faster)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data partitions and models")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for startup and for the run")
     parser.add_argument("--out", default=None, help="write the run's result JSON to this file")
@@ -69,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             personal=args.personal,
             privacy=args.privacy,
             secagg=args.secagg,
+            evaluate_every_round=not args.evaluate_last_only,
             clip=args.clip,
             noise=args.noise,
             epsilon=args.epsilon,
