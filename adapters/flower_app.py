@@ -13,6 +13,8 @@ Options, all from the run config (:class:`FleetConfig`):
   (``DifferentialPrivacyClientSideFixedClipping`` + ``fixedclipping_mod``: devices clip,
   the server adds the noise); ``local`` (``LocalDpMod``: each device clips and noises
   its own update, so even the server sees only noised updates).
+- ``secagg``: the same devices under Flower's SecAgg+ secure aggregation, served by
+  the legacy-API twin of this app in :mod:`taste_cl.adapters.flower_secagg`.
 
 The module-level ``server_app`` and ``client_app`` read their :class:`FleetConfig`
 from the run config (``flwr run``); :func:`make_fleet_apps` builds a pair with a fixed
