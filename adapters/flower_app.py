@@ -13,6 +13,8 @@ Options, all from the run config (:class:`FleetConfig`):
   (``DifferentialPrivacyClientSideFixedClipping`` + ``fixedclipping_mod``: devices clip,
   the server adds the noise); ``local`` (``LocalDpMod``: each device clips and noises
   its own update, so even the server sees only noised updates).
+- ``secagg``: the same devices under Flower's SecAgg+ secure aggregation, served by
+  the legacy-API twin of this app in :mod:`taste_cl.adapters.flower_secagg`.
 
 The module-level ``server_app`` and ``client_app`` read their :class:`FleetConfig`
 from the run config (``flwr run``); :func:`make_fleet_apps` builds a pair with a fixed
@@ -42,6 +44,8 @@ from torch import nn
 from taste_cl._checks import check_int
 from taste_cl.adapters.flower import (
     AggregationPolicy,
+    DroppedUpdate,
+    RoundStats,
     _persist,
     _personal_predicate,
     _record_to_numpy,
@@ -62,7 +66,7 @@ if TYPE_CHECKING:
     from taste_cl.benchmarks.federated import Fleet
     from taste_cl.learner import OnlineLearner
 
-__all__ = ["FleetConfig", "client_app", "make_fleet_apps", "read_outputs", "server_app"]
+__all__ = ["FleetConfig", "client_app", "evaluate_device", "fit_device", "make_fleet_apps", "read_outputs", "server_app", "write_outputs"]
 
 METHODS = ("fedper", "fedbabu")
 PRIVACY = ("off", "central", "client", "local")
@@ -78,7 +82,10 @@ class FleetConfig:
     per-round budget of local DP. With ``evaluate_every_round=False`` devices are
     evaluated after the last round only (fewer messages, hence fewer ClientApp process
     starts in a deployment). ``finetune_steps`` of SGD at ``finetune_lr`` adapt
-    the FedBABU head before each evaluation. ``secagg`` is reserved (see docs).
+    the FedBABU head before each evaluation. ``secagg`` runs the same devices under
+    Flower's SecAgg+ protocol (:mod:`taste_cl.adapters.flower_secagg`): the server sees
+    only the sum of the updates; it needs at least 3 devices and cannot be combined
+    with ``privacy="central"`` (the server would have to clip single updates).
     """
 
     devices: int = 3
@@ -93,6 +100,7 @@ class FleetConfig:
     finetune_steps: int = 30
     finetune_lr: float = 0.1
     evaluate_every_round: bool = True
+    secagg: bool = False
     seed: int = 0
     out_dir: str = ""
 
@@ -111,6 +119,10 @@ class FleetConfig:
             raise ValueError(f"`noise` and `finetune_steps` must be >= 0; got {self.noise!r}, {self.finetune_steps!r}")
         if not self.prefixes:
             raise ValueError(f"`personal == {self.personal!r}`, must name at least one state_dict prefix")
+        if self.secagg and self.devices < 3:
+            raise ValueError(f"`devices == {self.devices}` with `secagg=True`, must be >= 3 (with 2 the average reveals the other update)")
+        if self.secagg and self.privacy == "central":
+            raise ValueError("`privacy == 'central'` with `secagg=True`: the server cannot clip updates it cannot see; use 'client' or 'local'")
 
     @property
     def prefixes(self) -> list[str]:
@@ -167,15 +179,15 @@ def _finetune(model: nn.Module, cfg: FleetConfig, x: torch.Tensor, y: torch.Tens
     return tuned
 
 
-def _device(cfg: FleetConfig, msg: Message, context: Context) -> tuple[int, OnlineLearner]:
-    """This device's learner with the fleet's shared part loaded."""
+def _device(cfg: FleetConfig, context: Context, shared: Mapping[str, np.ndarray]) -> tuple[int, OnlineLearner]:
+    """This device's learner with the fleet's ``shared`` part loaded."""
     torch.set_num_threads(1)  # devices on one host share its cores
     partition = int(context.node_config["partition-id"])
     if not 0 <= partition < cfg.devices:
         raise ValueError(f"node config `partition-id == {partition}`, must be in [0, devices={cfg.devices})")
     fleet = _fleet(cfg.devices, cfg.rounds, cfg.seed)
     learner = _restore(context, fleet.build_learner(partition))
-    load_shared(learner.model, _record_to_numpy(msg.content.array_records["arrays"]), personal=cfg.prefixes)
+    load_shared(learner.model, shared, personal=cfg.prefixes)
     return partition, learner
 
 
@@ -183,37 +195,48 @@ def _server_round(msg: Message) -> int:
     return int(cast(int, msg.content.config_records["config"]["server-round"]))
 
 
-def _train(fixed: FleetConfig | None, msg: Message, context: Context) -> Message:
-    from flwr.app import Array, ArrayRecord, MetricRecord
+def fit_device(
+    cfg: FleetConfig, context: Context, shared: Mapping[str, np.ndarray], server_round: int
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """One device's round: load ``shared``, observe its stream slice, keep its state in ``context``.
 
-    cfg = _config(fixed, context)
-    partition, learner = _device(cfg, msg, context)
+    Returns the device's new shared part and its metrics (``num-examples`` first).
+    Both apps (Message API and SecAgg+) train through this function.
+    """
+    partition, learner = _device(cfg, context, shared)
     fleet = _fleet(cfg.devices, cfg.rounds, cfg.seed)
     if cfg.method == "fedbabu":  # the head stays at its common initialisation during federated rounds
         _set_trainable(learner.model, _personal_predicate(cfg.prefixes), personal=False)
     start, samples = time.perf_counter(), 0
     try:
-        for batch in fleet.train_batches(partition, _server_round(msg)):
+        for batch in fleet.train_batches(partition, server_round):
             samples += learner.observe(batch).samples
     finally:
         for param in learner.model.parameters():
             param.requires_grad_(True)
     _persist(context, learner)
-    shared = shared_state(learner.model, personal=cfg.prefixes)
     metrics = {
         "num-examples": max(samples, 1),
         "train-seconds": time.perf_counter() - start,
         "rss-mb": psutil.Process().memory_info().rss / 2**20,
     }
+    return shared_state(learner.model, personal=cfg.prefixes), metrics
+
+
+def _train(fixed: FleetConfig | None, msg: Message, context: Context) -> Message:
+    from flwr.app import Array, ArrayRecord, MetricRecord
+
+    cfg = _config(fixed, context)
+    shared, metrics = fit_device(cfg, context, _record_to_numpy(msg.content.array_records["arrays"]), _server_round(msg))
     return _reply(msg, {"arrays": ArrayRecord({k: Array(v) for k, v in shared.items()}), "metrics": MetricRecord(metrics)})
 
 
-def _evaluate(fixed: FleetConfig | None, msg: Message, context: Context) -> Message:
-    from flwr.app import MetricRecord
+def evaluate_device(cfg: FleetConfig, context: Context, shared: Mapping[str, np.ndarray], server_round: int) -> dict[str, Any]:
+    """Score one device (the fleet's ``shared`` part + its personal part) on its held-out sets.
 
-    cfg = _config(fixed, context)
-    partition, learner = _device(cfg, msg, context)
-    server_round = _server_round(msg)
+    With ``out_dir`` set, the last round also saves the device's whole model there.
+    """
+    partition, learner = _device(cfg, context, shared)
     if cfg.out_dir and server_round == cfg.rounds:
         state = {k: v.detach().cpu().numpy() for k, v in learner.model.state_dict().items()}
         np.savez(Path(cfg.out_dir) / f"device-{partition}.npz", **state)
@@ -227,6 +250,14 @@ def _evaluate(fixed: FleetConfig | None, msg: Message, context: Context) -> Mess
         for name, (x, y) in _fleet(cfg.devices, cfg.rounds, cfg.seed).eval_sets(partition).items():
             metrics[f"accuracy-{name}"] = accuracy(model, x, y)
             metrics["num-examples"] = int(x.shape[0])
+    return metrics
+
+
+def _evaluate(fixed: FleetConfig | None, msg: Message, context: Context) -> Message:
+    from flwr.app import MetricRecord
+
+    cfg = _config(fixed, context)
+    metrics = evaluate_device(cfg, context, _record_to_numpy(msg.content.array_records["arrays"]), _server_round(msg))
     return _reply(msg, {"metrics": MetricRecord(metrics)})
 
 
@@ -281,16 +312,28 @@ def _server_main(fixed: FleetConfig | None, grid: Grid, context: Context) -> Non
     guard = _strategy(cfg)
     start = time.perf_counter()
     result = guard.start(grid=grid, initial_arrays=ArrayRecord({k: Array(v) for k, v in initial.items()}), num_rounds=cfg.rounds)
-    if not cfg.out_dir:
-        return
+    if cfg.out_dir:
+        final = _record_to_numpy(result.arrays)
+        write_outputs(cfg, final, time.perf_counter() - start, guard.rounds, guard.dropped, guard.evaluations)
+
+
+def write_outputs(
+    cfg: FleetConfig,
+    server: Mapping[str, np.ndarray],
+    seconds: float,
+    rounds: list[RoundStats],
+    dropped: list[DroppedUpdate],
+    evaluations: Mapping[int, Mapping[int, Mapping[str, Any]]],
+) -> None:
+    """Write ``server.npz`` (the final shared arrays) and ``result.json`` to ``cfg.out_dir``."""
     out = Path(cfg.out_dir)
-    np.savez(out / "server.npz", **_record_to_numpy(result.arrays))  # type: ignore[arg-type]
+    np.savez(out / "server.npz", **server)  # type: ignore[arg-type]
     summary = {
         "config": cfg.to_run_config(),
-        "seconds": time.perf_counter() - start,
-        "rounds": [asdict(r) for r in guard.rounds],
-        "dropped": [asdict(d) for d in guard.dropped],
-        "evaluations": {str(r): {str(p): m for p, m in nodes.items()} for r, nodes in guard.evaluations.items()},
+        "seconds": seconds,
+        "rounds": [asdict(r) for r in rounds],
+        "dropped": [asdict(d) for d in dropped],
+        "evaluations": {str(r): {str(p): dict(m) for p, m in nodes.items()} for r, nodes in evaluations.items()},
     }
     (out / "result.json").write_text(json.dumps(summary, indent=1, default=float))
 
@@ -301,8 +344,8 @@ def make_fleet_apps(config: FleetConfig | None = None) -> tuple[ServerApp, Clien
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
 
-    if config is not None and not isinstance(config, FleetConfig):
-        raise TypeError(f"config must be a FleetConfig or None; got {type(config).__name__}")
+    if config is not None and not (isinstance(config, FleetConfig) and not config.secagg):
+        raise TypeError(f"config must be a FleetConfig with secagg=False (see flower_secagg), or None; got {config!r}")
     capp = ClientApp(mods=[_privacy_mod(config)])
     sapp = ServerApp()
 

@@ -61,7 +61,7 @@ def _wait_for_port(port: int, deadline: float, proc: subprocess.Popen[bytes], lo
 
 
 def _pyproject(config: FleetConfig) -> str:
-    """The Flower App's pyproject: components from :mod:`flower_app`, run config = ``config``."""
+    """The Flower App's pyproject: components from :func:`_app_module`, run config = ``config``."""
     lines = [
         "[build-system]",
         'requires = ["hatchling"]',
@@ -82,6 +82,12 @@ def _pyproject(config: FleetConfig) -> str:
     for key, value in config.to_run_config().items():
         lines.append(f"{key} = {_toml(value)}")
     return "\n".join(lines) + "\n"
+
+
+def _app_module(config: FleetConfig) -> str:
+    """The app module's source: the plain app, or the SecAgg+ one (each process imports only its own)."""
+    module = "flower_secagg" if config.secagg else "flower_app"
+    return f"from taste_cl.adapters.{module} import client_app, server_app\n\n__all__ = ['client_app', 'server_app']\n"
 
 
 def _toml(value: Any) -> str:
@@ -196,9 +202,7 @@ class LoopbackDeployment:
         app = out / "app"
         app.mkdir()
         (app / "pyproject.toml").write_text(_pyproject(config))
-        (app / f"{_APP_MODULE}.py").write_text(
-            "from taste_cl.adapters import flower_app\n\nserver_app = flower_app.server_app\nclient_app = flower_app.client_app\n"
-        )
+        (app / f"{_APP_MODULE}.py").write_text(_app_module(config))
         log = None if self.verbose else open(out / "flwr-run.log", "wb")  # noqa: SIM115
         try:
             cli = subprocess.Popen(

@@ -125,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--epsilon", type=float, default=10.0, help="local DP epsilon per round (--deployment)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for startup and for each run (--deployment)")
     parser.add_argument("--no-simulation", action="store_true", help="skip the simulation twin of the FedPer run (--deployment)")
+    parser.add_argument("--no-secagg", action="store_true", help="skip the FedPer + SecAgg+ run (--deployment)")
     parser.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM server momentum (0 = FedAvg)")
     parser.add_argument("--client-cpus", type=float, default=1.0, help="CPU share of one simulated device")
     args = parse(parser, argv)

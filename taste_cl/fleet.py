@@ -40,9 +40,15 @@ def _parser() -> argparse.ArgumentParser:
         default="off",
         help="differential privacy: central (server clips and adds noise), client (clients clip), local (clients add noise)",
     )
+    parser.add_argument(
+        "--secagg",
+        action="store_true",
+        help="secure aggregation (Flower's SecAgg+): the server sees only the sum of the updates; >= 3 devices, not with --privacy central",
+    )
     parser.add_argument("--clip", type=float, default=1.0, help="DP clipping norm of an update")
     parser.add_argument("--noise", type=float, default=0.1, help="DP noise multiplier (central, client)")
     parser.add_argument("--epsilon", type=float, default=10.0, help="local DP epsilon per round")
+    parser.add_argument("--evaluate-last-only", action="store_true", help="evaluate the devices after the last round only (fewer messages, faster)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data partitions and models")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for startup and for the run")
     parser.add_argument("--out", default=None, help="write the run's result JSON to this file")
@@ -63,6 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             method=args.method,
             personal=args.personal,
             privacy=args.privacy,
+            secagg=args.secagg,
+            evaluate_every_round=not args.evaluate_last_only,
             clip=args.clip,
             noise=args.noise,
             epsilon=args.epsilon,

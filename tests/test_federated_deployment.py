@@ -13,9 +13,10 @@ import torch
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before flwr is first imported
 pytest.importorskip("flwr")
 
-from taste_cl.adapters import flower_app
+from taste_cl.adapters import flower_app, flower_secagg
+from taste_cl.adapters.flower import InvalidUpdateError
 from taste_cl.adapters.flower_app import FleetConfig
-from taste_cl.adapters.flower_deployment import LoopbackDeployment, _pyproject
+from taste_cl.adapters.flower_deployment import LoopbackDeployment, _app_module, _pyproject
 from taste_cl.datasets import make_mlp
 
 
@@ -32,6 +33,8 @@ def test_fleet_config_round_trips_through_the_run_config() -> None:
         ({"privacy": "on"}, r"`privacy == 'on'`, must be one of"),
         ({"clip": 0.0}, r"`clip == 0.0`, must be > 0"),
         ({"personal": ","}, r"must name at least one state_dict prefix"),
+        ({"secagg": True, "devices": 2}, r"`devices == 2` with `secagg=True`, must be >= 3"),
+        ({"secagg": True, "privacy": "central"}, r"the server cannot clip updates it cannot see"),
     ],
 )
 def test_bad_fleet_config(kwargs: dict[str, object], match: str) -> None:
@@ -76,6 +79,69 @@ def test_fedbabu_finetune_moves_only_a_copy_of_the_head() -> None:
     assert all(p.requires_grad for p in model.parameters())
 
 
+def test_generated_app_module_imports_only_the_chosen_app() -> None:
+    assert "taste_cl.adapters.flower_app import" in _app_module(FleetConfig())
+    assert "taste_cl.adapters.flower_secagg import" in _app_module(FleetConfig(secagg=True))
+
+
+def test_each_app_factory_refuses_the_other_mode() -> None:
+    with pytest.raises(TypeError, match="secagg=False"):
+        flower_app.make_fleet_apps(FleetConfig(secagg=True))
+    with pytest.raises(TypeError, match="secagg=True"):
+        flower_secagg.make_secagg_apps(FleetConfig())
+
+
+def test_secagg_device_names_casts_and_checks_its_own_update() -> None:
+    cfg = FleetConfig(secagg=True)
+    initial = flower_secagg._initial(cfg)
+    named = flower_secagg._named(cfg, [a.astype(np.float64) for a in initial.values()])
+    assert list(named) == list(initial) and all(a.dtype == np.float32 for a in named.values())
+    flower_secagg._check_own_update(cfg, named)
+    with pytest.raises(InvalidUpdateError, match="expected 4 shared arrays; got 3"):
+        flower_secagg._named(cfg, list(initial.values())[:3])
+    named["0.bias"][0] = np.nan
+    with pytest.raises(InvalidUpdateError, match="non-finite"):
+        flower_secagg._check_own_update(cfg, named)
+    named["0.bias"][0] = 1e9
+    with pytest.raises(InvalidUpdateError, match=r"refusing to upload: `0\.bias` holds"):
+        flower_secagg._check_own_update(cfg, named)
+
+
+def test_message_bytes_count_every_record_even_empty_lists() -> None:
+    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+    arrays = ArrayRecord({"w": Array(np.zeros(10, np.float32))})
+    content = RecordDict({"a": arrays, "c": ConfigRecord({"ids": [], "keys": [b"abc", b"de"], "n": 3})})
+    assert flower_secagg._payload_bytes(content) == arrays.count_bytes() + 3 + 4 + 5 + 1 + 8
+
+
+class _FakeGrid:
+    def __init__(self) -> None:
+        self.down = {"1": 7}
+        self.up = {"1": 11}
+
+
+def test_secagg_strategy_checks_the_secure_aggregate() -> None:
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+
+    cfg = FleetConfig(secagg=True)
+    strategy = flower_secagg._strategy_class()(cfg, _FakeGrid())
+    good = [a.astype(np.float64) + 0.5 for a in flower_secagg._initial(cfg).values()]
+
+    def replies(arrays: list[np.ndarray]) -> list[tuple[None, FitRes]]:
+        metrics = {"rss-mb": 100.0, "train-seconds": 1.0, "partition-id": 0}
+        return [(None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 10, metrics)) for _ in range(3)]
+
+    params, _ = strategy.aggregate_fit(1, replies(good), [])
+    out = parameters_to_ndarrays(params)
+    assert all(a.dtype == np.float32 for a in out) and np.allclose(out[0], good[0])
+    assert (strategy.rounds[0].accepted, strategy.rounds[0].bytes_down, strategy.rounds[0].bytes_up) == (3, 7, 11)
+    bad = [a.copy() for a in good]
+    bad[1][0] = np.inf
+    assert strategy.aggregate_fit(1, replies(bad), []) == (None, {})
+    assert "aggregate: `0.bias` has 1 non-finite values" in strategy.dropped[-1].reason
+
+
 def test_deployment_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match=r"`devices == 0`"):
         LoopbackDeployment(0)
@@ -103,3 +169,20 @@ def test_superlink_and_three_supernodes_on_loopback() -> None:
     heads = [devices[d]["4.weight"] for d in range(3)]
     assert not np.array_equal(heads[0], heads[1]) and not np.array_equal(heads[1], heads[2])
     assert all(0.0 <= m["accuracy-own"] <= 1.0 for m in result["evaluations"]["2"].values())
+
+
+@pytest.mark.slow
+def test_secagg_aggregate_equals_plain_fedavg_on_loopback() -> None:
+    """One round on 3 SuperNodes, plain then SecAgg+: the same shared weights within quantization, the same accuracy."""
+    plain = FleetConfig(devices=3, rounds=1, evaluate_every_round=False)
+    with LoopbackDeployment(3, timeout_s=600) as deployment:
+        result, server, _ = deployment.run(plain)
+        secure, secure_server, devices = deployment.run(FleetConfig(**{**plain.__dict__, "secagg": True}))
+    assert [r["accepted"] for r in secure["rounds"]] == [3] and not secure["dropped"]
+    for name, array in server.items():
+        assert secure_server[name].dtype == array.dtype
+        np.testing.assert_allclose(secure_server[name], array, rtol=0, atol=1e-4)  # quantization steps of ~4e-6
+        for state in devices.values():
+            np.testing.assert_array_equal(state[name], secure_server[name])
+    assert secure["evaluations"]["1"] == result["evaluations"]["1"]
+    assert secure["rounds"][0]["bytes_up"] > result["rounds"][0]["bytes_up"]  # masked int64 values plus key shares
