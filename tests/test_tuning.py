@@ -285,6 +285,24 @@ def test_a_plausible_but_stale_cached_rate_does_not_pin_the_batch(tmp_path, fake
     assert all(rate < 1e6 for _, _, rate in SurrogateCache(tmp_path).load(key).observations)
 
 
+@pytest.mark.parametrize("slow_checks, warm", [(1, True), (2, False)], ids=["burst", "lasting"])
+def test_one_slow_check_is_rechecked_before_the_cache_is_dropped(tmp_path, monkeypatch, slow_checks, warm):
+    probes = install_fake_hardware(monkeypatch, synthetic_throughput)
+    cold = _tune(BatchSizeTuner(cache_dir=tmp_path))
+    probes.clear()
+    calls = []
+
+    def measure(self, batch_size, **kwargs):  # the first ``slow_checks`` probes see a 4x slowdown
+        calls.append(batch_size)
+        return synthetic_throughput(batch_size) / (4 if len(calls) <= slow_checks else 1)
+
+    monkeypatch.setattr(ProbeRunner, "measure", measure)
+    result = _tune(BatchSizeTuner(cache_dir=tmp_path))
+    assert result.warm == warm and calls[0] == calls[1]  # the same cached size checked twice
+    assert len(calls) == 2 if warm else len(calls) >= 4  # a lasting change tunes cold
+    assert synthetic_throughput(result.batch_size) >= 0.9 * synthetic_throughput(cold.batch_size)
+
+
 def test_cache_path_that_is_a_folder_warns_and_tunes(tmp_path, fake_hardware):
     key = _tune(BatchSizeTuner(cache_dir=tmp_path / "a")).key
     SurrogateCache(tmp_path / "b").path(key).mkdir(parents=True)
