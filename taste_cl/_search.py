@@ -106,6 +106,11 @@ class GridSearch:
         slope, intercept = np.polyfit(octaves, logs, 1)
         return lambda o: intercept + slope * o
 
+    def predicted_rate(self, point: Point) -> float:
+        """The surrogate's samples/s at ``point`` (its neighbours temper one lucky or unlucky probe)."""
+        mean, _ = self.posterior()
+        return math.exp(mean[self._index[point]])
+
     def best(self) -> Point | None:
         """The measured point (this search's or told as known) with the highest posterior mean."""
         measured = self._measured()

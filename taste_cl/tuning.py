@@ -387,7 +387,7 @@ class BatchSizeTuner(LearnerPlugin):
             search.tell_known(known)
             best = search.best() or known[0][:2]  # known is not empty: best() is never None here
             batch, t = self._check_point(search, best)
-            cached_rate = statistics.fmean(search.known[(batch, t)])
+            cached_rate = search.predicted_rate((batch, t))
             fresh = self._fresh_rate(runner, batch, t, cached_rate)
             if fresh is not None and 1 / _STALE_RATIO <= fresh / cached_rate <= _STALE_RATIO:
                 top = (candidates[-1], best[1])
