@@ -102,15 +102,21 @@ CASES = {
 }
 
 
-def _interleaved(runner: ProbeRunner, points: Mapping[str, tuple[int, int | None]], rounds: int, min_time: float) -> dict[str, float]:
-    """Median samples/s per labelled (batch, threads), measured round by round; labels naming
-    the same point share its measurements (a tuned choice equal to the oracle's ties it)."""
+def _interleaved(runner: ProbeRunner, points: Mapping[str, tuple[int, int | None]], rounds: int, min_time: float) -> dict[str, list[float]]:
+    """Samples/s per labelled (batch, threads), one per round, measured round by round; labels
+    naming the same point share its measurements (a tuned choice equal to the oracle's ties it)."""
     distinct = sorted(set(points.values()), key=lambda p: (p[0], p[1] or 0))
     rates: dict[tuple[int, int | None], list[float]] = {p: [] for p in distinct}
     for _ in range(rounds):
         for batch, threads in distinct:
             rates[(batch, threads)].append(runner.measure(batch, threads=threads, min_time=min_time))
-    return {label: statistics.median(rates[point]) for label, point in points.items()}
+    return {label: rates[point] for label, point in points.items()}
+
+
+def _ratio(rounds: dict[str, list[float]], label: str, reference: str) -> float:
+    """Median over rounds of the two labels' rates measured in the same round (the machine's load
+    drifts between rounds; within a round the two were measured moments apart)."""
+    return statistics.median(a / b for a, b in zip(rounds[label], rounds[reference]))
 
 
 def _grid(runner: ProbeRunner, candidates: list[int], min_time: float) -> tuple[dict[int, float], float]:
@@ -145,15 +151,16 @@ def run_case(case: Case, *, max_batch: int | None, rounds: int, min_time: float)
         top = sorted(grid, key=grid.__getitem__, reverse=True)[:3]
         sizes = {"tuned": cold.batch_size, "max_batch": limit, "default_32": max(minimum, min(32, limit))}
         points = {**{f"grid_top{i}": (b, None) for i, b in enumerate(top)}, **{k: (b, None) for k, b in sizes.items()}}
-        rates = _interleaved(runner, points, rounds, 2 * min_time)
-    best = max(range(len(top)), key=lambda i: rates[f"grid_top{i}"])
-    sizes["oracle"], rates["oracle"] = top[best], rates[f"grid_top{best}"]
+        per_round = _interleaved(runner, points, rounds, 2 * min_time)
+    best = max(range(len(top)), key=lambda i: statistics.median(per_round[f"grid_top{i}"]))
+    sizes["oracle"], per_round["oracle"] = top[best], per_round[f"grid_top{best}"]
     return {
         "sizes": sizes,
-        "samples_per_s": rates,
-        "tuned_vs_oracle": rates["tuned"] / rates["oracle"],
-        "tuned_vs_max_batch": rates["tuned"] / rates["max_batch"],
-        "tuned_vs_default_32": rates["tuned"] / rates["default_32"],
+        "samples_per_s": {label: statistics.median(values) for label, values in per_round.items()},
+        "samples_per_s_per_round": per_round,
+        "tuned_vs_oracle": _ratio(per_round, "tuned", "oracle"),
+        "tuned_vs_max_batch": _ratio(per_round, "tuned", "max_batch"),
+        "tuned_vs_default_32": _ratio(per_round, "tuned", "default_32"),
         "grid_ceiling_vs_max_batch": max(grid.values()) / grid[limit],
         "grid": {str(b): r for b, r in grid.items()},
         "grid_seconds": grid_seconds,
@@ -184,7 +191,7 @@ def run_threads_under_load(case: Case, *, hog_seconds: int, rounds: int, min_tim
             result = tuner.tune(model, optimizer, loss_fn, samples)
             runner = ProbeRunner(model, optimizer, loss_fn, samples)
             points = {"joint": (result.batch_size, result.threads), "default_threads": (result.batch_size, DEFAULT_THREADS)}
-            rates = _interleaved(runner, points, rounds, 2 * min_time)
+            per_round = _interleaved(runner, points, rounds, 2 * min_time)
     finally:
         for hog in hogs:
             hog.kill()
@@ -194,8 +201,9 @@ def run_threads_under_load(case: Case, *, hog_seconds: int, rounds: int, min_tim
         "default_threads": DEFAULT_THREADS,
         "tuned_batch": result.batch_size,
         "tuned_threads": result.threads,
-        "samples_per_s": rates,
-        "joint_vs_default_threads": rates["joint"] / rates["default_threads"],
+        "samples_per_s": {label: statistics.median(values) for label, values in per_round.items()},
+        "samples_per_s_per_round": per_round,
+        "joint_vs_default_threads": _ratio(per_round, "joint", "default_threads"),
         "tune_seconds": result.seconds,
         "probes": [list(p) for p in result.probes],
     }
