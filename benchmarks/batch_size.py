@@ -3,9 +3,11 @@
 For each model (``--zoo``: an MLP, the 3-conv CNN, MobileNetV2 and ResNet-18 at 32x32, an
 LSTM with AdamW and a small TransformerEncoder on token dicts; default: the CNN only):
 
-1. the full throughput curve over the tuner's candidate grid (the oracle), timed;
+1. the full throughput curve over the tuner's candidate grid, two passes (ascending and
+   descending), each timed: the grid's cost is one pass, every size measured as a probe is;
 2. a cold tune and a warm (cached) retune, timed;
-3. side by side, interleaved rounds: oracle, tuned, max-batch and batch-32 throughput.
+3. side by side, interleaved rounds: the grid's three best sizes (the oracle is the fastest
+   of them here), the tuned size, the max batch and batch 32.
 
 Then, with a bounded CPU hog running (one busy process per core, killed by the benchmark
 and self-terminating), joint (threads, batch) tuning against torch's default thread count
@@ -17,6 +19,7 @@ under ``--out``. Run: ``taste-cl bench batch-size --zoo``.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -99,17 +102,40 @@ CASES = {
 }
 
 
-def _interleaved(runner: ProbeRunner, points: Mapping[str, tuple[int, int | None]], rounds: int, min_time: float) -> dict[str, float]:
-    """Median samples/s per labelled (batch, threads), measured round by round."""
-    rates: dict[str, list[float]] = {label: [] for label in points}
+def _interleaved(runner: ProbeRunner, points: Mapping[str, tuple[int, int | None]], rounds: int, min_time: float) -> dict[str, list[float]]:
+    """Samples/s per labelled (batch, threads), one per round, measured round by round; labels
+    naming the same point share its measurements (a tuned choice equal to the oracle's ties it)."""
+    distinct = sorted(set(points.values()), key=lambda p: (p[0], p[1] or 0))
+    rates: dict[tuple[int, int | None], list[float]] = {p: [] for p in distinct}
     for _ in range(rounds):
-        for label, (batch, threads) in points.items():
-            rates[label].append(runner.measure(batch, threads=threads, min_time=min_time))
-    return {label: statistics.median(values) for label, values in rates.items()}
+        for batch, threads in distinct:
+            rates[(batch, threads)].append(runner.measure(batch, threads=threads, min_time=min_time))
+    return {label: rates[point] for label, point in points.items()}
+
+
+def _ratio(rounds: dict[str, list[float]], label: str, reference: str) -> float:
+    """Median over rounds of the two labels' rates measured in the same round (the machine's load
+    drifts between rounds; within a round the two were measured moments apart)."""
+    return statistics.median(a / b for a, b in zip(rounds[label], rounds[reference]))
+
+
+def _grid(runner: ProbeRunner, candidates: list[int], min_time: float) -> tuple[dict[int, float], float]:
+    """The throughput curve over ``candidates``: two passes (ascending, then descending, so a slow
+    spell of the machine does not tilt one end), geometric mean per size; and the seconds one pass
+    takes on average, each size measured the way a tuner probe measures it."""
+    passes, seconds = [], []
+    for order in (candidates, candidates[::-1]):
+        start = time.perf_counter()
+        passes.append({b: runner.measure(b, min_time=min_time) for b in order})
+        seconds.append(time.perf_counter() - start)
+    return {b: math.sqrt(passes[0][b] * passes[1][b]) for b in candidates}, statistics.fmean(seconds)
 
 
 def run_case(case: Case, *, max_batch: int | None, rounds: int, min_time: float) -> dict[str, Any]:
-    """Grid, cold and warm tune, then the interleaved comparison, for one model."""
+    """Grid, cold and warm tune, then the interleaved comparison, for one model.
+
+    The oracle is the fastest of the grid's three best sizes re-measured in the interleaved
+    rounds beside the tuned choice, so neither a lucky grid point nor a lucky round decides."""
     torch.manual_seed(0)
     model, samples = case.build(), case.samples()
     optimizer, loss_fn = case.optimizer(model), nn.CrossEntropyLoss()
@@ -117,30 +143,34 @@ def run_case(case: Case, *, max_batch: int | None, rounds: int, min_time: float)
     with tempfile.TemporaryDirectory() as cache_dir, preserved_rng():
         tuner = BatchSizeTuner(max_batch_size=limit, cache_dir=cache_dir, memory_budget_bytes=16e9, min_probe_time=min_time)
         runner = ProbeRunner(model, optimizer, loss_fn, samples)
-        start = time.perf_counter()
         minimum = runner.smallest_trainable(limit)[0]  # what the tuner searches from (BatchNorm: 2)
         candidates = candidate_batch_sizes(limit, per_octave=tuner.per_octave, min_batch_size=minimum)
-        grid = {b: runner.measure(b, min_time=min_time) for b in candidates}
-        grid_seconds = time.perf_counter() - start
+        grid, grid_seconds = _grid(runner, candidates, min_time)
         cold = tuner.tune(model, optimizer, loss_fn, samples, foreign_load=0.0)
         warm = tuner.tune(model, optimizer, loss_fn, samples, foreign_load=0.0)
-        oracle = max(grid, key=grid.__getitem__)
-        sizes = {"oracle": oracle, "tuned": cold.batch_size, "max_batch": limit, "default_32": max(minimum, min(32, limit))}
-        rates = _interleaved(runner, {k: (b, None) for k, b in sizes.items()}, rounds, 2 * min_time)
+        top = sorted(grid, key=grid.__getitem__, reverse=True)[:3]
+        sizes = {"tuned": cold.batch_size, "max_batch": limit, "default_32": max(minimum, min(32, limit))}
+        points = {**{f"grid_top{i}": (b, None) for i, b in enumerate(top)}, **{k: (b, None) for k, b in sizes.items()}}
+        per_round = _interleaved(runner, points, rounds, 2 * min_time)
+    best = max(range(len(top)), key=lambda i: statistics.median(per_round[f"grid_top{i}"]))
+    sizes["oracle"], per_round["oracle"] = top[best], per_round[f"grid_top{best}"]
     return {
         "sizes": sizes,
-        "samples_per_s": rates,
-        "tuned_vs_oracle": rates["tuned"] / rates["oracle"],
-        "tuned_vs_max_batch": rates["tuned"] / rates["max_batch"],
-        "tuned_vs_default_32": rates["tuned"] / rates["default_32"],
+        "samples_per_s": {label: statistics.median(values) for label, values in per_round.items()},
+        "samples_per_s_per_round": per_round,
+        "tuned_vs_oracle": _ratio(per_round, "tuned", "oracle"),
+        "tuned_vs_max_batch": _ratio(per_round, "tuned", "max_batch"),
+        "tuned_vs_default_32": _ratio(per_round, "tuned", "default_32"),
         "grid_ceiling_vs_max_batch": max(grid.values()) / grid[limit],
         "grid": {str(b): r for b, r in grid.items()},
         "grid_seconds": grid_seconds,
         "cold_seconds": cold.seconds,
         "cold_probes": len(cold.probes),
+        "cold_probe_list": [list(p) for p in cold.probes],
         "cold_vs_grid": cold.seconds / grid_seconds,
         "warm_seconds": warm.seconds,
         "warm_probes": len(warm.probes),
+        "warm_probe_list": [list(p) for p in warm.probes],
         "warm_vs_cold": warm.seconds / cold.seconds,
         "warm_batch": warm.batch_size,
     }
@@ -161,7 +191,7 @@ def run_threads_under_load(case: Case, *, hog_seconds: int, rounds: int, min_tim
             result = tuner.tune(model, optimizer, loss_fn, samples)
             runner = ProbeRunner(model, optimizer, loss_fn, samples)
             points = {"joint": (result.batch_size, result.threads), "default_threads": (result.batch_size, DEFAULT_THREADS)}
-            rates = _interleaved(runner, points, rounds, 2 * min_time)
+            per_round = _interleaved(runner, points, rounds, 2 * min_time)
     finally:
         for hog in hogs:
             hog.kill()
@@ -171,8 +201,9 @@ def run_threads_under_load(case: Case, *, hog_seconds: int, rounds: int, min_tim
         "default_threads": DEFAULT_THREADS,
         "tuned_batch": result.batch_size,
         "tuned_threads": result.threads,
-        "samples_per_s": rates,
-        "joint_vs_default_threads": rates["joint"] / rates["default_threads"],
+        "samples_per_s": {label: statistics.median(values) for label, values in per_round.items()},
+        "samples_per_s_per_round": per_round,
+        "joint_vs_default_threads": _ratio(per_round, "joint", "default_threads"),
         "tune_seconds": result.seconds,
         "probes": [list(p) for p in result.probes],
     }
@@ -189,10 +220,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--skip-threads", action="store_true", help="skip the threads-under-load check")
     args = parse(parser, argv)
     names = args.models or (list(CASES) if args.zoo else ["cnn"])
-    start = time.perf_counter()
-    import skopt  # noqa: F401  - a one-time import cost of the process, reported apart from tuning time
-
-    import_seconds = time.perf_counter() - start
     results: dict[str, Any] = {}
     threads = None
     for name in names:
@@ -212,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if threads is not None:
         print(f"\nunder a CPU hog ({args.threads_model}): joint tune -> batch {threads['tuned_batch']} x {threads['tuned_threads']} "
               f"threads = {threads['joint_vs_default_threads']:.2f}x the samples/s of torch's default {DEFAULT_THREADS} threads at that batch")
-    save_result(args.out, "batch_size", {"models": results, "threads_under_load": threads, "skopt_import_seconds": import_seconds})
+    save_result(args.out, "batch_size", {"models": results, "threads_under_load": threads})
     _plot(results, Path(args.out) / "batch_size.png")
     return 0
 

@@ -1,109 +1,165 @@
-"""The tuner's search: Bayesian optimisation of log-throughput over a grid of
-(batch size, thread count) points, with scikit-optimize's ask/tell ``Optimizer``.
+"""The tuner's search: a Gaussian process on log-throughput over the grid of (batch size,
+thread count) points, probed where the expected improvement per (square-root) second of probing is highest.
 
-A point that fails to train is infeasible (never proposed again); a size that runs out
-of memory takes every larger size at that thread count with it. Suggestions the search
-has already measured are replaced by the nearest unmeasured feasible point, and a search
-that keeps insisting on known points has converged.
+The grid has at most a few hundred points, so the posterior is computed exactly on every one
+of them (numpy, no sampling, no randomness). Coordinates are octaves of batch size and steps
+of thread count; the kernel is Matern 5/2 with a fixed length of one octave and one thread
+step (fitting length scales from a handful of points is unreliable); the prior mean and
+amplitude come from the measured log-rates, and a noise term (shrinking with repeats) keeps
+one lucky probe from winning alone: the answer is the measured point with the highest
+posterior mean.
+
+A point that fails to train is infeasible (never proposed again; the surrogate learns a cliff
+there); a size that runs out of memory takes every larger size at that thread count with it.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import warnings
 from collections.abc import Callable
 
-__all__ = ["GridSearch", "Point", "best_point"]
+import numpy as np
+
+__all__ = ["NOISE", "GridSearch", "Point"]
 
 Point = tuple[int, int]  # (batch size, threads)
+NOISE = 0.1  # standard deviation of one probe's log-rate (about 10 %: a shared CPU's load moves between probes)
+_MIN_AMPLITUDE = 0.2  # prior spread of log-rate away from the data, at least (about 20 %)
 _OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "defaultcpuallocator")
 
 
+def _matern52(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    r = np.sqrt(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)) * math.sqrt(5)
+    return (1 + r + r * r / 3) * np.exp(-r)
+
+
+def _normal_cdf(z: np.ndarray) -> np.ndarray:
+    return 0.5 * (1 + np.vectorize(math.erf)(z / math.sqrt(2)))
+
+
 class GridSearch:
-    """Ask/tell search over ``batches x threads``; every measurement goes through :meth:`record`."""
+    """Surrogate-guided search over ``batches x threads``; every measurement goes through :meth:`record`."""
 
-    def __init__(self, batches: list[int], threads: list[int], *, per_octave: int, seed: int) -> None:
-        from skopt import Optimizer  # imported here: `import taste_cl` stays light
-        from skopt.learning import GaussianProcessRegressor
-        from skopt.learning.gaussian_process.kernels import ConstantKernel, Matern
-        from skopt.space import Integer
-
-        self.batches, self.threads = batches, threads
-        dims = [Integer(0, len(batches) - 1)] + ([Integer(0, len(threads) - 1)] if len(threads) > 1 else [])
-        # Fixed hyperparameters: correlation over about an octave of batch sizes and one thread
-        # step (skopt normalises each axis to [0, 1]). Fitting them from a handful of points is
-        # unreliable and cost 0.3 s per probe.
-        scales = [per_octave / max(1, len(batches) - 1)] + ([1 / (len(threads) - 1)] if len(threads) > 1 else [])
-        kernel = ConstantKernel(1.0, "fixed") * Matern(length_scale=scales, length_scale_bounds="fixed", nu=2.5)
-        surrogate = GaussianProcessRegressor(kernel=kernel, normalize_y=True, noise=0.2, optimizer=None)
-        self._optimizer = Optimizer(
-            dims,
-            base_estimator=surrogate,
-            n_initial_points=1,  # the initial design is ours (:meth:`initial_design`), told before any ask
-            acq_func="EI",
-            random_state=seed,
-            model_queue_size=1,
-            avoid_duplicates=False,
-            acq_optimizer="sampling",  # a grid of a few dozen points: 10,000 samples is waste
-            acq_optimizer_kwargs={"n_points": 8 * len(batches) * len(threads)},
-        )
-        self._told = 0
-        self._known: set[Point] = set()
-        self.rates: dict[Point, list[float]] = {}
+    def __init__(self, batches: list[int], threads: list[int], *, per_octave: int, noise: float = NOISE) -> None:
+        self.batches, self.threads, self.noise = batches, threads, noise
+        self.points: list[Point] = [(b, t) for t in threads for b in batches]
+        self._index = {p: i for i, p in enumerate(self.points)}
+        self._coords = np.array([[i / per_octave, j] for j in range(len(threads)) for i in range(len(batches))], dtype=float)
+        self.rates: dict[Point, list[float]] = {}  # measured by this search
+        self.known: dict[Point, list[float]] = {}  # told from earlier tunes (the cache)
         self.infeasible: dict[Point, str] = {}
+        self._cliffs: set[Point] = set()  # failed points the surrogate is told are much slower
 
-    def initial_design(self, count: int) -> list[Point]:
-        """``count`` points spread evenly over the batch axis (smallest first), cycling through thread counts."""
-        picks = sorted({min(len(self.batches) - 1, int((i + 0.5) * len(self.batches) / count)) for i in range(count)})
+    def initial_design(self, count: int, *, reach: float = 0.5) -> list[Point]:
+        """``count`` points spread evenly (log scale) from the smallest batch to ``reach`` of the
+        way up the range, cycling through thread counts: the cheap end first, the surrogate climbs from there."""
+        top = (len(self.batches) - 1) * reach
+        picks = sorted({round(i * top / max(1, count - 1)) for i in range(count)})
         return [(self.batches[b], self.threads[i % len(self.threads)]) for i, b in enumerate(picks)]
 
-    def _coords(self, point: Point) -> list[int]:
-        coords = [self.batches.index(point[0])]
-        return coords + ([self.threads.index(point[1])] if len(self.threads) > 1 else [])
-
     def tell_known(self, observations: list[tuple[int, int, float]]) -> None:
-        """Give the surrogate points measured before (the cache), averaged per point."""
-        grouped: dict[Point, list[float]] = {}
+        """Give the surrogate points measured before (the cache)."""
         for batch, threads, rate in observations:
-            if batch in self.batches and threads in self.threads:
-                grouped.setdefault((batch, threads), []).append(rate)
-        self._known |= set(grouped)
-        if grouped:
-            points = list(grouped)
-            self._optimizer.tell([self._coords(p) for p in points], [-math.log(statistics.fmean(grouped[p])) for p in points])
-            self._told += len(points)
+            if (batch, threads) in self._index:
+                self.known.setdefault((batch, threads), []).append(rate)
 
-    def ask(self) -> Point | None:
-        """The surrogate's next point (expected improvement); None before anything was told."""
-        if not self._told:
+    def _measured(self) -> dict[Point, list[float]]:
+        merged = {p: list(r) for p, r in self.known.items()}
+        for point, rates in self.rates.items():
+            merged.setdefault(point, []).extend(rates)
+        return merged
+
+    def posterior(self) -> tuple[np.ndarray, np.ndarray]:
+        """Posterior mean and standard deviation of log samples/s at every grid point (``self.points`` order)."""
+        measured = self._measured()
+        if not measured:
+            raise ValueError("no measurements yet")
+        logs = {p: [math.log(r) for r in rates] for p, rates in measured.items()}
+        means = np.array([statistics.fmean(v) for v in logs.values()])
+        octaves = self._coords[[self._index[p] for p in logs], 0]
+        trend = self._trend(octaves, means)
+        residuals = means - trend(octaves)
+        amplitude = max(float(residuals.std()), _MIN_AMPLITUDE)
+        cliff = float(means.min()) - math.log(4)
+        told = list(logs) + [p for p in self._cliffs if p not in logs]
+        x = self._coords[[self._index[p] for p in told]]
+        y = np.concatenate([means, np.full(len(told) - len(logs), cliff)]) - trend(x[:, 0])
+        noise = [self.noise**2 / len(v) for v in logs.values()] + [self.noise**2] * (len(told) - len(logs))
+        gram = amplitude**2 * _matern52(x, x) + np.diag(noise)
+        cross = amplitude**2 * _matern52(self._coords, x)
+        factor = np.linalg.cholesky(gram)
+        alpha = np.linalg.solve(factor.T, np.linalg.solve(factor, y))
+        v = np.linalg.solve(factor, cross.T)
+        mean = trend(self._coords[:, 0]) + cross @ alpha
+        std = np.sqrt(np.clip(amplitude**2 - (v * v).sum(0), 1e-12, None))
+        return mean, std
+
+    @staticmethod
+    def _trend(octaves: np.ndarray, logs: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+        """The prior mean: log-rate linear in octaves of batch size, fitted to the measured points
+        (constant with one batch size). Throughput still rising where the search has looked is
+        extrapolated rising, so the surrogate looks further up instead of assuming a plateau."""
+        if np.ptp(octaves) == 0:
+            level = float(logs.mean())
+            return lambda o: np.full(len(o), level)
+        slope, intercept = np.polyfit(octaves, logs, 1)
+        return lambda o: intercept + slope * o
+
+    def predicted_rate(self, point: Point) -> float:
+        """The surrogate's samples/s at ``point`` (its neighbours temper one lucky or unlucky probe)."""
+        mean, _ = self.posterior()
+        return math.exp(mean[self._index[point]])
+
+    def best(self) -> Point | None:
+        """The measured point (this search's or told as known) with the highest posterior mean."""
+        measured = self._measured()
+        if not measured:
             return None
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The objective has been evaluated", category=UserWarning)
-            coords = [int(c) for c in self._optimizer.ask()]
-        return self.batches[coords[0]], self.threads[coords[1]] if len(coords) > 1 else self.threads[0]
+        mean, _ = self.posterior()
+        return max(measured, key=lambda p: mean[self._index[p]])
 
-    def nearest_open(self, point: Point) -> Point | None:
-        """The unmeasured feasible point nearest ``point`` on the grid, or None if none is left."""
-        open_points = [(b, t) for b in self.batches for t in self.threads if (b, t) not in self.rates and (b, t) not in self.infeasible]
-        here = self._coords(point)
-        return min(open_points, key=lambda p: sum(abs(a - c) for a, c in zip(self._coords(p), here)), default=None)
+    def suggest(self, cost: Callable[[Point, float], float], *, min_gain: float) -> Point | None:
+        """The open point with the highest expected improvement per square root of the seconds its
+        probe takes, among those expected to improve the best log-rate by at least ``min_gain``;
+        None when none is (converged). Per second, the search climbs in many small, cheap steps
+        whose total costs more than one long stride; the square root favours cheap probes less.
 
-    def open_neighbour_of_best(self) -> Point | None:
-        """An unmeasured feasible grid neighbour of the best point so far (None: it is a local optimum)."""
-        if not self.rates:
+        ``cost(point, predicted_rate)`` estimates the seconds a probe at ``point`` takes.
+        """
+        measured = self._measured()
+        open_points = [p for p in self.points if p not in measured and p not in self.infeasible]
+        if not measured or not open_points:
             return None
-        best = max(self.rates, key=lambda p: statistics.fmean(self.rates[p]))
-        b, t = self.batches.index(best[0]), self.threads.index(best[1])
+        mean, std = self.posterior()
+        incumbent = max(mean[self._index[p]] for p in measured)
+        rows = [self._index[p] for p in open_points]
+        mu, sigma = mean[rows], std[rows]
+        z = (mu - incumbent) / sigma
+        gain = (mu - incumbent) * _normal_cdf(z) + sigma * np.exp(-z * z / 2) / math.sqrt(2 * math.pi)
+        worth = [(g / math.sqrt(cost(p, math.exp(m))), p) for g, m, p in zip(gain, mu, open_points) if g >= min_gain]
+        return max(worth)[1] if worth else None
+
+    def neighbour_to_probe(self, point: Point) -> Point:
+        """The unmeasured feasible grid neighbour of ``point`` (one batch or thread step away) with the
+        highest posterior mean; ``point`` itself when every neighbour is measured (a repeat sharpens it)."""
+        b, t = self.batches.index(point[0]), self.threads.index(point[1])
         around = [(b + 1, t), (b - 1, t), (b, t + 1), (b, t - 1)]
-        for i, j in around:
-            if 0 <= i < len(self.batches) and 0 <= j < len(self.threads):
-                point = (self.batches[i], self.threads[j])
-                if point not in self.rates and point not in self.infeasible:
-                    return point
-        return None
+        measured = self._measured()
+        open_points = [
+            (self.batches[i], self.threads[j])
+            for i, j in around
+            if 0 <= i < len(self.batches)
+            and 0 <= j < len(self.threads)
+            and (self.batches[i], self.threads[j]) not in measured
+            and (self.batches[i], self.threads[j]) not in self.infeasible
+        ]
+        if not open_points:
+            return point
+        mean, _ = self.posterior()
+        return max(open_points, key=lambda p: mean[self._index[p]])
 
-    def record(self, point: Point, measure: Callable[[], float], *, fit: bool) -> float | None:
+    def record(self, point: Point, measure: Callable[[], float]) -> float | None:
         """Measure ``point``; on failure mark it (and, for memory errors, larger batches) infeasible."""
         try:
             rate = measure()
@@ -115,37 +171,11 @@ class GridSearch:
             for batch in self.batches:
                 if batch == point[0] or (oom and batch > point[0]):
                     self.infeasible.setdefault((batch, point[1]), reason)
-            if self.rates:  # the surrogate learns a cliff there
-                self._optimizer.tell(self._coords(point), -math.log(min(min(r) for r in self.rates.values()) / 4), fit=fit)
-                self._told += 1
+            self._cliffs.add(point)
             return None
         self.rates.setdefault(point, []).append(rate)
-        self._optimizer.tell(self._coords(point), -math.log(rate), fit=fit)
-        self._told += 1
         return rate
 
-    def best(self) -> Point | None:
-        """The measured point (this search's or told as known) with the best *surrogate*
-        log-throughput: the GP smooths measurement noise across neighbouring sizes, so one
-        lucky probe on a busy machine does not win alone."""
-        from sklearn.base import clone
-
-        points = sorted(self._known | set(self.rates))
-        if not points:
-            return None
-        optimizer = self._optimizer
-        surrogate = clone(optimizer.base_estimator_).fit(optimizer.space.transform(optimizer.Xi), optimizer.yi)
-        predicted = surrogate.predict(optimizer.space.transform([self._coords(p) for p in points]))
-        return points[int(predicted.argmin())]  # y is -log(samples/s)
-
     def best_rate(self) -> float | None:
-        return max((statistics.fmean(r) for r in self.rates.values()), default=None)
-
-
-def best_point(observations: list[tuple[int, int, float]]) -> tuple[Point, float]:
-    """The point with the highest mean rate (repeats average out noise)."""
-    grouped: dict[Point, list[float]] = {}
-    for batch, threads, rate in observations:
-        grouped.setdefault((batch, threads), []).append(rate)
-    point = max(grouped, key=lambda p: statistics.fmean(grouped[p]))
-    return point, statistics.fmean(grouped[point])
+        """The highest mean rate measured so far (this search and the cache)."""
+        return max((statistics.fmean(r) for r in self._measured().values()), default=None)

@@ -5,7 +5,7 @@ hardware and often falls beyond it. :class:`BatchSizeTuner` times real training 
 a private copy of the user's model and optimizer on real samples, and finds the fastest
 batch (optionally jointly with torch's intra-op thread count) by Bayesian optimisation
 on a Gaussian-process surrogate of log-throughput. Observations are cached on disk per
-model, optimizer, hardware and load bucket, so a retune re-measures one point.
+model, optimizer, hardware and load bucket, so a retune makes one quick check.
 
 As a :class:`~taste_cl.plugins.LearnerPlugin` it changes *how* a step is computed, not
 *what* a step is: micro-batches of (at most) the tuned size, accumulated up to the
@@ -46,7 +46,7 @@ from taste_cl._probe import (
     preserved_rng,
     thread_options,
 )
-from taste_cl._search import GridSearch, best_point
+from taste_cl._search import GridSearch
 from taste_cl._tuner_cache import (
     MAX_SAMPLES_PER_S,
     CachedSurface,
@@ -81,6 +81,8 @@ _LINEAR_OPTIMIZERS = (torch.optim.SGD, torch.optim.ASGD)
 _LR_RULES = ("auto", "linear", "sqrt", "none")
 _STALE_RATIO = 2.5  # a re-measured incumbent this far from its cached rate invalidates the cache
 _SPLIT_GAIN = 1.1  # micro-batches must beat one effective-batch step by this factor to be used
+_STOP_BELOW = 0.8  # a probe already this far below the best rate stops early
+_MIN_GAIN = 0.02  # a probe must be expected to raise the best log-rate by this much (about 2 %)
 
 
 class TuningError(RuntimeError):
@@ -168,10 +170,12 @@ class BatchSizeTuner(LearnerPlugin):
     memory_budget_bytes:
         Memory the training step may use; default a quarter of the memory available now.
     n_calls, n_initial_points:
-        Probes of a cold tune (the first ``n_initial_points`` spread by Latin hypercube).
+        Probes of a cold tune at most (the first ``n_initial_points`` spread from the smallest
+        batch to the middle of the range; it stops sooner when no size is expected to gain 2 %).
     warm_calls:
-        Probes of a tune that starts from cached observations (the first is a quick check of
-        the cached best; if it is off by more than 2.5x the cache is dropped and the tune runs cold).
+        Probes of a tune that starts from cached observations: the first is a quick check of the
+        cheapest cached size near the best (off by more than 2.5x: the cache is dropped and the
+        tune runs cold), the others probe the cached best's unmeasured neighbours.
     per_octave:
         Candidate batch sizes per doubling.
     min_probe_time:
@@ -340,10 +344,11 @@ class BatchSizeTuner(LearnerPlugin):
         if not observations and not known:
             reasons = "; ".join(f"{b}: {why}" for (b, _), why in list(search.infeasible.items())[:3])
             raise TuningError(f"no batch size in {candidates[0]}..{candidates[-1]} trained ({reasons})")
-        batch, best_threads = search.best() or best_point(known + observations)[0]
+        batch, best_threads = search.best()  # type: ignore[misc]  # something was measured
         rate = statistics.fmean(r for b, t, r in known + observations if (b, t) == (batch, best_threads))
         at_top = [r for b, t, r in known + observations if b == candidates[-1] and t == best_threads]
-        self.cache.save(key, CachedSurface(minimum, known + observations))
+        if observations:
+            self.cache.save(key, CachedSurface(minimum, known + observations))
         infeasible += [(b, t, why) for (b, t), why in search.infeasible.items()]
         result = TuningResult(
             batch,
@@ -372,32 +377,62 @@ class BatchSizeTuner(LearnerPlugin):
     def _search(
         self, runner: ProbeRunner, candidates: list[int], threads: list[int], known: list[tuple[int, int, float]], anchored: bool
     ) -> tuple[GridSearch, list[tuple[int, int, float]], list[tuple[int, int, float]]]:
-        """Warm: check the cached best with one quick step (a stale cache, off by 2.5x, is dropped;
-        otherwise the check does not move the cached answer), then ``warm_calls - 1`` probes;
-        cold: an even initial design, then surrogate-guided probes, ``n_calls`` in all.
+        """Warm: one quick staleness check of the cached surface (off by 2.5x: dropped, tune cold;
+        otherwise the check does not move the cached answer), then ``warm_calls - 1`` probes of
+        the cached best's unmeasured neighbours (or of the best again);
+        cold: a cheap initial design, then surrogate-guided probes, ``n_calls`` in all.
         Returns the search, the cached observations used, and the warm check."""
-        search = GridSearch(candidates, threads, per_octave=self.per_octave, seed=self.seed)
+        search = GridSearch(candidates, threads, per_octave=self.per_octave)
         if known:
             search.tell_known(known)
-            batch, t = search.best() or best_point(known)[0]
-            cached_rate = statistics.fmean(r for b, u, r in known if (b, u) == (batch, t))
-            try:  # a staleness check only: one quick, noisy step must not move the cached answer
-                fresh: float | None = self._check_rate(runner, batch, t)
-            except Exception:  # noqa: BLE001 - the size no longer trains: the cache is stale
-                fresh = None
+            best = search.best() or known[0][:2]  # known is not empty: best() is never None here
+            batch, t = self._check_point(search, best)
+            cached_rate = search.predicted_rate((batch, t))
+            fresh = self._fresh_rate(runner, batch, t, cached_rate)
             if fresh is not None and 1 / _STALE_RATIO <= fresh / cached_rate <= _STALE_RATIO:
-                top = (candidates[-1], t)
-                if anchored and top not in search.rates and all((b, u) != top for b, u, _ in known):
-                    search.record(top, lambda: self._check_rate(runner, top[0], top[1]), fit=False)
-                self._explore(search, runner, [], self.warm_calls - 1)
+                top = (candidates[-1], best[1])
+                if anchored and top not in search.known:
+                    search.record(top, lambda: self._check_rate(runner, top[0], top[1]))
+                for _ in range(self.warm_calls - 1):
+                    point = search.neighbour_to_probe(search.best() or best)
+                    search.record(point, functools.partial(self._measure, runner, point[0], point[1], None, self.min_probe_time))
                 return search, known, [(batch, t, fresh)]
             logger.info("cached rate %.0f at batch %d is stale (now %s): tuning cold", cached_rate, batch, fresh)
-            search = GridSearch(candidates, threads, per_octave=self.per_octave, seed=self.seed)
+            search = GridSearch(candidates, threads, per_octave=self.per_octave)
         design = search.initial_design(min(self.n_calls, max(self.n_initial_points, len(threads))))
         if anchored and (candidates[-1], threads[0]) not in design:
             design.append((candidates[-1], threads[0]))
         self._explore(search, runner, design, self.n_calls)
         return search, [], []
+
+    def _fresh_rate(self, runner: ProbeRunner, batch: int, threads: int, cached_rate: float) -> float | None:
+        """The staleness check's rate (None: the size no longer trains). A reading off by 2.5x is
+        checked once more and the faster kept: a burst of foreign load slows one quick check, a
+        lasting change both (it only ever decides whether the cache is used, never the answer)."""
+        fresh = None
+        for _ in range(2):
+            try:
+                rate = self._check_rate(runner, batch, threads)
+            except Exception:  # noqa: BLE001 - the size no longer trains: the cache is stale
+                return None
+            fresh = rate if fresh is None else max(fresh, rate)
+            if 1 / _STALE_RATIO <= fresh / cached_rate <= _STALE_RATIO:
+                break
+        return fresh
+
+    def _check_point(self, search: GridSearch, best: tuple[int, int]) -> tuple[int, int]:
+        """The cached point a warm tune re-measures: the cheapest to probe among those at the best
+        point's thread count within 4x of its rate (a load change shows at every size; the best is
+        often the most expensive size to probe)."""
+        rates = {p: statistics.fmean(r) for p, r in search.known.items() if p[1] == best[1]}
+        near = [p for p, r in rates.items() if r >= rates[best] / 4]
+        return min(near, key=lambda p: (self._probe_cost(p, rates[p]), -p[0]))
+
+    def _probe_cost(self, point: tuple[int, int], rate: float) -> float:
+        """Seconds a probe at ``point`` takes if it trains at ``rate``: a warm-up step and then three
+        steps or ``min_probe_time``, whichever is longer."""
+        step = point[0] / rate
+        return step + max(3 * step, self.min_probe_time)
 
     def _confirm(self, search: GridSearch, runner: ProbeRunner) -> None:
         """Before a plan splits the anchor (largest candidate) into smaller micro-batches, measure
@@ -410,32 +445,26 @@ class BatchSizeTuner(LearnerPlugin):
             return
         for _ in range(2):
             for point in (top, best):
-                search.record(point, functools.partial(self._measure, runner, point[0], point[1], None, self.min_probe_time), fit=False)
+                search.record(point, functools.partial(self._measure, runner, point[0], point[1], None, self.min_probe_time))
 
     def _explore(self, search: GridSearch, runner: ProbeRunner, design: list[tuple[int, int]], calls: int) -> None:
-        """Measure ``design`` then surrogate suggestions, ``calls`` probes at most; slower sizes stop
-        early, and the search stops once two suggestions in a row improved the best by under 2 %."""
-        stalled = 0
+        """Measure ``design``, then the surrogate's suggestions (the highest expected improvement per
+        square-root second of probing), ``calls`` probes at most; stop once no open point is expected
+        to improve the best by ``_MIN_GAIN``. A size already 20 % slower than the best stops early."""
         for call in range(calls):
-            if stalled >= 2:
-                break
-            before = search.best_rate()
-            point = design[call] if call < len(design) else search.ask()
-            if point is not None and (point in search.rates or point in search.infeasible):
-                point = search.nearest_open(point) if call < len(design) else search.open_neighbour_of_best()
+            point = design[call] if call < len(design) else search.suggest(self._probe_cost, min_gain=_MIN_GAIN)
             if point is None:
-                break  # the surrogate insists on what it knows and the best point's neighbours are measured
+                break
+            if point in search.rates or point in search.infeasible:
+                continue
             best = search.best_rate()
-            stop_below = None if best is None else best / 2
-            measure = functools.partial(self._measure, runner, point[0], point[1], stop_below, self.min_probe_time)
-            rate = search.record(point, measure, fit=call < calls - 1)
-            if call >= len(design):
-                stalled = 0 if before is None or (rate is not None and rate > 1.02 * before) else stalled + 1
+            stop_below = None if best is None else best * _STOP_BELOW
+            search.record(point, functools.partial(self._measure, runner, point[0], point[1], stop_below, self.min_probe_time))
 
     def _check_rate(self, runner: ProbeRunner, batch: int, threads: int) -> float:
-        """A quick rate for a warm tune's checks (within 2.5x is all they need): half the probe
-        time, the faster of two timed steps at least (one step alone was held by the scheduler)."""
-        return runner.measure(batch, threads=threads if self.tune_threads else None, min_time=self.min_probe_time / 2, min_steps=2)
+        """A quick rate for a warm tune's checks (within 2.5x is all they need): a quarter of the
+        probe time, the faster of two timed steps at least (one step alone was held by the scheduler)."""
+        return runner.measure(batch, threads=threads if self.tune_threads else None, min_time=self.min_probe_time / 4, min_steps=2)
 
     def _measure(self, runner: ProbeRunner, batch: int, threads: int, stop_below: float | None, min_time: float) -> float:
         return runner.measure(batch, threads=threads if self.tune_threads else None, min_time=min_time, stop_below=stop_below)

@@ -13,6 +13,7 @@ from zoo import ZOO
 
 from taste_cl import OnlineLearner, ReservoirReplay
 from taste_cl._probe import ProbeRunner
+from taste_cl._search import GridSearch
 from taste_cl._tuner_cache import CachedSurface
 from taste_cl.learner import ObserveStats
 from taste_cl.testing import states_equal
@@ -73,6 +74,51 @@ def test_candidates_are_log_spaced_distinct_and_bounded():
         candidate_batch_sizes(0)
 
 
+def _search_with(rates: dict[int, float]) -> GridSearch:
+    search = GridSearch([1, 2, 4, 8, 16, 32, 64], [1], per_octave=1)
+    for size, rate in rates.items():
+        search.record((size, 1), lambda rate=rate: rate)
+    return search
+
+
+def test_search_answer_is_the_posterior_best_not_one_lucky_probe():
+    search = _search_with({2: 50.0, 4: 115.0, 8: 55.0, 16: 100.0, 32: 104.0, 64: 101.0})  # 4: a lone spike
+    assert search.best() in {(16, 1), (32, 1), (64, 1)}
+    assert search.best_rate() == 115.0  # the raw maximum, which only decides when probes stop early
+
+
+def test_search_suggests_cheap_promising_points_and_stops_when_converged():
+    rising = _search_with({1: 10.0, 2: 20.0, 4: 40.0})
+    cost = lambda point, rate: point[0] / rate  # noqa: E731 - seconds per step
+    assert rising.suggest(cost, min_gain=0.02) in {(8, 1), (16, 1), (32, 1), (64, 1)}  # still rising: look further up
+    flat = _search_with({1: 10.0, 2: 20.0, 4: 40.0, 8: 60.0, 16: 61.0, 32: 60.0, 64: 59.0})
+    assert flat.suggest(cost, min_gain=0.02) is None  # every size measured
+    plateau = _search_with({1: 10.0, 4: 60.0, 8: 61.0, 16: 60.0, 64: 60.0})
+    assert plateau.suggest(cost, min_gain=0.5) is None  # nothing left expected to gain 50 %
+
+
+def test_search_marks_failures_and_memory_errors_infeasible():
+    search = _search_with({1: 10.0, 2: 20.0})
+
+    def oom() -> float:
+        raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate")
+
+    assert search.record((16, 1), oom) is None
+    assert {b for b, _ in search.infeasible} == {16, 32, 64}
+    assert search.suggest(lambda p, r: 1.0, min_gain=0.0) in {(4, 1), (8, 1)}  # never an infeasible size
+
+
+def test_warm_calls_probe_the_cached_best_neighbours(tmp_path, fake_hardware):
+    cold = _tune(BatchSizeTuner(cache_dir=tmp_path))
+    fake_hardware.clear()
+    warm = _tune(BatchSizeTuner(cache_dir=tmp_path, warm_calls=3))
+    candidates = cold.candidates
+    best = candidates.index(cold.batch_size)
+    assert warm.warm and len(fake_hardware) == 3  # the check, then two probes next to the cached best (or the best again)
+    assert all(abs(candidates.index(b) - best) <= 2 for b in fake_hardware[1:])
+    assert synthetic_throughput(warm.batch_size) >= 0.95 * synthetic_throughput(cold.batch_size)
+
+
 def test_cold_tune_finds_the_peak_with_few_probes(tmp_path, fake_hardware):
     result = _tune(BatchSizeTuner(cache_dir=tmp_path))
     oracle = max(candidate_batch_sizes(1024), key=synthetic_throughput)
@@ -81,12 +127,14 @@ def test_cold_tune_finds_the_peak_with_few_probes(tmp_path, fake_hardware):
     assert not result.warm and result.seconds > 0 and result.min_batch_size == 1
 
 
-def test_cache_hit_warm_starts_with_one_probe_and_the_same_answer(tmp_path, fake_hardware):
+def test_cache_hit_warm_starts_with_one_cheap_check_and_the_same_answer(tmp_path, fake_hardware):
     cold = _tune(BatchSizeTuner(cache_dir=tmp_path))
     fake_hardware.clear()
     warm = _tune(BatchSizeTuner(cache_dir=tmp_path))
-    assert warm.warm and fake_hardware == [cold.batch_size]  # only the cached best is re-measured
-    assert warm.key == cold.key and warm.batch_size == cold.batch_size
+    (checked,) = fake_hardware  # one probe: a cached size within 4x of the best's rate, and no larger (cheaper to step)
+    assert checked in {b for b, _, _ in cold.probes} and checked <= cold.batch_size
+    assert synthetic_throughput(checked) >= synthetic_throughput(cold.batch_size) / 4
+    assert warm.warm and warm.key == cold.key and warm.batch_size == cold.batch_size
 
 
 def test_cache_misses_for_another_model_trainable_set_or_optimizer(tmp_path, fake_hardware):
@@ -235,6 +283,24 @@ def test_a_plausible_but_stale_cached_rate_does_not_pin_the_batch(tmp_path, fake
     result = _tune(BatchSizeTuner(cache_dir=tmp_path))
     assert not result.warm and result.batch_size != 4 and len(fake_hardware) >= 3
     assert all(rate < 1e6 for _, _, rate in SurrogateCache(tmp_path).load(key).observations)
+
+
+@pytest.mark.parametrize("slow_checks, warm", [(1, True), (2, False)], ids=["burst", "lasting"])
+def test_one_slow_check_is_rechecked_before_the_cache_is_dropped(tmp_path, monkeypatch, slow_checks, warm):
+    probes = install_fake_hardware(monkeypatch, synthetic_throughput)
+    cold = _tune(BatchSizeTuner(cache_dir=tmp_path))
+    probes.clear()
+    calls = []
+
+    def measure(self, batch_size, **kwargs):  # the first ``slow_checks`` probes see a 4x slowdown
+        calls.append(batch_size)
+        return synthetic_throughput(batch_size) / (4 if len(calls) <= slow_checks else 1)
+
+    monkeypatch.setattr(ProbeRunner, "measure", measure)
+    result = _tune(BatchSizeTuner(cache_dir=tmp_path))
+    assert result.warm == warm and calls[0] == calls[1]  # the same cached size checked twice
+    assert len(calls) == 2 if warm else len(calls) >= 4  # a lasting change tunes cold
+    assert synthetic_throughput(result.batch_size) >= 0.9 * synthetic_throughput(cold.batch_size)
 
 
 def test_cache_path_that_is_a_folder_warns_and_tunes(tmp_path, fake_hardware):
