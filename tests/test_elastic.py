@@ -388,6 +388,7 @@ def test_step_time_model_learns_overhead_and_scale_from_measured_steps():
     model = StepTimeModel(profile)
     selections = [[2], [1, 2], [0, 1, 2], [1], [2]]
     before = [abs(model.predict(s) - truth(s)) / truth(s) for s in selections]
+    model.observe_forward(1.5 * profile.forward_s)
     model.observe_full(truth([0, 1, 2]))
     for s in selections * 3:
         model.observe(s, truth(s))
