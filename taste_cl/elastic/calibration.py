@@ -11,8 +11,8 @@ with ``cost_i(S)`` unit ``i``'s share of the predicted step (its weight-gradient
 it trains, plus its activation-gradient time if it lies after the earliest trainable
 unit). The forward pass costs the same for every selection, so step times alone cannot
 tell it from the overhead; it is measured on its own every step
-(:meth:`StepTimeModel.observe_forward`, the median of the latest ratios is
-``forward_scale``). ``overhead`` and the global backward ``scale`` are cheap to move (few
+(:meth:`StepTimeModel.observe_forward`; each refit sets ``forward_scale`` to the median of
+the latest ratios, so predictions change only at refits). ``overhead`` and the global backward ``scale`` are cheap to move (few
 observations pin them); the per-unit scales ``s_i`` move only as residuals keep pointing
 at the same units.
 """
@@ -89,11 +89,10 @@ class StepTimeModel:
         return np.concatenate([[1.0, float(costs.sum())], costs])
 
     def observe_forward(self, measured_s: float) -> None:
-        """Add one measured forward time (seconds); ``forward_scale`` becomes the median of
-        the latest 15 ratios to the profile's. No refit: the next :meth:`observe` uses it."""
+        """Add one measured forward time (seconds). No refit: the next one sets ``forward_scale``
+        to the median of the latest 15 ratios to the profile's forward time."""
         if np.isfinite(measured_s) and measured_s > 0 and self.profile.forward_s > 0:
             self._forward_ratios = [*self._forward_ratios[-14:], measured_s / self.profile.forward_s]
-            self.forward_scale = float(np.clip(np.median(self._forward_ratios), *_SCALE_RANGE))
 
     def observe(self, selected: Sequence[int], measured_s: float) -> None:
         """Add one measured step time (seconds) of ``selected`` and refit."""
@@ -117,6 +116,8 @@ class StepTimeModel:
         Parameters: overhead, global backward scale g, and per-unit deltas d_i with
         s_i = 1 + d_i (the product g * s_i is linearised around g = s_i = 1).
         """
+        if self._forward_ratios:
+            self.forward_scale = float(np.clip(np.median(self._forward_ratios), *_SCALE_RANGE))
         rows, targets = list(self._features), list(self._targets)
         if self._full is not None:
             rows.append(self._row(range(len(self.profile.units))))
