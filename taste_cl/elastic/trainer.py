@@ -53,7 +53,9 @@ class ElasticTrainer(LearnerPlugin):
 
     Closed loop: the step times measured after each selection (``check_steps`` of them,
     median) and on probe steps refit a :class:`~taste_cl.elastic.calibration.StepTimeModel`
-    (optimizer and bookkeeping overhead, a global scale, per-unit scales); later selections
+    (optimizer and bookkeeping overhead, a global backward scale, per-unit scales; the
+    forward pass is timed on its own every step, through a forward hook on the model that
+    lives only until it fires, so it is not confused with the overhead); later selections
     use the corrected times. :meth:`prediction_errors` reports how far the raw profile and
     the corrected model were from the measured times.
 
