@@ -117,6 +117,33 @@ def test_profile_cache_hits_and_invalidates_when_model_or_batch_changes(tmp_path
     assert not load_or_profile(_mlp(), x, cache_dir=tmp_path, warmup=0, repeats=2, refresh=True)[1]
 
 
+def test_cpu_clock_profiles_are_their_own_cache_entries_and_old_profiles_read_as_wall(tmp_path):
+    x = torch.randn(8, 6)
+    wall, _ = load_or_profile(_mlp(), x, cache_dir=tmp_path, warmup=0, repeats=2)
+    cpu, cached = load_or_profile(_mlp(), x, cache_dir=tmp_path, warmup=0, repeats=2, clock="cpu")
+    assert (wall.clock, cpu.clock, cached) == ("wall", "cpu", False)
+    assert load_or_profile(_mlp(), x, cache_dir=tmp_path, warmup=0, repeats=2, clock="cpu") == (cpu, True)
+    assert all(t > 0 for t in (cpu.forward_s, cpu.backward_s))
+    state = wall.to_dict()
+    del state["clock"]  # a checkpoint written before profiles named their clock
+    assert TensorProfile.from_dict(state) == wall
+    with pytest.raises(ValueError, match=r"`clock == 'sundial'`"):
+        profile_tensors(_mlp(), x, clock="sundial")
+
+
+def test_closed_loop_times_the_forward_of_every_step_and_leaves_no_hook(tmp_path, monkeypatch):
+    from taste_cl.elastic import StepTimeModel
+
+    seen = []
+    monkeypatch.setattr(StepTimeModel, "observe_forward", lambda self, s: seen.append(s))
+    learner, elastic = _learner(tmp_path, rho=0.7, reselect_every=3)
+    for _ in range(5):
+        learner.observe(_batch())
+    assert len(seen) == 5 and all(s > 0 for s in seen)
+    assert not learner.model._forward_hooks  # removed as soon as it fired: a deep copy of the model stays plain
+    copy.deepcopy(learner.model)
+
+
 def test_profile_cache_default_dir_follows_env(tmp_path, monkeypatch):
     monkeypatch.setenv("TASTE_CL_CACHE_DIR", str(tmp_path / "cache"))
     elastic = ElasticTrainer(reselect_every=3)  # cache_dir="default"
@@ -237,6 +264,7 @@ def test_drift_raises_the_budget_for_a_while_then_returns(tmp_path):
         ({"reselect_every": 0}, r"`reselect_every == 0`, must be an int >= 1"),
         ({"rho": 0.6, "drift_rho": 0.5}, r"`drift_rho == 0.5`, must be >= rho \(0.6\)"),
         ({"warmup": -1}, r"`warmup == -1`, must be an int >= 0"),
+        ({"clock": "sundial"}, r"`clock == 'sundial'`, must be one of \('wall', 'cpu'\)"),
     ],
 )
 def test_elastic_trainer_rejects_bad_parameters(kwargs, match):
@@ -388,6 +416,7 @@ def test_step_time_model_learns_overhead_and_scale_from_measured_steps():
     model = StepTimeModel(profile)
     selections = [[2], [1, 2], [0, 1, 2], [1], [2]]
     before = [abs(model.predict(s) - truth(s)) / truth(s) for s in selections]
+    model.observe_forward(1.5 * profile.forward_s)
     model.observe_full(truth([0, 1, 2]))
     for s in selections * 3:
         model.observe(s, truth(s))
@@ -396,10 +425,12 @@ def test_step_time_model_learns_overhead_and_scale_from_measured_steps():
     assert model.overhead * profile.full_step_s == pytest.approx(2.0, abs=0.5)
 
 
-def test_plugin_reports_prediction_error_before_and_after_correction(tmp_path):
-    learner, elastic = _learner(tmp_path, rho=0.7, reselect_every=4, check_steps=2)
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_plugin_reports_prediction_error_before_and_after_correction(tmp_path, clock):
+    learner, elastic = _learner(tmp_path, rho=0.7, reselect_every=4, check_steps=2, clock=clock)
     for _ in range(16):
         learner.observe(_batch())
+    assert elastic.profile_.clock == clock
     errors = elastic.prediction_errors()
     assert errors["windows"] >= 2 and errors["raw"] >= 0 and errors["corrected"] >= 0
     row = elastic.predictions_[0]
@@ -485,6 +516,7 @@ def test_observe_survives_a_corrupt_cache_and_unusable_cache_paths(tmp_path):
         ({"importance": [1.0]}, "`importance` must be 3 finite"),
         ({"profile": {"units": ["0"]}}, "profile field"),
         ({"probe_now": "yes"}, "`probe_now` must be a bool"),
+        ({"profile": "cpu clock"}, "a 'cpu'-clock profile, this trainer clock 'wall'"),
     ],
 )
 def test_load_state_dict_validates_everything_before_changing_anything(tmp_path, change, match):
@@ -492,6 +524,8 @@ def test_load_state_dict_validates_everything_before_changing_anything(tmp_path,
     for _ in range(3):
         learner.observe(_batch())
     state = elastic.state_dict()
+    if change.get("profile") == "cpu clock":
+        change = {"profile": {**state["profile"], "clock": "cpu"}}
     before = (copy.deepcopy(elastic.state_dict()), [p.requires_grad for p in learner.model.parameters()])
     with pytest.raises(ValueError, match=match):
         elastic.load_state_dict({**state, **change})

@@ -21,6 +21,7 @@ from torch import nn
 from taste_cl._fingerprint import hardware_fingerprint, model_signature
 from taste_cl.checkpoint import atomic_write_bytes
 from taste_cl.elastic.profiling import (
+    CLOCKS,
     GRANULARITIES,
     Granularity,
     TensorProfile,
@@ -32,7 +33,7 @@ from taste_cl.elastic.profiling import (
 __all__ = ["CACHE_FILE", "load_or_profile", "parse_profile"]
 
 CACHE_FILE = "elastic_profiles.json"
-PROFILE_FORMAT = 2
+PROFILE_FORMAT = 3  # 3: profiles name their clock
 MAX_CACHE_BYTES = 4 * 1024 * 1024
 MAX_ENTRIES = 64
 _MAX_UNITS = 100_000
@@ -81,6 +82,9 @@ def parse_profile(state: Any) -> TensorProfile:
     noisy = _field(state, "noisy")
     if not isinstance(noisy, bool):
         raise ValueError(f"profile field `noisy == {noisy!r}`, must be a bool")  # noqa: TRY004
+    clock = state.get("clock", "wall")  # checkpoints from before clocks were named: wall
+    if clock not in CLOCKS:
+        raise ValueError(f"profile field `clock == {clock!r}`, must be one of {tuple(CLOCKS)}")
     n = len(units)
     return TensorProfile(
         units=list(units),
@@ -97,6 +101,7 @@ def parse_profile(state: Any) -> TensorProfile:
         granularity=granularity,
         rounds=rounds,
         noisy=noisy,
+        clock=clock,
     )
 
 
@@ -130,21 +135,22 @@ def load_or_profile(
 ) -> tuple[TensorProfile, bool]:
     """Return ``(profile, from_cache)``, reading/writing ``cache_dir/elastic_profiles.json``.
 
-    The key is the model signature for ``example``'s shapes and dtype, the granularity and
-    the hardware fingerprint, so a changed architecture, batch size, machine or torch
+    The key is the model signature for ``example``'s shapes and dtype, the granularity, the
+    clock and the hardware fingerprint, so a changed architecture, batch size, machine or torch
     version profiles anew. A cached entry is used only if every field is valid and its
     units are this model's units in execution order. ``refresh`` measures again.
     ``profile_kwargs`` go to :func:`profile_tensors`.
     """
     path = Path(cache_dir) / CACHE_FILE
     shape, dtype = describe_input(example)
-    key = f"{model_signature(model, shape, dtype)}:{granularity}:{hardware_fingerprint()}"
+    clock = profile_kwargs.get("clock", "wall")
+    key = f"{model_signature(model, shape, dtype)}:{granularity}:{clock}:{hardware_fingerprint()}"
     entries = _read_entries(path)
     if not refresh and key in entries:
         try:
             profile = parse_profile(entries[key])
             expected = unit_names(model, example, granularity=granularity)
-            if profile.units != expected or profile.granularity != granularity:
+            if profile.units != expected or profile.granularity != granularity or profile.clock != clock:
                 raise ValueError(f"its units {profile.units[:4]}... are not this model's {expected[:4]}...")
             return profile, True
         except ValueError as error:

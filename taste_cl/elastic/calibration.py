@@ -5,12 +5,16 @@ monitor and replay, and runs under whatever load the device has now. After each
 reselection the measured step time is compared with the prediction, and a linear
 correction is fitted online by ridge regression towards "the profile is right":
 
-    measured(S) ~= overhead + scale * (forward + sum_i s_i * cost_i(S))
+    measured(S) ~= overhead + forward_scale * forward + scale * sum_i s_i * cost_i(S)
 
 with ``cost_i(S)`` unit ``i``'s share of the predicted step (its weight-gradient time if
 it trains, plus its activation-gradient time if it lies after the earliest trainable
-unit). ``overhead`` and the global ``scale`` are cheap to move (few observations pin them);
-the per-unit scales ``s_i`` move only as residuals keep pointing at the same units.
+unit). The forward pass costs the same for every selection, so step times alone cannot
+tell it from the overhead; it is measured on its own every step
+(:meth:`StepTimeModel.observe_forward`; each refit sets ``forward_scale`` to the median of
+the latest ratios, so predictions change only at refits). ``overhead`` and the global backward ``scale`` are cheap to move (few
+observations pin them); the per-unit scales ``s_i`` move only as residuals keep pointing
+at the same units.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class StepTimeModel:
         self.overhead = 0.0  # fraction of the profile's full step
         self.scale = 1.0
         self.unit_scale = np.ones(n)
+        self.forward_scale = 1.0
+        self._forward_ratios: list[float] = []
         self._features: list[np.ndarray] = []
         self._targets: list[float] = []
         self._full: float | None = None  # latest measured full step (probe steps), profile units
@@ -65,7 +71,7 @@ class StepTimeModel:
         """Seconds the corrected model predicts for a whole measured step."""
         forward, costs = self._costs(selected)
         units = float(costs @ self.unit_scale)
-        return self.profile.full_step_s * (self.overhead + self.scale * (forward + units))
+        return self.profile.full_step_s * (self.overhead + self.forward_scale * forward + self.scale * units)
 
     def corrected_costs(self) -> tuple[float, float, list[float], list[float]]:
         """(overhead_s, forward_s, weight_grad_s, act_grad_s) with the corrections applied."""
@@ -73,14 +79,20 @@ class StepTimeModel:
         scales = self.scale * self.unit_scale
         return (
             self.overhead * p.full_step_s,
-            self.scale * p.forward_s,
+            self.forward_scale * p.forward_s,
             [float(t * s) for t, s in zip(p.weight_grad_s, scales)],
             [float(t * s) for t, s in zip(p.act_grad_s, scales)],
         )
 
     def _row(self, selected: Sequence[int]) -> np.ndarray:
-        forward, costs = self._costs(selected)
-        return np.concatenate([[1.0, forward + float(costs.sum())], costs])
+        _, costs = self._costs(selected)
+        return np.concatenate([[1.0, float(costs.sum())], costs])
+
+    def observe_forward(self, measured_s: float) -> None:
+        """Add one measured forward time (seconds). No refit: the next one sets ``forward_scale``
+        to the median of the latest 15 ratios to the profile's forward time."""
+        if np.isfinite(measured_s) and measured_s > 0 and self.profile.forward_s > 0:
+            self._forward_ratios = [*self._forward_ratios[-14:], measured_s / self.profile.forward_s]
 
     def observe(self, selected: Sequence[int], measured_s: float) -> None:
         """Add one measured step time (seconds) of ``selected`` and refit."""
@@ -98,17 +110,20 @@ class StepTimeModel:
             self._fit()
 
     def _fit(self) -> None:
-        """Ridge regression towards the prior (overhead 0, scales 1) on the linearised model.
+        """Ridge regression towards the prior (overhead 0, scales 1) on the linearised model,
+        the measured forward (``forward_scale``) taken off the targets first.
 
-        Parameters: overhead, global scale g, and per-unit deltas d_i with s_i = 1 + d_i
-        (the product g * s_i is linearised around g = s_i = 1).
+        Parameters: overhead, global backward scale g, and per-unit deltas d_i with
+        s_i = 1 + d_i (the product g * s_i is linearised around g = s_i = 1).
         """
+        if self._forward_ratios:
+            self.forward_scale = float(np.clip(np.median(self._forward_ratios), *_SCALE_RANGE))
         rows, targets = list(self._features), list(self._targets)
         if self._full is not None:
             rows.append(self._row(range(len(self.profile.units))))
             targets.append(self._full)
         a = np.stack(rows)
-        t = np.asarray(targets)
+        t = np.asarray(targets) - self.forward_scale * self.profile.forward_s / self.profile.full_step_s
         n = a.shape[1]
         prior = np.zeros(n)
         prior[1] = 1.0

@@ -9,6 +9,11 @@ too wide to tell the units apart, more rounds are measured (bounded by ``max_rou
 and a profile still too noisy says so (:attr:`TensorProfile.noisy`) instead of passing
 noise off as a measurement.
 
+Times are read from a *clock*: ``"wall"`` (``time.perf_counter``, what a step takes on
+an otherwise idle device) or ``"cpu"`` (``time.process_time``, the CPU time of this
+process: on a device shared with other processes it does not count the time they hold
+the cores, so it stays steady while wall time swings with the neighbours' load).
+
 A *unit* is a parameter tensor (``granularity="tensor"``: a layer's weight and bias are
 separate units, as in ElasticTrainer) or a module with parameters of its own
 (``granularity="module"``), in the order the forward pass first calls them.
@@ -30,10 +35,12 @@ from torch.utils import _pytree as pytree
 
 from taste_cl._batch import call_model
 
-__all__ = ["Granularity", "TensorProfile", "profile_tensors", "unit_names"]
+__all__ = ["Clock", "Granularity", "TensorProfile", "profile_tensors", "unit_names"]
 
 Granularity = Literal["tensor", "module"]
 GRANULARITIES = ("tensor", "module")
+Clock = Literal["wall", "cpu"]
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 _Z95 = 1.96
 
 
@@ -51,6 +58,11 @@ def check_positive(name: str, value: float, *, upper: float | None = None) -> No
 def check_granularity(granularity: str) -> None:
     if granularity not in GRANULARITIES:
         raise ValueError(f"`granularity == {granularity!r}`, must be one of {GRANULARITIES}")
+
+
+def check_clock(clock: str) -> None:
+    if clock not in CLOCKS:
+        raise ValueError(f"`clock == {clock!r}`, must be one of {tuple(CLOCKS)}")
 
 
 # ------------------------------------------------------------------ structured inputs
@@ -111,6 +123,7 @@ class TensorProfile:
     granularity: str = "tensor"
     rounds: int = 0
     noisy: bool = False
+    clock: str = "wall"
 
     def step_s(self, selected: Sequence[int]) -> float:
         """Predicted forward + backward time when only the units at ``selected`` train."""
@@ -284,18 +297,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run_rounds(measures: Sequence[_Measure], rounds: int, *, device: torch.device, rng: random.Random) -> None:
+def _run_rounds(measures: Sequence[_Measure], rounds: int, *, device: torch.device, rng: random.Random, clock: str) -> None:
     """Time every measure once per round, in a fresh shuffled order each round."""
+    now = CLOCKS[clock]
     order = list(range(len(measures)))
     for _ in range(rounds):
         rng.shuffle(order)
         for index in order:
             timed = measures[index].prepare()
             _sync(device)
-            start = time.perf_counter()
+            start = now()
             timed()
             _sync(device)
-            measures[index].samples.append(time.perf_counter() - start)
+            measures[index].samples.append(now() - start)
 
 
 def robust_estimate(samples: Sequence[float]) -> tuple[float, float]:
@@ -364,6 +378,7 @@ def profile_tensors(
     max_rounds: int = 28,
     tolerance: float = 0.2,
     seed: int = 0,
+    clock: Clock = "wall",
 ) -> TensorProfile:
     """Measure forward, per-unit weight-gradient and activation-gradient times on ``example``.
 
@@ -374,9 +389,10 @@ def profile_tensors(
     ``repeats`` timed rounds; while :meth:`TensorProfile.relative_noise` exceeds
     ``tolerance``, the number of rounds is doubled, up to ``max_rounds``. The model's
     parameters, buffers (BatchNorm statistics), trainability and the torch RNG are left
-    as they were.
+    as they were. ``clock``: ``"wall"`` or ``"cpu"`` (see the module doc).
     """
     check_granularity(granularity)
+    check_clock(clock)
     check_int("warmup", warmup, 0)
     check_int("repeats", repeats, 2)
     check_int("max_rounds", max_rounds, repeats)
@@ -420,15 +436,15 @@ def profile_tensors(
             backward = _Measure(full_backward, [])
             measures = list(weight) + [m for group in act for m in group] + [forward, backward]
             rng = random.Random(seed)
-            _run_rounds(measures, warmup, device=device, rng=rng)
+            _run_rounds(measures, warmup, device=device, rng=rng, clock=clock)
             for m in measures:
                 m.samples.clear()
             rounds = 0
             target = repeats
             while True:
-                _run_rounds(measures, target - rounds, device=device, rng=rng)
+                _run_rounds(measures, target - rounds, device=device, rng=rng, clock=clock)
                 rounds = target
-                profile = _summarise(units, weight, act, forward, backward, param_bytes, input_bytes, act_bytes, granularity, rounds)
+                profile = _summarise(units, weight, act, forward, backward, param_bytes, input_bytes, act_bytes, granularity, rounds, clock)
                 if profile.relative_noise() <= tolerance or rounds >= max_rounds:
                     break
                 target = min(2 * rounds, max_rounds)
@@ -453,6 +469,7 @@ def _summarise(
     act_bytes: list[int],
     granularity: str,
     rounds: int,
+    clock: str,
 ) -> TensorProfile:
     w_est = [robust_estimate(m.samples) for m in weight]
     a_est = []
@@ -474,4 +491,5 @@ def _summarise(
         act_bytes=list(act_bytes),
         granularity=granularity,
         rounds=rounds,
+        clock=clock,
     )

@@ -19,8 +19,11 @@ from taste_cl.elastic.cache import load_or_profile, parse_profile
 from taste_cl.elastic.calibration import StepTimeModel
 from taste_cl.elastic.memory import optimizer_state_factor
 from taste_cl.elastic.profiling import (
+    CLOCKS,
+    Clock,
     Granularity,
     TensorProfile,
+    check_clock,
     check_granularity,
     check_int,
     check_positive,
@@ -50,7 +53,9 @@ class ElasticTrainer(LearnerPlugin):
 
     Closed loop: the step times measured after each selection (``check_steps`` of them,
     median) and on probe steps refit a :class:`~taste_cl.elastic.calibration.StepTimeModel`
-    (optimizer and bookkeeping overhead, a global scale, per-unit scales); later selections
+    (optimizer and bookkeeping overhead, a global backward scale, per-unit scales; the
+    forward pass is timed on its own every step, through a forward hook on the model that
+    lives only until it fires, so it is not confused with the overhead); later selections
     use the corrected times. :meth:`prediction_errors` reports how far the raw profile and
     the corrected model were from the measured times.
 
@@ -81,6 +86,11 @@ class ElasticTrainer(LearnerPlugin):
         Steps measured after each selection to check and correct the prediction.
     resolution:
         Time bins of the DP selector.
+    clock:
+        ``"wall"`` (default) profiles and checks step times on the wall clock; ``"cpu"``
+        on this process's CPU time, which a shared device's other processes do not
+        inflate (see :mod:`taste_cl.elastic.profiling`). With one intra-op thread the two
+        agree on an idle device.
     """
 
     name = "elastic"
@@ -101,6 +111,7 @@ class ElasticTrainer(LearnerPlugin):
         tolerance: float = 0.2,
         check_steps: int = 5,
         resolution: int = 1000,
+        clock: Clock = "wall",
     ) -> None:
         check_positive("rho", rho, upper=1.0)
         check_int("reselect_every", reselect_every, 1)
@@ -118,6 +129,7 @@ class ElasticTrainer(LearnerPlugin):
         check_positive("tolerance", tolerance)
         check_int("check_steps", check_steps, 1)
         check_int("resolution", resolution, 1)
+        check_clock(clock)
         self.rho = rho
         self.reselect_every = reselect_every
         self.drift_rho = drift_rho
@@ -131,6 +143,7 @@ class ElasticTrainer(LearnerPlugin):
         self.tolerance = tolerance
         self.check_steps = check_steps
         self.resolution = resolution
+        self.clock = clock
         self.profile_: TensorProfile | None = None
         self.timing_: StepTimeModel | None = None
         self.importance_: list[float] | None = None
@@ -147,6 +160,9 @@ class ElasticTrainer(LearnerPlugin):
         self._unit_params: list[list[nn.Parameter]] = []
         self._probe_step = False
         self._arm_s = 0.0
+        self._cpu_start: float | None = None
+        self._forward_start = 0.0
+        self._forward_hook: Any = None
         self._probe_times: list[float] = []
         self._window: list[float] = []
         self._window_prediction: dict[str, Any] | None = None
@@ -164,6 +180,8 @@ class ElasticTrainer(LearnerPlugin):
             self.reprofile(n + learner.replay_batch_size)
 
     def before_step(self, learner: OnlineLearner, **kwargs: Any) -> None:
+        if self.clock == "cpu" and self._cpu_start is None:
+            self._cpu_start = time.process_time()  # the first step of this observe
         self._finish_probe()
         self._probe_step = False
         if self.profile_ is None:
@@ -175,10 +193,29 @@ class ElasticTrainer(LearnerPlugin):
         if self._drift_left:
             self._drift_left -= 1
             self._probe_now = self._drift_left == 0
+        # time this step's forward pass on its own (the hook lives only until it fires)
+        self._remove_forward_hook()
+        self._forward_hook = learner.model.register_forward_hook(self._forward_done)
+        self._forward_start = CLOCKS[self.clock]()
+
+    def _forward_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        seconds = CLOCKS[self.clock]() - self._forward_start
+        self._remove_forward_hook()
+        if self.timing_ is not None:
+            self.timing_.observe_forward(seconds)
+
+    def _remove_forward_hook(self) -> None:
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
 
     def after_observe(self, learner: OnlineLearner, stats: ObserveStats, **kwargs: Any) -> None:
+        self._remove_forward_hook()  # the forward raised, or the step had none
+        seconds = stats.step_time_s
+        if self.clock == "cpu":
+            seconds, self._cpu_start = (0.0 if self._cpu_start is None else time.process_time() - self._cpu_start), None
         if stats.micro_batches and stats.steps:
-            self._record_time(stats.step_time_s / stats.micro_batches)
+            self._record_time(seconds / stats.micro_batches)
         self._finish_probe()
 
     def _on_retuned(self, event: MonitorEvent) -> None:
@@ -213,7 +250,7 @@ class ElasticTrainer(LearnerPlugin):
         example = repeat_rows(self._example, size)
         options = {
             "granularity": self.granularity, "warmup": self.warmup, "repeats": self.repeats,
-            "max_rounds": self.max_rounds, "tolerance": self.tolerance,
+            "max_rounds": self.max_rounds, "tolerance": self.tolerance, "clock": self.clock,
         }  # fmt: skip
         with _Trainable([p for params in self._unit_params for p in params]):
             if self.cache_dir is None:
@@ -328,9 +365,10 @@ class ElasticTrainer(LearnerPlugin):
         assert self.profile_ is not None
         self.apply_selection(self.profile_.units)
         self._estimator = GradientImportance(self._unit_params)
-        start = time.perf_counter()
+        now = CLOCKS[self.clock]
+        start = now()
         self._estimator.arm()
-        self._arm_s = time.perf_counter() - start  # inside the measured step: not training time
+        self._arm_s = now() - start  # inside the measured step: not training time
         self._since_probe = 0
         self._probe_now = False
         self._probe_step = True
@@ -413,6 +451,8 @@ class ElasticTrainer(LearnerPlugin):
         profile = None if state["profile"] is None else parse_profile(state["profile"])
         if profile is not None and profile.granularity != self.granularity:
             raise ValueError(f"elastic state has granularity {profile.granularity!r}, this trainer {self.granularity!r}")
+        if profile is not None and profile.clock != self.clock:
+            raise ValueError(f"elastic state has a {profile.clock!r}-clock profile, this trainer clock {self.clock!r}")
         n = 0 if profile is None else len(profile.units)
         importance = state["importance"]
         if importance is not None and (
