@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tuned: list[Any] = []
 
     def run_tuned() -> StreamResult:
-        tuned.append(TasteBatchSizePlugin(BatchSizeTuner(cache_dir=cache.name, seed=args.seed)))
+        tuned.append(TasteBatchSizePlugin(BatchSizeTuner(cache_dir=cache.name)))
         return run_avalanche(benchmark, tasks, seed=args.seed, epochs=1, plugins=[tuned[-1]])
 
     variants: dict[str, Callable[[], StreamResult]] = {

@@ -232,7 +232,6 @@ class BatchSizeTuner(LearnerPlugin):
         min_retune_interval: int = 100,
         probe_samples: int = 256,
         cache_dir: str | os.PathLike[str] | None = None,
-        seed: int = 0,
     ) -> None:
         for label, value, low in (
             ("max_batch_size", max_batch_size, 1),
@@ -277,7 +276,6 @@ class BatchSizeTuner(LearnerPlugin):
         self.min_retune_interval = min_retune_interval
         self.probe_samples = probe_samples
         self.cache_dir = cache_dir
-        self.seed = seed
         self.cache = SurrogateCache(cache_dir)
         self.result_: TuningResult | None = None
         self.reference_: int | None = reference_batch_size
