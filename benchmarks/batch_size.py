@@ -18,7 +18,6 @@ under ``--out``. Run: ``taste-cl bench batch-size --zoo``.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import subprocess
@@ -225,7 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in names:
         print(f"{name} ...", flush=True)
         results[name] = run_case(CASES[name], max_batch=args.max_batch, rounds=args.rounds, min_time=args.min_probe_time)
-        print(json.dumps({k: v for k, v in results[name].items() if k != "grid"}), flush=True)
+        done = results[name]
+        tuned, ratio, cold = done["sizes"]["tuned"], done["tuned_vs_oracle"], done["cold_seconds"]
+        print(f"  tuned batch {tuned}: {ratio:.2f} of the oracle's samples/s, cold tune {cold:.1f} s", flush=True)
     if not args.skip_threads:
         threads = run_threads_under_load(CASES[args.threads_model], hog_seconds=600, rounds=args.rounds, min_time=args.min_probe_time)
 
