@@ -353,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated from full, last_layer, elastic, elastic_module, elastic_memory")  # fmt: skip
     parser.add_argument("--seeds", type=int, default=None, help="fine-tuning seeds per model (default 1, 2 with --zoo)")
     parser.add_argument("--classes", type=int, default=10, help="classes in pretraining and in fine-tuning")
-    parser.add_argument("--pretrain-steps", type=int, default=None, help="default 300 (200 with --zoo)")
+    parser.add_argument("--pretrain-steps", type=int, default=300, help="pretraining steps (the CNN is still at chance after 200)")
     parser.add_argument("--steps", type=int, default=None, help="fine-tuning steps per variant (default 400, 150 with --zoo)")
     parser.add_argument("--batch-size", type=int, default=32, help="fine-tuning batch size")
     parser.add_argument("--lr", type=float, default=0.02, help="SGD learning rate")
@@ -370,7 +370,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse(parser, argv)
     models = args.models.split(",") if args.models else (["cnn", "resnet18", "mobilenet_v2"] if args.zoo else ["cnn"])
     args.seeds = args.seeds or (2 if args.zoo else 1)
-    args.pretrain_steps = args.pretrain_steps or (200 if args.zoo else 300)
     args.steps = args.steps or (150 if args.zoo else 400)
     names = ["full", *[n for n in args.variants.split(",") if n != "full"]]
     torch.manual_seed(args.seed)
