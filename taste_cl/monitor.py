@@ -401,8 +401,8 @@ def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, A
 
     def count(key: str, value: Any = None) -> int:
         value = state.get(key) if value is None else value
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise fail(key, "must be an int >= 0")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62:
+            raise fail(key, "must be an int in [0, 2**62)")  # beyond: corrupt, and sample ids would overflow int64
         return value
 
     def score(key: str, value: Any) -> float:
