@@ -47,6 +47,7 @@ __all__ = [
     "to_features",
     "to_inputs",
     "to_labels",
+    "to_like",
     "unflatten",
 ]
 
@@ -76,6 +77,11 @@ def call_model(model: Callable[..., Any], x: Inputs) -> Any:
     if isinstance(x, Mapping):
         return model(**x)
     return model(*x)
+
+
+def to_like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``t`` in ``ref``'s dtype and device; ``t`` itself, without a dispatch, when it is there already (hot paths)."""
+    return t if t.dtype == ref.dtype and t.device == ref.device else t.to(ref)
 
 
 def map_leaves(fn: Callable[[torch.Tensor], torch.Tensor], x: Inputs) -> Inputs:

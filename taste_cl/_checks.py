@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["check_int"]
+__all__ = ["INT_LIMIT", "check_int"]
+
+INT_LIMIT = 2**62  # saved counters beyond this are corrupt (and would overflow int64 tensors)
 
 
 def check_int(name: str, value: Any, low: int = 0) -> int:

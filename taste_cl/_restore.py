@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from taste_cl._batch import Inputs, Spec, count_nonfinite, leaves, map_leaves, to_inputs, unflatten
+from taste_cl._checks import INT_LIMIT
 from taste_cl.exceptions import CheckpointError
 from taste_cl.monitor import PREQUENTIAL_MODES, StabilityPlasticityMonitor
 from taste_cl.monitor import _parse_state as parse_monitor_state
@@ -55,7 +56,6 @@ _BUILTIN_REPLAY: dict[str, type[ReservoirReplay | ClassBalancedReplay]] = {
     "ReservoirReplay": ReservoirReplay,
     "ClassBalancedReplay": ClassBalancedReplay,
 }
-_INT_LIMIT = 2**62  # counters beyond this are corrupt (and would overflow int64 tensors)
 _TOP_LEVEL_EXTRA = ("format", "replay_type")
 
 Apply = Callable[[], None]
@@ -106,7 +106,7 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
-def _int(where: str, value: Any, low: int = 0, high: int = _INT_LIMIT) -> int:
+def _int(where: str, value: Any, low: int = 0, high: int = INT_LIMIT) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise _Invalid(f"`{where} == {_short(value)}`, must be an int in [{low}, {high}]")
     return value

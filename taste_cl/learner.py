@@ -44,6 +44,7 @@ from taste_cl._batch import (
     map_leaves,
     split_batch,
     to_inputs,
+    to_like,
 )
 from taste_cl._checks import check_int
 from taste_cl._report import format_fields
@@ -488,12 +489,9 @@ class OnlineLearner:
             replay_x, replay_y, fields = self.replay.sample(n_replay, with_fields=True)  # type: ignore[call-arg, misc]
         else:
             replay_x, replay_y = self.replay.sample(n_replay)
-        if replay_y.dtype != y.dtype or replay_y.device != y.device:
-            replay_y = replay_y.to(y)
+        replay_y = to_like(replay_y, y)
         if isinstance(x, torch.Tensor):  # the common case, without the pytree walk
-            if replay_x.dtype != x.dtype or replay_x.device != x.device:
-                replay_x = replay_x.to(x)
-            return torch.cat([x, replay_x]), torch.cat([y, replay_y]), fields
+            return torch.cat([x, to_like(replay_x, x)]), torch.cat([y, replay_y]), fields
         return cat_batches([x, self._place(replay_x)]), torch.cat([y, replay_y]), fields
 
     def _place(self, x: Inputs) -> Inputs:

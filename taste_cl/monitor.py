@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from taste_cl._checks import INT_LIMIT
 from taste_cl._report import MonitorReport
 from taste_cl.drift import PageHinkley
 from taste_cl.replay import ClassBalancedReplay, ReservoirReplay
@@ -401,8 +402,8 @@ def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, A
 
     def count(key: str, value: Any = None) -> int:
         value = state.get(key) if value is None else value
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62:
-            raise fail(key, "must be an int in [0, 2**62)")  # beyond: corrupt, and sample ids would overflow int64
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < INT_LIMIT:
+            raise fail(key, "must be an int in [0, 2**62)")
         return value
 
     def score(key: str, value: Any) -> float:
@@ -462,8 +463,8 @@ def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, A
     ids, flags = last_correct
     if len(ids) != len(flags) or not all(isinstance(f, bool) for f in flags):
         raise fail("last_correct", "needs one bool flag per sample id")
-    id_list = [count("last_correct", i) for i in ids]
-    if len(set(id_list)) != len(id_list) or any(i >= count("samples_seen") for i in id_list):
+    id_list, seen = [count("last_correct", i) for i in ids], count("samples_seen")
+    if len(set(id_list)) != len(id_list) or any(i >= seen for i in id_list):
         raise fail("last_correct", "must hold distinct ids of samples seen")
     flips = state.get("flips")
     if flips is not None and (not isinstance(flips, list) or len(flips) != 2):

@@ -29,6 +29,7 @@ from taste_cl._batch import (
     index_batch,
     leaves,
     spec_mismatch,
+    to_like,
     unflatten,
 )
 from taste_cl._checks import check_int
@@ -198,7 +199,7 @@ class BufferStorage:
         assert self._y is not None
         slots = _on(slots, self._y)
         for store, batch in self._columns(x, y, fields):
-            store.index_copy_(0, slots, batch if batch.dtype == store.dtype and batch.device == store.device else batch.to(store))
+            store.index_copy_(0, slots, to_like(batch, store))
 
     def write_rows(self, x: Any, y: torch.Tensor, rows_by_slot: dict[int, int], **fields: torch.Tensor) -> None:
         """Overwrite each (filled) slot with row ``rows_by_slot[slot]`` of the batch."""
