@@ -461,16 +461,17 @@ class OnlineLearner:
         for _ in range(self.train_iterations):
             train_x, train_y, fields = self._with_replay(x, y, n_replay)
             outputs, loss = self._micro_step(train_x, train_y, n, fields, weight)
+            outputs = outputs[:n]  # the stream rows
             finite &= math.isfinite(loss)
             if stream_outputs is None:
-                stream_outputs = outputs[:n]  # scored before any update on this chunk
+                stream_outputs = outputs  # scored before any update on this chunk
             totals.add_micro(loss, train_y.shape[0], n_replay)
             if self._accumulated == self._accumulation_steps:
                 totals.add_step(self._apply_accumulated())
         assert stream_outputs is not None
         totals.add_scored(self.monitor.record(x, y, stream_outputs, validated=True, store=finite))
         if self.replay is not None and finite:
-            self.replay.add_validated(x, y, **self.strategy.fields(x, y, outputs[:n]))
+            self.replay.add_validated(x, y, **self.strategy.fields(x, y, outputs))
         if self.monitor.due():
             self.monitor.evaluate(lambda probe_x: self._logits(self._place(probe_x)))
         self.strategy.after_chunk(self)
@@ -518,7 +519,7 @@ class OnlineLearner:
         logits = call_model(self.model, x)
         n_stream = y.shape[0] if n_stream is None else n_stream
         loss = self.strategy.loss(self.loss_fn, logits, y, x=x, n_stream=n_stream, fields=fields or {})
-        loss_value = float(loss.detach())
+        loss_value = loss.item()
         self.guard.record_loss(loss_value)
         if math.isfinite(loss_value):
             (loss if weight == 1.0 else loss * weight).backward()

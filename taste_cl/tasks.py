@@ -93,6 +93,11 @@ class Task(ABC):
         return {0: self.metrics(self.batch_stats(outputs, targets))[self.primary]}
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 or wider for a stable loss (no dispatch when it already is: the hot path)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
 def _check_length(y: torch.Tensor, n: int, name: str) -> None:
     if y.dim() == 0 or y.shape[0] != n:
         got = "a scalar" if y.dim() == 0 else f"{y.shape[0]}"
@@ -148,7 +153,7 @@ class Classification(Task):
         return {"accuracy": correct / n if n else math.nan}
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> float:
-        return float(F.cross_entropy(outputs.float(), targets))
+        return float(F.cross_entropy(_wide(outputs), targets))
 
     def group_scores(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[int, float]:
         hits = outputs.argmax(dim=1) == targets
@@ -194,7 +199,7 @@ class TokenClassification(Task):
         return {"accuracy": correct / n if n else math.nan}
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> float:
-        return float(F.cross_entropy(outputs.float(), targets, ignore_index=self.ignore_index))
+        return float(F.cross_entropy(_wide(outputs), targets, ignore_index=self.ignore_index))
 
 
 def _float_targets(value: Any, *, n: int, output_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, task: str) -> torch.Tensor:
@@ -239,7 +244,7 @@ class Regression(Task):
         return {"mse": squared / count if count else math.nan, "mae": absolute / count if count else math.nan}
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> float:
-        return float(F.mse_loss(outputs.float(), targets.float()))
+        return float(F.mse_loss(_wide(outputs), _wide(targets)))
 
 
 class MultiLabel(Task):
@@ -284,8 +289,8 @@ class MultiLabel(Task):
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> float:
         if self.logits:
-            return float(F.binary_cross_entropy_with_logits(outputs.float(), targets.float()))
-        return float(F.binary_cross_entropy(outputs.float().clamp(0, 1), targets.float()))
+            return float(F.binary_cross_entropy_with_logits(_wide(outputs), _wide(targets)))
+        return float(F.binary_cross_entropy(_wide(outputs).clamp(0, 1), _wide(targets)))
 
 
 _BY_NAME: dict[str, type[Task]] = {cls.name: cls for cls in (Classification, MultiLabel, Regression, TokenClassification)}
