@@ -108,9 +108,7 @@ class RawLoop:
     def _add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         n = len(y)
         positions = torch.arange(self.seen, self.seen + n)
-        slots = torch.where(
-            positions < CAPACITY, positions, (torch.rand(n, generator=self.generator) * (positions + 1)).long()
-        )
+        slots = torch.where(positions < CAPACITY, positions, (torch.rand(n, generator=self.generator) * (positions + 1)).long())
         keep = slots < CAPACITY
         self.buf_x[slots[keep]] = x[keep]
         self.buf_y[slots[keep]] = y[keep]
