@@ -4,7 +4,8 @@ Reads every ``<name>.json`` under ``--out`` (default ``bench_results/``) and pri
 Markdown row per benchmark: the command, what it compares and its headline figures (the
 ``summary`` the benchmark saved, else one derived here from its results). With
 ``--readme README.md`` the table between the ``bench-table`` markers is replaced in place,
-so the README's figures are never copied by hand.
+so the README's figures are never copied by hand; rows of benchmarks without a result in
+``--out`` are kept from the README's table and marked as from an earlier run.
 """
 
 from __future__ import annotations
@@ -115,17 +116,23 @@ def _headline(name: str, result: Mapping[str, Any]) -> str:
         return f"see `{name}.json`"
 
 
-def markdown_table(folder: str | Path) -> str:
-    """The Markdown table of every benchmark result in ``folder``, in command order."""
+def markdown_table(folder: str | Path, earlier: str | None = None) -> str:
+    """The Markdown table of every benchmark result in ``folder``, in command order.
+
+    ``earlier`` is a table this function wrote before (the README's): its rows for
+    benchmarks without a result in ``folder`` are kept, and its "Measured on" line is
+    quoted for them, so one benchmark can be re-run without re-running all of them.
+    """
     by_file = {module.rsplit(".", 1)[1]: (command, summary) for command, (module, summary) in BENCHMARKS.items()}
-    rows, environments = [], set()
+    rows: dict[str, str] = {}
+    environments = set()
     for path in sorted(Path(folder).glob("*.json")):
         if path.stem not in by_file:
             continue
         result = json.loads(path.read_text())
         command, compared = by_file[path.stem]
         headline = _headline(path.stem, result).replace("|", "\\|")
-        rows.append((command, f"| `taste-cl bench {command}` | {compared} | {headline} |"))
+        rows[command] = f"| `taste-cl bench {command}` | {compared} | {headline} |"
         env = result.get("environment", {})
         environments.add(
             f"{env.get('date', '?')}, {env.get('machine', '?')}, {env.get('cpus', '?')} CPUs, "
@@ -133,14 +140,30 @@ def markdown_table(folder: str | Path) -> str:
         )
     if not rows:
         raise FileNotFoundError(f"no benchmark results (*.json) in {str(folder)!r}: run `taste-cl bench NAME` first")
-    lines = [
-        "| command | what is compared | measured |",
-        "| --- | --- | --- |",
-        *(row for _, row in sorted(rows)),
-        "",
-        "Measured on: " + "; ".join(sorted(environments)) + ".",
-    ]
+    measured = "Measured on: " + "; ".join(sorted(environments)) + "."
+    kept, earlier_measured = _earlier_rows(earlier or "", set(rows))
+    if kept:
+        measured += f" Rows of {', '.join(f'`{c}`' for c in sorted(kept))}: from an earlier run ({earlier_measured or 'date unknown'})."
+    lines = ["| command | what is compared | measured |", "| --- | --- | --- |", *(row for _, row in sorted({**kept, **rows}.items())), "", measured]
     return "\n".join(lines)
+
+
+def _earlier_rows(table: str, replaced: set[str]) -> tuple[dict[str, str], str | None]:
+    """Rows of an earlier table whose command is not in ``replaced``, and what its "Measured on" line said."""
+    kept, measured = {}, None
+    for line in table.splitlines():
+        match = re.match(r"\| `taste-cl bench ([\w-]+)` \|", line)
+        if match and match.group(1) not in replaced:
+            kept[match.group(1)] = line
+        elif line.startswith("Measured on: "):
+            measured = line.removeprefix("Measured on: ").split(" Rows of ")[0].rstrip(".")
+    return kept, measured
+
+
+def _block(text: str) -> str:
+    """The text between :data:`BEGIN` and :data:`END` (empty when the markers are missing: replacing then fails clearly)."""
+    match = re.search(re.escape(BEGIN) + r"(.*?)" + re.escape(END), text, re.DOTALL)
+    return match.group(1) if match else ""
 
 
 def replace_table(text: str, table: str) -> str:
@@ -156,16 +179,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="bench_results", help="folder of the benchmarks' JSON results")
     parser.add_argument("--readme", help="Markdown file whose bench-table block to replace (e.g. README.md)")
     args = parser.parse_args(argv)
+    readme = None if args.readme is None else Path(args.readme)
     try:
-        table = markdown_table(args.out)
+        text = None if readme is None else readme.read_text()
+    except OSError as error:
+        parser.error(f"--readme {args.readme}: {error}")
+    try:
+        table = markdown_table(args.out, earlier=None if text is None else _block(text))
     except FileNotFoundError as error:
         parser.error(str(error))
-    if args.readme is None:
+    if readme is None or text is None:
         print(table)
         return 0
-    readme = Path(args.readme)
     try:
-        readme.write_text(replace_table(readme.read_text(), table))
+        readme.write_text(replace_table(text, table))
     except (OSError, ValueError) as error:
         parser.error(f"--readme {args.readme}: {error}")
     print(f"table written to {readme}")

@@ -80,13 +80,19 @@ def test_bench_online_digits_writes_json_and_the_report_table(tmp_path, capsys):
     assert "samples/s" in capsys.readouterr().out
 
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n{BEGIN}\nold figures\n{END}\n\nafter\n")
+    kept = "| `taste-cl bench soak` | long stream | RSS growth 0.06 MB |"
+    earlier = f"| `taste-cl bench online-digits` | stale | 0.1 |\n{kept}\n\nMeasured on: 2020-01-01, x86_64."
+    readme.write_text(f"# x\n\n{BEGIN}\n{earlier}\n{END}\n\nafter\n")
     assert main(["bench", "report", "--out", str(tmp_path), "--readme", str(readme)]) == 0
     text = readme.read_text()
     accuracy = format(result["runs"]["reservoir"]["final_accuracy"], ".3f")
-    assert "old figures" not in text and text.endswith("\nafter\n")
+    assert "stale" not in text and text.endswith("\nafter\n")
     row = next(line for line in text.splitlines() if line.startswith("| `taste-cl bench online-digits`"))
     assert f"final accuracy over all 10 classes {accuracy} vs" in row
+    # a benchmark without a result this time keeps its earlier row, marked as such
+    assert kept in text and "Rows of `soak`: from an earlier run (2020-01-01, x86_64)." in text
+    lines = text.splitlines()
+    assert lines.index(kept) > lines.index(row)  # command order
 
 
 def test_report_refuses_a_file_without_markers_and_a_folder_without_results(tmp_path, capsys):
