@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -149,15 +150,47 @@ class ERACE(Strategy):
     name = "er_ace"
     tasks = ("classification",)
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._layout: tuple[tuple[Any, ...], torch.Tensor, torch.Tensor] | None = None
+
     def loss(
         self, loss_fn: LossFn, outputs: torch.Tensor, y: torch.Tensor, *, x: Inputs, n_stream: int, fields: dict[str, torch.Tensor]
     ) -> torch.Tensor:
+        reduction = _plain_cross_entropy(loss_fn)
+        if reduction is not None:
+            return self._masked_loss(outputs, y, n_stream, reduction)
         stream_y = y[:n_stream]
         present = torch.unique(stream_y)  # sorted
         stream_loss = loss_fn(outputs[:n_stream].index_select(1, present), torch.searchsorted(present, stream_y))
         if n_stream == y.shape[0]:
             return stream_loss
         return stream_loss + loss_fn(outputs[n_stream:], y[n_stream:])
+
+    def _masked_loss(self, outputs: torch.Tensor, y: torch.Tensor, n_stream: int, reduction: str) -> torch.Tensor:
+        """The same loss for a plain cross-entropy in one pass over the micro-batch: the stream
+        rows' absent classes get logit -inf (probability 0, gradient 0, so the stream rows'
+        softmax runs over the present classes only), and the per-sample losses are summed
+        with weights 1 / part size (``mean``) or 1 (``sum``): fewer ops, forward and backward,
+        than selecting the present columns and two separate losses."""
+        stream_rows, weights = self._rows_and_weights(outputs, n_stream, reduction)
+        absent = torch.bincount(y[:n_stream], minlength=outputs.shape[1]) == 0
+        masked = outputs.masked_fill(absent & stream_rows, -math.inf)
+        return torch.dot(F.cross_entropy(masked, y, reduction="none"), weights)
+
+    def _rows_and_weights(self, outputs: torch.Tensor, n_stream: int, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which rows are stream rows ``(B, 1)`` and each row's weight ``(B,)``, kept for the
+        last micro-batch layout (it rarely changes)."""
+        size = outputs.shape[0]
+        key = (size, n_stream, reduction, outputs.dtype, outputs.device)
+        if self._layout is None or self._layout[0] != key:
+            stream_rows = (torch.arange(size, device=outputs.device) < n_stream).unsqueeze(1)
+            weights = torch.ones(size, dtype=outputs.dtype, device=outputs.device)
+            if reduction == "mean":
+                weights[:n_stream] = 1 / n_stream
+                weights[n_stream:] = 1 / max(size - n_stream, 1)
+            self._layout = (key, stream_rows, weights)
+        return self._layout[1], self._layout[2]
 
 
 class DERPlusPlus(Strategy):
@@ -283,6 +316,22 @@ class LwF(Strategy):
         self.snapshot()
         assert self.teacher is not None
         self.teacher.load_state_dict(state["teacher"])
+
+
+def _plain_cross_entropy(loss_fn: LossFn) -> str | None:
+    """The reduction (``"mean"`` or ``"sum"``) of a cross-entropy with no class weights,
+    label smoothing or in-range ignore index, else None (ER-ACE then calls ``loss_fn`` as is)."""
+    if loss_fn is F.cross_entropy:
+        return "mean"
+    if (
+        type(loss_fn) is nn.CrossEntropyLoss
+        and loss_fn.weight is None
+        and loss_fn.label_smoothing == 0
+        and loss_fn.ignore_index < 0
+        and loss_fn.reduction in ("mean", "sum")
+    ):
+        return loss_fn.reduction
+    return None
 
 
 BUILTIN_STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (ExperienceReplay, ERACE, DERPlusPlus, LwF)}

@@ -37,6 +37,22 @@ def test_er_ace_stream_loss_ignores_absent_classes() -> None:
     assert torch.allclose(stream_only, expected)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("n_stream", [3, 5, 8])
+def test_er_ace_one_pass_loss_equals_the_two_part_loss(reduction: str, n_stream: int) -> None:
+    # nn.CrossEntropyLoss takes the one-pass masked path; a wrapper of it the generic one
+    outputs = (3 * torch.randn(8, 6, dtype=torch.float64)).requires_grad_()
+    y = torch.tensor([0, 2, 2, 5, 0, 1, 3, 4])
+    strategy = ERACE()
+    fast = strategy.loss(nn.CrossEntropyLoss(reduction=reduction), outputs, y, x=None, n_stream=n_stream, fields={})
+    (fast_grad,) = torch.autograd.grad(fast, outputs)
+    generic = strategy.loss(lambda o, t: nn.functional.cross_entropy(o, t, reduction=reduction), outputs, y, x=None, n_stream=n_stream, fields={})
+    (generic_grad,) = torch.autograd.grad(generic, outputs)
+    assert torch.allclose(fast, generic, rtol=1e-12, atol=0)
+    assert torch.allclose(fast_grad, generic_grad, rtol=1e-12, atol=1e-15)
+    assert torch.isfinite(fast_grad).all()
+
+
 def test_plain_er_is_the_default_and_is_loss_fn_on_the_whole_micro_batch() -> None:
     learner = _learner(None, replay=ReservoirReplay(50))
     assert isinstance(learner.strategy, ExperienceReplay)
