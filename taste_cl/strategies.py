@@ -35,6 +35,7 @@ torch.Size([2, 3])
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -44,7 +45,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from taste_cl._batch import Inputs, call_model
+from taste_cl._batch import Inputs, call_model, to_like
 from taste_cl.replay import ReplayStrategy
 from taste_cl.tasks import Task
 
@@ -150,47 +151,23 @@ class ERACE(Strategy):
     name = "er_ace"
     tasks = ("classification",)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._layout: tuple[tuple[Any, ...], torch.Tensor, torch.Tensor] | None = None
-
     def loss(
         self, loss_fn: LossFn, outputs: torch.Tensor, y: torch.Tensor, *, x: Inputs, n_stream: int, fields: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         reduction = _plain_cross_entropy(loss_fn)
-        if reduction is not None:
-            return self._masked_loss(outputs, y, n_stream, reduction)
+        if reduction is not None:  # the same loss in one pass over the micro-batch
+            stream_rows = _stream_rows(outputs.shape[0], n_stream, outputs.device)
+            # the stream rows' absent classes get logit -inf: probability 0 and gradient 0,
+            # so their softmax runs over the present classes only
+            absent = torch.bincount(y[:n_stream], minlength=outputs.shape[1]) == 0
+            masked = outputs.masked_fill(absent & stream_rows, -math.inf)
+            return _two_part_loss(masked, y, n_stream, reduction)
         stream_y = y[:n_stream]
         present = torch.unique(stream_y)  # sorted
         stream_loss = loss_fn(outputs[:n_stream].index_select(1, present), torch.searchsorted(present, stream_y))
         if n_stream == y.shape[0]:
             return stream_loss
         return stream_loss + loss_fn(outputs[n_stream:], y[n_stream:])
-
-    def _masked_loss(self, outputs: torch.Tensor, y: torch.Tensor, n_stream: int, reduction: str) -> torch.Tensor:
-        """The same loss for a plain cross-entropy in one pass over the micro-batch: the stream
-        rows' absent classes get logit -inf (probability 0, gradient 0, so the stream rows'
-        softmax runs over the present classes only), and the per-sample losses are summed
-        with weights 1 / part size (``mean``) or 1 (``sum``): fewer ops, forward and backward,
-        than selecting the present columns and two separate losses."""
-        stream_rows, weights = self._rows_and_weights(outputs, n_stream, reduction)
-        absent = torch.bincount(y[:n_stream], minlength=outputs.shape[1]) == 0
-        masked = outputs.masked_fill(absent & stream_rows, -math.inf)
-        return torch.dot(F.cross_entropy(masked, y, reduction="none"), weights)
-
-    def _rows_and_weights(self, outputs: torch.Tensor, n_stream: int, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Which rows are stream rows ``(B, 1)`` and each row's weight ``(B,)``, kept for the
-        last micro-batch layout (it rarely changes)."""
-        size = outputs.shape[0]
-        key = (size, n_stream, reduction, outputs.dtype, outputs.device)
-        if self._layout is None or self._layout[0] != key:
-            stream_rows = (torch.arange(size, device=outputs.device) < n_stream).unsqueeze(1)
-            weights = torch.ones(size, dtype=outputs.dtype, device=outputs.device)
-            if reduction == "mean":
-                weights[:n_stream] = 1 / n_stream
-                weights[n_stream:] = 1 / max(size - n_stream, 1)
-            self._layout = (key, stream_rows, weights)
-        return self._layout[1], self._layout[2]
 
 
 class DERPlusPlus(Strategy):
@@ -219,12 +196,14 @@ class DERPlusPlus(Strategy):
     def loss(
         self, loss_fn: LossFn, outputs: torch.Tensor, y: torch.Tensor, *, x: Inputs, n_stream: int, fields: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        loss = loss_fn(outputs[:n_stream], y[:n_stream])
         if n_stream == y.shape[0]:
-            return loss
+            return loss_fn(outputs, y)
         replayed = outputs[n_stream:]
-        loss = loss + self.alpha * F.mse_loss(replayed, fields["logits"].to(replayed))
-        return loss + self.beta * loss_fn(replayed, y[n_stream:])
+        distill = self.alpha * F.mse_loss(replayed, to_like(fields["logits"], replayed))
+        reduction = _plain_cross_entropy(loss_fn)
+        if reduction is not None:  # both cross-entropy terms in one pass over the micro-batch
+            return _two_part_loss(outputs, y, n_stream, reduction, self.beta) + distill
+        return loss_fn(outputs[:n_stream], y[:n_stream]) + distill + self.beta * loss_fn(replayed, y[n_stream:])
 
     def fields(self, x: Inputs, y: torch.Tensor, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"logits": outputs.detach()}
@@ -332,6 +311,34 @@ def _plain_cross_entropy(loss_fn: LossFn) -> str | None:
     ):
         return loss_fn.reduction
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def _stream_rows(size: int, n_stream: int, device: torch.device) -> torch.Tensor:
+    """``(size, 1)`` bool, True for the stream rows of a micro-batch ``[stream | replay]`` (read only)."""
+    with torch.inference_mode(False):  # usable by autograd even if first made under inference mode
+        return (torch.arange(size, device=device) < n_stream).unsqueeze(1)
+
+
+@functools.lru_cache(maxsize=8)
+def _row_weights(size: int, n_stream: int, reduction: str, replay_weight: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Per-row weights ``(size,)`` that turn per-sample losses into ``stream loss +
+    replay_weight * replay loss``, each part reduced by ``reduction`` (read only)."""
+    with torch.inference_mode(False):  # usable by autograd even if first made under inference mode
+        weights = torch.ones(size, dtype=dtype, device=device)
+        weights[n_stream:] = replay_weight
+        if reduction == "mean":
+            weights[:n_stream] /= n_stream
+            weights[n_stream:] /= max(size - n_stream, 1)
+    return weights
+
+
+def _two_part_loss(outputs: torch.Tensor, y: torch.Tensor, n_stream: int, reduction: str, replay_weight: float = 1.0) -> torch.Tensor:
+    """Cross-entropy of the stream rows plus ``replay_weight`` times that of the replayed
+    rows, from one per-sample cross-entropy and one weighted sum (fewer ops, forward and
+    backward, than two losses over slices)."""
+    weights = _row_weights(outputs.shape[0], n_stream, reduction, replay_weight, outputs.dtype, outputs.device)
+    return torch.dot(F.cross_entropy(outputs, y, reduction="none"), weights)
 
 
 BUILTIN_STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (ExperienceReplay, ERACE, DERPlusPlus, LwF)}

@@ -39,14 +39,16 @@ def test_er_ace_stream_loss_ignores_absent_classes() -> None:
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("n_stream", [3, 5, 8])
-def test_er_ace_one_pass_loss_equals_the_two_part_loss(reduction: str, n_stream: int) -> None:
-    # nn.CrossEntropyLoss takes the one-pass masked path; a wrapper of it the generic one
+@pytest.mark.parametrize("strategy", [ERACE(), DERPlusPlus(0.5, 2.0)], ids=["er_ace", "der++"])
+def test_one_pass_cross_entropy_equals_the_loss_over_parts(strategy: Strategy, reduction: str, n_stream: int) -> None:
+    # nn.CrossEntropyLoss takes the one-pass path (weighted per-sample losses); a wrapper of it the generic one
     outputs = (3 * torch.randn(8, 6, dtype=torch.float64)).requires_grad_()
     y = torch.tensor([0, 2, 2, 5, 0, 1, 3, 4])
-    strategy = ERACE()
-    fast = strategy.loss(nn.CrossEntropyLoss(reduction=reduction), outputs, y, x=None, n_stream=n_stream, fields={})
+    fields = {"logits": torch.randn(8 - n_stream, 6, dtype=torch.float64)}
+    fast = strategy.loss(nn.CrossEntropyLoss(reduction=reduction), outputs, y, x=None, n_stream=n_stream, fields=fields)
     (fast_grad,) = torch.autograd.grad(fast, outputs)
-    generic = strategy.loss(lambda o, t: nn.functional.cross_entropy(o, t, reduction=reduction), outputs, y, x=None, n_stream=n_stream, fields={})
+    generic_fn = lambda o, t: nn.functional.cross_entropy(o, t, reduction=reduction)  # noqa: E731
+    generic = strategy.loss(generic_fn, outputs, y, x=None, n_stream=n_stream, fields=fields)
     (generic_grad,) = torch.autograd.grad(generic, outputs)
     assert torch.allclose(fast, generic, rtol=1e-12, atol=0)
     assert torch.allclose(fast_grad, generic_grad, rtol=1e-12, atol=1e-15)
