@@ -471,17 +471,20 @@ class ClassBalancedReplay(_SeededStrategy):
         draws = self._uniform(y.shape[0]).tolist()
         appends: list[int] = []  # batch rows going to the next free slots, in order
         writes: dict[int, int] = {}  # slot -> batch row replacing it (the last one wins)
-        for i, label in enumerate(y.tolist()):
-            if label not in self._seen:
+        # the per-sample loop is the hot path: its lookups are bound once (rebound after a registration)
+        seen, slots_of, quotas, stored = self._seen, self._slots, self._quotas, len(self._storage)
+        for i, (label, draw) in enumerate(zip(y.tolist(), draws)):
+            if label not in seen:
                 self._flush(x, y, fields, appends, writes)  # registering may evict and move slots
                 self._register(label)
-            self._seen[label] += 1
-            slots = self._slots[label]
-            if len(slots) < self._quotas[label]:
-                slots.append(len(self._storage) + len(appends))
+                quotas, stored = self._quotas, len(self._storage)
+            count = seen[label] = seen[label] + 1
+            slots = slots_of[label]
+            if len(slots) < quotas[label]:
+                slots.append(stored + len(appends))
                 appends.append(i)
                 continue
-            j = int(draws[i] * self._seen[label])
+            j = int(draw * count)
             if j < len(slots):
                 writes[slots[j]] = i
         self._flush(x, y, fields, appends, writes)

@@ -35,7 +35,9 @@ torch.Size([2, 3])
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -43,7 +45,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from taste_cl._batch import Inputs, call_model
+from taste_cl._batch import Inputs, call_model, to_like
 from taste_cl.replay import ReplayStrategy
 from taste_cl.tasks import Task
 
@@ -152,6 +154,14 @@ class ERACE(Strategy):
     def loss(
         self, loss_fn: LossFn, outputs: torch.Tensor, y: torch.Tensor, *, x: Inputs, n_stream: int, fields: dict[str, torch.Tensor]
     ) -> torch.Tensor:
+        reduction = _plain_cross_entropy(loss_fn)
+        if reduction is not None:  # the same loss in one pass over the micro-batch
+            stream_rows = _stream_rows(outputs.shape[0], n_stream, outputs.device)
+            # the stream rows' absent classes get logit -inf: probability 0 and gradient 0,
+            # so their softmax runs over the present classes only
+            absent = torch.bincount(y[:n_stream], minlength=outputs.shape[1]) == 0
+            masked = outputs.masked_fill(absent & stream_rows, -math.inf)
+            return _two_part_loss(masked, y, n_stream, reduction)
         stream_y = y[:n_stream]
         present = torch.unique(stream_y)  # sorted
         stream_loss = loss_fn(outputs[:n_stream].index_select(1, present), torch.searchsorted(present, stream_y))
@@ -186,12 +196,14 @@ class DERPlusPlus(Strategy):
     def loss(
         self, loss_fn: LossFn, outputs: torch.Tensor, y: torch.Tensor, *, x: Inputs, n_stream: int, fields: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        loss = loss_fn(outputs[:n_stream], y[:n_stream])
         if n_stream == y.shape[0]:
-            return loss
+            return loss_fn(outputs, y)
         replayed = outputs[n_stream:]
-        loss = loss + self.alpha * F.mse_loss(replayed, fields["logits"].to(replayed))
-        return loss + self.beta * loss_fn(replayed, y[n_stream:])
+        distill = self.alpha * F.mse_loss(replayed, to_like(fields["logits"], replayed))
+        reduction = _plain_cross_entropy(loss_fn)
+        if reduction is not None:  # both cross-entropy terms in one pass over the micro-batch
+            return _two_part_loss(outputs, y, n_stream, reduction, self.beta) + distill
+        return loss_fn(outputs[:n_stream], y[:n_stream]) + distill + self.beta * loss_fn(replayed, y[n_stream:])
 
     def fields(self, x: Inputs, y: torch.Tensor, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"logits": outputs.detach()}
@@ -283,6 +295,50 @@ class LwF(Strategy):
         self.snapshot()
         assert self.teacher is not None
         self.teacher.load_state_dict(state["teacher"])
+
+
+def _plain_cross_entropy(loss_fn: LossFn) -> str | None:
+    """The reduction (``"mean"`` or ``"sum"``) of a cross-entropy with no class weights,
+    label smoothing or in-range ignore index, else None (ER-ACE then calls ``loss_fn`` as is)."""
+    if loss_fn is F.cross_entropy:
+        return "mean"
+    if (
+        type(loss_fn) is nn.CrossEntropyLoss
+        and loss_fn.weight is None
+        and loss_fn.label_smoothing == 0
+        and loss_fn.ignore_index < 0
+        and loss_fn.reduction in ("mean", "sum")
+    ):
+        return loss_fn.reduction
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _stream_rows(size: int, n_stream: int, device: torch.device) -> torch.Tensor:
+    """``(size, 1)`` bool, True for the stream rows of a micro-batch ``[stream | replay]`` (read only)."""
+    with torch.inference_mode(False):  # usable by autograd even if first made under inference mode
+        return (torch.arange(size, device=device) < n_stream).unsqueeze(1)
+
+
+@functools.lru_cache(maxsize=8)
+def _row_weights(size: int, n_stream: int, reduction: str, replay_weight: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Per-row weights ``(size,)`` that turn per-sample losses into ``stream loss +
+    replay_weight * replay loss``, each part reduced by ``reduction`` (read only)."""
+    with torch.inference_mode(False):  # usable by autograd even if first made under inference mode
+        weights = torch.ones(size, dtype=dtype, device=device)
+        weights[n_stream:] = replay_weight
+        if reduction == "mean":
+            weights[:n_stream] /= n_stream
+            weights[n_stream:] /= max(size - n_stream, 1)
+    return weights
+
+
+def _two_part_loss(outputs: torch.Tensor, y: torch.Tensor, n_stream: int, reduction: str, replay_weight: float = 1.0) -> torch.Tensor:
+    """Cross-entropy of the stream rows plus ``replay_weight`` times that of the replayed
+    rows, from one per-sample cross-entropy and one weighted sum (fewer ops, forward and
+    backward, than two losses over slices)."""
+    weights = _row_weights(outputs.shape[0], n_stream, reduction, replay_weight, outputs.dtype, outputs.device)
+    return torch.dot(F.cross_entropy(outputs, y, reduction="none"), weights)
 
 
 BUILTIN_STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (ExperienceReplay, ERACE, DERPlusPlus, LwF)}

@@ -85,6 +85,17 @@ def test_class_balanced_is_uniform_within_a_class_even_after_quota_shrinks():
     assert torch.all(frequency[n:] > 0.3)  # 4 of the 8 class-1 samples are kept
 
 
+def test_class_balanced_keeps_the_same_samples_of_a_seeded_stream():
+    # pinned: classes arriving mid-batch, appends, evictions and in-class reservoir writes
+    buffer = ClassBalancedReplay(6, seed=0)
+    labels = [0, 0, 1, 0, 1, 1, 2, 0, 2, 1, 0, 2, 2, 1, 0, 3, 3, 0, 1, 2, 3, 1, 0, 2, 3, 3, 1, 0, 2, 1]
+    for start in range(0, 30, 5):
+        buffer.add(torch.arange(start, start + 5.0).unsqueeze(1), torch.tensor(labels[start : start + 5]))
+    x, y, _ = buffer.contents()
+    assert x.squeeze(1).tolist() == [0, 10, 2, 29, 6, 15]
+    assert y.tolist() == [0, 0, 1, 1, 2, 3]
+
+
 def test_state_round_trip_preserves_contents_and_continuation():
     buffer = ClassBalancedReplay(6, seed=3)
     buffer.add(torch.randn(20, 3), torch.randint(0, 3, (20,)))

@@ -37,6 +37,24 @@ def test_er_ace_stream_loss_ignores_absent_classes() -> None:
     assert torch.allclose(stream_only, expected)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("n_stream", [3, 5, 8])
+@pytest.mark.parametrize("strategy", [ERACE(), DERPlusPlus(0.5, 2.0)], ids=["er_ace", "der++"])
+def test_one_pass_cross_entropy_equals_the_loss_over_parts(strategy: Strategy, reduction: str, n_stream: int) -> None:
+    # nn.CrossEntropyLoss takes the one-pass path (weighted per-sample losses); a wrapper of it the generic one
+    outputs = (3 * torch.randn(8, 6, dtype=torch.float64)).requires_grad_()
+    y = torch.tensor([0, 2, 2, 5, 0, 1, 3, 4])
+    fields = {"logits": torch.randn(8 - n_stream, 6, dtype=torch.float64)}
+    fast = strategy.loss(nn.CrossEntropyLoss(reduction=reduction), outputs, y, x=None, n_stream=n_stream, fields=fields)
+    (fast_grad,) = torch.autograd.grad(fast, outputs)
+    generic_fn = lambda o, t: nn.functional.cross_entropy(o, t, reduction=reduction)  # noqa: E731
+    generic = strategy.loss(generic_fn, outputs, y, x=None, n_stream=n_stream, fields=fields)
+    (generic_grad,) = torch.autograd.grad(generic, outputs)
+    assert torch.allclose(fast, generic, rtol=1e-12, atol=0)
+    assert torch.allclose(fast_grad, generic_grad, rtol=1e-12, atol=1e-15)
+    assert torch.isfinite(fast_grad).all()
+
+
 def test_plain_er_is_the_default_and_is_loss_fn_on_the_whole_micro_batch() -> None:
     learner = _learner(None, replay=ReservoirReplay(50))
     assert isinstance(learner.strategy, ExperienceReplay)
