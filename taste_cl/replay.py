@@ -203,6 +203,11 @@ class BufferStorage:
 
     def write_rows(self, x: Any, y: torch.Tensor, rows_by_slot: dict[int, int], **fields: torch.Tensor) -> None:
         """Overwrite each (filled) slot with row ``rows_by_slot[slot]`` of the batch."""
+        if len(rows_by_slot) == 1:  # the usual replacement: row copies, no index tensors to build
+            ((slot, row),) = rows_by_slot.items()
+            for store, batch in self._columns(x, y, fields):
+                store[slot] = batch[row]
+            return
         slots, rows = torch.tensor([list(rows_by_slot), list(rows_by_slot.values())], device=y.device)
         picked = {name: value.index_select(0, rows) for name, value in fields.items()}
         self.write(slots, index_batch(x, rows), y.index_select(0, rows), **picked)
