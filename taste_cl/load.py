@@ -20,12 +20,20 @@ def load_bucket(foreign_load: float) -> str:
 
 
 class LoadMeter:
-    """Fraction of all cores used by other processes between two calls of :meth:`read`."""
+    """Fraction of all cores used by other processes between two readings.
 
-    def __init__(self) -> None:
+    The kernel counts CPU time in ticks (10 ms here), so a reading over a few
+    milliseconds is noise, and each one costs two ``/proc`` reads (a quarter of a small
+    model's ``observe``). :meth:`read` therefore measures again only after
+    ``min_interval`` seconds and returns the last reading in between.
+    """
+
+    def __init__(self, min_interval: float = 0.25) -> None:
+        self.min_interval = min_interval
         self._process = psutil.Process()
         self._cores = psutil.cpu_count(logical=True) or 1
         self._last = self._sample()
+        self._reading = 0.0
 
     def _sample(self) -> tuple[float, float, float]:
         system = psutil.cpu_times()
@@ -34,11 +42,13 @@ class LoadMeter:
         return time.monotonic(), busy, own.user + own.system + own.children_user + own.children_system
 
     def read(self) -> float:
-        """Foreign load since the previous call (or construction), clipped to [0, 1]."""
+        """Foreign load since the previous measurement (or construction), clipped to [0, 1];
+        the previous reading while less than ``min_interval`` seconds have passed."""
+        if time.monotonic() - self._last[0] < self.min_interval:
+            return self._reading
         now = self._sample()
         wall = now[0] - self._last[0]
         foreign = (now[1] - self._last[1]) - (now[2] - self._last[2])
         self._last = now
-        if wall <= 0:
-            return 0.0
-        return min(1.0, max(0.0, foreign / (wall * self._cores)))
+        self._reading = min(1.0, max(0.0, foreign / (wall * self._cores))) if wall > 0 else 0.0
+        return self._reading
