@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from taste_cl._report import format_table
+from taste_cl._report import format_number, format_table
 from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.datasets import Task, make_mlp, split_digits
 from taste_cl.evaluation import average_forgetting
@@ -116,8 +116,15 @@ def _online(benchmark: Any, seed: int) -> list[Any]:
     return list(split_online_stream(benchmark.train_stream, BATCH, shuffle=True, seed=seed))
 
 
-def _drive(train: Callable[[Any], object], predict: Callable[[torch.Tensor], torch.Tensor], experiences: Sequence[Any],
-           batches: Sequence[tuple[int, torch.Tensor, torch.Tensor]], tasks: Sequence[Task], *, use_experiences: bool) -> Run:
+def _drive(
+    train: Callable[[Any], object],
+    predict: Callable[[torch.Tensor], torch.Tensor],
+    experiences: Sequence[Any],
+    batches: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
+    tasks: Sequence[Task],
+    *,
+    use_experiences: bool,
+) -> Run:
     """Feed the stream to ``train`` (Avalanche experiences or taste_cl batches) and score it the same way for all."""
     x_all = torch.cat([t.x_test for t in tasks])
     owner = torch.cat([torch.full((t.x_test.shape[0],), i) for i, t in enumerate(tasks)])
@@ -154,17 +161,26 @@ def _drive(train: Callable[[Any], object], predict: Callable[[torch.Tensor], tor
             previous = (right, mask)
     right = correct()
     matrix.append(task_accuracies(right))
-    return Run(float(right.float().mean()), statistics.fmean(a for _, a in curve), average_forgetting(matrix),
-               statistics.fmean(flips) if flips else 0.0, seen, seconds, curve)
+    return Run(
+        float(right.float().mean()),
+        statistics.fmean(a for _, a in curve),
+        average_forgetting(matrix),
+        statistics.fmean(flips) if flips else 0.0,
+        seen,
+        seconds,
+        curve,
+    )
 
 
 def run_taste(strategy: Strategy, experiences: Sequence[Any], batches: Sequence[Any], tasks: Sequence[Task], *, seed: int) -> Run:
     torch.manual_seed(seed)
     model = make_mlp(seed=seed)
     learner = OnlineLearner(
-        model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
         replay=None if isinstance(strategy, LwF) else ClassBalancedReplay(CAPACITY, seed=seed),
-        replay_batch_size=BATCH, strategy=strategy,
+        replay_batch_size=BATCH,
+        strategy=strategy,
     )
     return _drive(learner.observe, learner.predict, experiences, batches, tasks, use_experiences=False)
 
@@ -175,9 +191,17 @@ def run_avalanche(name: str, experiences: Sequence[Any], batches: Sequence[Any],
 
     torch.manual_seed(seed)
     model = make_mlp(seed=seed)
-    common = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=LR), "criterion": torch.nn.CrossEntropyLoss(),
-              "mem_size": CAPACITY, "batch_size_mem": BATCH, "train_mb_size": BATCH, "train_epochs": 1, "eval_mb_size": 256,
-              "evaluator": EvaluationPlugin()}
+    common = {
+        "model": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=LR),
+        "criterion": torch.nn.CrossEntropyLoss(),
+        "mem_size": CAPACITY,
+        "batch_size_mem": BATCH,
+        "train_mb_size": BATCH,
+        "train_epochs": 1,
+        "eval_mb_size": 256,
+        "evaluator": EvaluationPlugin(),
+    }
     strategy = ER_ACE(**common) if name == "ER_ACE" else DER(alpha=ALPHA, beta=BETA, **common)
 
     def predict(x: torch.Tensor) -> torch.Tensor:
@@ -244,13 +268,21 @@ class _TimedGuard(ProbeGuard):
         self.seconds += time.perf_counter() - begin
 
 
-def run_guard(seed: int, *, guarded: bool, window: int = 10, warmup: int = 4, lr: float = LR, iterations: int = 3, max_drop: float = 0.05) -> dict[str, Any]:
+def run_guard(
+    seed: int, *, guarded: bool, window: int = 10, warmup: int = 4, lr: float = LR, iterations: int = 3, max_drop: float = 0.05
+) -> dict[str, Any]:
     batches, x_test, y_test, harmful = mislabelled_stream(seed)
     torch.manual_seed(seed)
     model = make_mlp(seed=seed)
     guard = _TimedGuard(window=window, warmup=warmup, max_drop=max_drop, seed=seed)
-    learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), replay=ReservoirReplay(CAPACITY, seed=seed),
-                            replay_batch_size=BATCH, train_iterations=iterations, plugins=[guard] if guarded else [])
+    learner = OnlineLearner(
+        model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+        replay=ReservoirReplay(CAPACITY, seed=seed),
+        replay_batch_size=BATCH,
+        train_iterations=iterations,
+        plugins=[guard] if guarded else [],
+    )
     seconds, curve = 0.0, []
     for step, batch in enumerate(batches, 1):
         begin = time.perf_counter()
@@ -260,9 +292,16 @@ def run_guard(seed: int, *, guarded: bool, window: int = 10, warmup: int = 4, lr
             served = guard.predict(x_test) if guarded else learner.predict(x_test)  # what the user gets
             curve.append((step * BATCH, float((served.argmax(1) == y_test).float().mean())))
     from_burst = [a for s, a in curve if s > harmful.start * BATCH]  # before it, the guard has nothing to prevent
-    return {"worst_accuracy": min(from_burst), "final_accuracy": curve[-1][1], "train_seconds": seconds,
-            "guard_seconds": guard.seconds if guarded else 0.0, "rollbacks": guard.rollbacks if guarded else 0, "windows": guard.windows if guarded else 0,
-            "harmful_samples": [harmful.start * BATCH, harmful.stop * BATCH], "curve": curve}
+    return {
+        "worst_accuracy": min(from_burst),
+        "final_accuracy": curve[-1][1],
+        "train_seconds": seconds,
+        "guard_seconds": guard.seconds if guarded else 0.0,
+        "rollbacks": guard.rollbacks if guarded else 0,
+        "windows": guard.windows if guarded else 0,
+        "harmful_samples": [harmful.start * BATCH, harmful.stop * BATCH],
+        "curve": curve,
+    }
 
 
 def _plot(path: Path, curves: dict[str, dict[str, list[tuple[int, float]]]], guard: dict[str, list[tuple[int, float]]], harmful: list[int]) -> None:
@@ -294,10 +333,16 @@ def _summary(runs: list[Run]) -> dict[str, Any]:
     def mean(key: str) -> float:
         return statistics.fmean(getattr(r, key) for r in runs)
 
-    return {"final_accuracy": mean("final_accuracy"), "anytime_accuracy": mean("anytime_accuracy"), "forgetting": mean("forgetting"),
-            "negative_flip_rate": mean("negative_flip_rate"), "samples_per_s": statistics.median(r.samples_per_s for r in runs),
-            "samples_per_s_fastest": max(r.samples_per_s for r in runs),
-            "final_accuracy_runs": [r.final_accuracy for r in runs], "samples_per_s_runs": [r.samples_per_s for r in runs]}
+    return {
+        "final_accuracy": mean("final_accuracy"),
+        "anytime_accuracy": mean("anytime_accuracy"),
+        "forgetting": mean("forgetting"),
+        "negative_flip_rate": mean("negative_flip_rate"),
+        "samples_per_s": statistics.median(r.samples_per_s for r in runs),
+        "samples_per_s_fastest": max(r.samples_per_s for r in runs),
+        "final_accuracy_runs": [r.final_accuracy for r in runs],
+        "samples_per_s_runs": [r.samples_per_s for r in runs],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -321,8 +366,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             summary[name]["x_avalanche_fastest"] = summary[name]["samples_per_s_fastest"] / summary[kind]["samples_per_s_fastest"]
         results[stream] = summary
         curves[stream] = {name: found[0].curve for name, found in runs.items()}
-        rows = [[name, s["final_accuracy"], s["anytime_accuracy"], s["forgetting"], s["negative_flip_rate"], s["samples_per_s"],
-                 s.get("x_avalanche_samples_per_s", float("nan")), s.get("x_avalanche_fastest", float("nan"))] for name, s in summary.items()]
+        rows = [
+            [
+                name,
+                s["final_accuracy"],
+                s["anytime_accuracy"],
+                s["forgetting"],
+                s["negative_flip_rate"],
+                s["samples_per_s"],
+                s.get("x_avalanche_samples_per_s", float("nan")),
+                s.get("x_avalanche_fastest", float("nan")),
+            ]
+            for name, s in summary.items()
+        ]
         print(f"\n{stream}: mean of {args.seeds} seeds (samples/s: median run; x avalanche also from the fastest runs)")
         print(f"equal compute: {EQUAL_COMPUTE}\nbuffer: {BUFFER}")
         print(format_table(["method", "final acc", "anytime acc", "forgetting", "neg. flip rate", "samples/s", "x avalanche", "fastest"], rows))
@@ -335,27 +391,80 @@ def main(argv: Sequence[str] | None = None) -> int:
                 repeats.append(run_guard(seed, guarded=name == "guarded"))
             found.append(min(repeats, key=lambda r: r["train_seconds"]))
     time_ratio = [g["train_seconds"] / u["train_seconds"] for g, u in zip(guard_runs["guarded"], guard_runs["unguarded"])]
-    guard_summary = {name: {"worst_accuracy": statistics.fmean(r["worst_accuracy"] for r in found),
-                            "final_accuracy": statistics.fmean(r["final_accuracy"] for r in found),
-                            "rollbacks": statistics.fmean(r["rollbacks"] for r in found),
-                            "train_seconds": statistics.median(r["train_seconds"] for r in found),
-                            "worst_accuracy_runs": [r["worst_accuracy"] for r in found]} for name, found in guard_runs.items()}
+    guard_summary = {
+        name: {
+            "worst_accuracy": statistics.fmean(r["worst_accuracy"] for r in found),
+            "final_accuracy": statistics.fmean(r["final_accuracy"] for r in found),
+            "rollbacks": statistics.fmean(r["rollbacks"] for r in found),
+            "train_seconds": statistics.median(r["train_seconds"] for r in found),
+            "worst_accuracy_runs": [r["worst_accuracy"] for r in found],
+        }
+        for name, found in guard_runs.items()
+    }
     guard_summary["time_ratio_guarded_over_unguarded"] = {"median": statistics.median(time_ratio), "runs": time_ratio}
     own = [r["guard_seconds"] / (r["train_seconds"] - r["guard_seconds"]) for r in guard_runs["guarded"]]
     guard_summary["guard_own_time_over_training"] = {"median": statistics.median(own), "runs": own}
     print(f"\nprobe guard, mislabelled burst: mean of {args.seeds} seeds")
-    print(format_table(["learner", "worst acc", "final acc", "rollbacks", "median train s"],
-                       [[n, s["worst_accuracy"], s["final_accuracy"], s["rollbacks"], s["train_seconds"]] for n, s in guard_summary.items() if n in guard_runs]))
+    print(
+        format_table(
+            ["learner", "worst acc", "final acc", "rollbacks", "median train s"],
+            [[n, s["worst_accuracy"], s["final_accuracy"], s["rollbacks"], s["train_seconds"]] for n, s in guard_summary.items() if n in guard_runs],
+        )
+    )
     print(f"guarded / unguarded training time: median {statistics.median(time_ratio):.3f} (runs: {', '.join(f'{r:.3f}' for r in time_ratio)})")
     print(f"time inside the guard / the rest of training, same run: median {statistics.median(own):.3f} (runs: {', '.join(f'{r:.3f}' for r in own)})")
-    _plot(Path(args.out) / "strategies.png", curves, {n: found[0]["curve"] for n, found in guard_runs.items()}, guard_runs["guarded"][0]["harmful_samples"])
-    config = {"lr": LR, "optimizer": "SGD", "replay_capacity": CAPACITY, "stream_batch": BATCH, "replayed_per_step": BATCH,
-              "steps_per_batch": 1, "equal_compute": EQUAL_COMPUTE, "buffer": BUFFER, "der_alpha": ALPHA, "der_beta": BETA,
-              "eval_every_batches": EVAL_EVERY, "seeds": list(seeds),
-              "threads": torch.get_num_threads(), "guard": {"window": 10, "max_drop": ProbeGuard().max_drop,
-              "max_flip_rate": ProbeGuard().max_flip_rate, "warmup_windows": 4, "steps_per_batch": 3}}
-    save_result(args.out, "strategies", {"config": config, "streams": results, "guard": guard_summary})
+    _plot(
+        Path(args.out) / "strategies.png",
+        curves,
+        {n: found[0]["curve"] for n, found in guard_runs.items()},
+        guard_runs["guarded"][0]["harmful_samples"],
+    )
+    config = {
+        "lr": LR,
+        "optimizer": "SGD",
+        "replay_capacity": CAPACITY,
+        "stream_batch": BATCH,
+        "replayed_per_step": BATCH,
+        "steps_per_batch": 1,
+        "equal_compute": EQUAL_COMPUTE,
+        "buffer": BUFFER,
+        "der_alpha": ALPHA,
+        "der_beta": BETA,
+        "eval_every_batches": EVAL_EVERY,
+        "seeds": list(seeds),
+        "threads": torch.get_num_threads(),
+        "guard": {
+            "window": 10,
+            "max_drop": ProbeGuard().max_drop,
+            "max_flip_rate": ProbeGuard().max_flip_rate,
+            "warmup_windows": 4,
+            "steps_per_batch": 3,
+        },
+    }
+    save_result(
+        args.out, "strategies", {"config": config, "streams": results, "guard": guard_summary}, summary=_headline(results, guard_summary, args.seeds)
+    )
     return 0
+
+
+def _headline(results: dict[str, Any], guard: dict[str, Any], seeds: int) -> str:
+    """The README row: split digits against Avalanche at equal compute, and the guard's worth and cost."""
+    digits = results["split digits"]
+
+    def versus(ours: str, theirs: str) -> str:
+        mine, other = digits[f"taste_cl {ours}"], digits[f"avalanche {theirs}"]
+        return (
+            f"{ours} {format_number(mine['final_accuracy'])} vs Avalanche {theirs} {format_number(other['final_accuracy'])} "
+            f"at {format_number(mine['x_avalanche_samples_per_s'])}x its samples/s"
+        )
+
+    ratio = guard["time_ratio_guarded_over_unguarded"]["median"]
+    return (
+        f"split digits, {seeds} seeds: {versus('ER-ACE', 'ER_ACE')}; {versus('DER++', 'DER++')}; plain ER "
+        f"{format_number(digits['taste_cl ER']['final_accuracy'])}. Probe guard on a mislabelled burst: worst accuracy "
+        f"{format_number(guard['guarded']['worst_accuracy'])} vs {format_number(guard['unguarded']['worst_accuracy'])} "
+        f"unguarded, at {format_number(ratio)}x the training time"
+    )
 
 
 if __name__ == "__main__":
