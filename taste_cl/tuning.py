@@ -174,8 +174,11 @@ class BatchSizeTuner(LearnerPlugin):
     memory_budget_bytes:
         Memory the training step may use; default a quarter of the memory available now.
     n_calls, n_initial_points:
-        Probes of a cold tune at most (the first ``n_initial_points`` spread from the smallest
-        batch to the middle of the range; it stops sooner when no size is expected to gain 2 %).
+        Probes of a cold tune at most (the first ``n_initial_points`` spread over the cheapest
+        70 % of the range, in octaves). It stops sooner when no size within reach (1.5 octaves
+        above the largest measured, 2 while the rate still climbs steeply) is expected to gain
+        2 %, or when its probes have taken a fifth of the seconds a sweep of every candidate is
+        predicted to take.
     warm_calls:
         Probes of a tune that starts from cached observations: the first is a quick check of the
         cheapest cached size near the best (off by more than 2.5x: the cache is dropped and the
