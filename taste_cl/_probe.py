@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from taste_cl._batch import batch_len, call_model, index_batch
 
-__all__ = ["ProbeRunner", "Samples", "max_batch_for_memory", "measure_throughput", "num_threads", "preserved_rng", "thread_options"]
+__all__ = ["ProbeRunner", "Samples", "max_batch_for_memory", "measure_throughput", "num_threads", "preserved_rng", "thread_options", "timed_rate"]
 
 Samples = tuple[Any, Any]  # (inputs, targets): tensors or dicts/tuples/lists of tensors, batch first
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -148,16 +148,22 @@ class ProbeRunner:
         x, y = tile(self.samples, batch_size)
         self._reset()
         with num_threads(threads):
-            warm = self._step(x, y)
-            if stop_below is not None and warm >= min_time / 3 and batch_size / warm < stop_below / 2:
-                return batch_size / warm
-            times: list[float] = []
-            while len(times) < min_steps or sum(times) < min_time:
-                times.append(self._step(x, y))
-                slow = stop_below is not None and batch_size / _typical(times) < stop_below
-                if slow and sum(times) >= min_time / 3:
-                    break
-        return batch_size / _typical(times)
+            return timed_rate(lambda: self._step(x, y), batch_size, min_time=min_time, min_steps=min_steps, stop_below=stop_below)
+
+
+def timed_rate(step: Callable[[], float], batch_size: int, *, min_time: float, min_steps: int = 3, stop_below: float | None = None) -> float:
+    """The probe's timing rule (see :meth:`ProbeRunner.measure`) over ``step``, a callable that runs
+    one training step and returns its seconds; shared with the tuner's offline replay."""
+    warm = step()
+    if stop_below is not None and warm >= min_time / 3 and batch_size / warm < stop_below / 2:
+        return batch_size / warm
+    times: list[float] = []
+    while len(times) < min_steps or sum(times) < min_time:
+        times.append(step())
+        slow = stop_below is not None and batch_size / _typical(times) < stop_below
+        if slow and sum(times) >= min_time / 3:
+            break
+    return batch_size / _typical(times)
 
 
 def _typical(times: list[float]) -> float:

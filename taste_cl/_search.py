@@ -119,16 +119,19 @@ class GridSearch:
         mean, _ = self.posterior()
         return max(measured, key=lambda p: mean[self._index[p]])
 
-    def suggest(self, cost: Callable[[Point, float], float], *, min_gain: float) -> Point | None:
+    def suggest(
+        self, cost: Callable[[Point, float], float], *, min_gain: float, budget: float = math.inf, max_batch: float = math.inf
+    ) -> Point | None:
         """The open point with the highest expected improvement per square root of the seconds its
-        probe takes, among those expected to improve the best log-rate by at least ``min_gain``;
-        None when none is (converged). Per second, the search climbs in many small, cheap steps
-        whose total costs more than one long stride; the square root favours cheap probes less.
+        probe takes, among those expected to improve the best log-rate by at least ``min_gain``,
+        whose probe fits in ``budget`` seconds and whose batch is at most ``max_batch``; None when
+        none is (converged, or out of budget). Per second, the search climbs in many small, cheap
+        steps whose total costs more than one long stride; the square root favours cheap probes less.
 
         ``cost(point, predicted_rate)`` estimates the seconds a probe at ``point`` takes.
         """
         measured = self._measured()
-        open_points = [p for p in self.points if p not in measured and p not in self.infeasible]
+        open_points = [p for p in self.points if p not in measured and p not in self.infeasible and p[0] <= max_batch]
         if not measured or not open_points:
             return None
         mean, std = self.posterior()
@@ -137,8 +140,38 @@ class GridSearch:
         mu, sigma = mean[rows], std[rows]
         z = (mu - incumbent) / sigma
         gain = (mu - incumbent) * _normal_cdf(z) + sigma * np.exp(-z * z / 2) / math.sqrt(2 * math.pi)
-        worth = [(g / math.sqrt(cost(p, math.exp(m))), p) for g, m, p in zip(gain, mu, open_points) if g >= min_gain]
+        worth = []
+        for g, m, p in zip(gain, mu, open_points):
+            seconds = cost(p, math.exp(m))
+            if g >= min_gain and seconds <= budget:
+                worth.append((g / math.sqrt(seconds), p))
         return max(worth)[1] if worth else None
+
+    def climb_limit(self, stride: float, *, steep_stride: float, steep_slope: float) -> float:
+        """The largest batch worth probing next: ``stride`` times the largest measured, or
+        ``steep_stride`` times while log-rate still rises more than ``steep_slope`` per octave
+        between the two largest measured sizes. The surrogate extrapolates poorly beyond its
+        data and a probe's seconds grow with its size, except on a curve far below its ceiling,
+        where a larger batch costs less per sample."""
+        logs: dict[int, list[float]] = {}
+        for (batch, _), rates in self._measured().items():
+            logs.setdefault(batch, []).extend(math.log(r) for r in rates)
+        sizes = sorted(logs)
+        if len(sizes) >= 2:
+            slope = (statistics.fmean(logs[sizes[-1]]) - statistics.fmean(logs[sizes[-2]])) / math.log2(sizes[-1] / sizes[-2])
+            if slope > steep_slope:
+                return steep_stride * sizes[-1]
+        return stride * sizes[-1] if sizes else math.inf
+
+    def sweep_cost(self, cost: Callable[[Point, float], float]) -> float:
+        """Predicted seconds to probe every feasible point once (measured: at its measured rate)."""
+        mean, _ = self.posterior()
+        measured = self._measured()
+        return sum(
+            cost(p, statistics.fmean(measured[p]) if p in measured else math.exp(mean[self._index[p]]))
+            for p in self.points
+            if p not in self.infeasible
+        )
 
     def neighbour_to_probe(self, point: Point) -> Point:
         """The unmeasured feasible grid neighbour of ``point`` (one batch or thread step away) with the

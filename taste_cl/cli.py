@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "report": ("taste_cl.benchmarks.report", "the README performance table from the benchmarks' JSON results"),
     "soak": ("taste_cl.benchmarks.soak", "long stream: resident memory and history sizes stay bounded"),
     "strategies": ("taste_cl.benchmarks.strategies", "ER, ER-ACE, DER++, LwF and Avalanche's ER_ACE/DER on split digits and a drifting stream"),
+    "tuner-replay": ("taste_cl.benchmarks.tuner_replay", "the batch-size tuner's search replayed offline on recorded curves"),
     "update-guard": ("taste_cl.benchmarks.update_guard", "cost of the non-finite update guard on healthy steps"),
     "vs-avalanche": ("taste_cl.benchmarks.vs_avalanche", "the online stream in Avalanche vs OnlineLearner (extra [avalanche])"),
     "web-step": ("taste_cl.benchmarks.web_step", "browser vs Python device learner: time per training step (needs Chromium, Node)"),

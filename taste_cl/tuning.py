@@ -82,6 +82,10 @@ _LR_RULES = ("auto", "linear", "sqrt", "none")
 _STALE_RATIO = 2.5  # a re-measured incumbent this far from its cached rate invalidates the cache
 _SPLIT_GAIN = 1.1  # micro-batches must beat one effective-batch step by this factor to be used
 _STOP_BELOW = 0.8  # a probe already this far below the best rate stops early
+_BUDGET = 0.2  # a cold tune's surrogate-guided probes stop within this share of a full sweep's predicted seconds
+_STRIDE = 2**1.5  # a probe at most 1.5 octaves above the largest size measured (cost grows with size) ...
+_STEEP_STRIDE, _STEEP_SLOPE = 4.0, 0.25  # ... or 2 octaves while the rate still rises over 28 % per octave there
+_REACH = 0.7  # the initial design spans the cheapest 70 % of the candidates (octaves)
 _MIN_GAIN = 0.02  # a probe must be expected to raise the best log-rate by this much (about 2 %)
 
 
@@ -170,8 +174,11 @@ class BatchSizeTuner(LearnerPlugin):
     memory_budget_bytes:
         Memory the training step may use; default a quarter of the memory available now.
     n_calls, n_initial_points:
-        Probes of a cold tune at most (the first ``n_initial_points`` spread from the smallest
-        batch to the middle of the range; it stops sooner when no size is expected to gain 2 %).
+        Probes of a cold tune at most (the first ``n_initial_points`` spread over the cheapest
+        70 % of the range, in octaves). It stops sooner when no size within reach (1.5 octaves
+        above the largest measured, 2 while the rate still climbs steeply) is expected to gain
+        2 %, or when its probes have taken a fifth of the seconds a sweep of every candidate is
+        predicted to take.
     warm_calls:
         Probes of a tune that starts from cached observations: the first is a quick check of the
         cheapest cached size near the best (off by more than 2.5x: the cache is dropped and the
@@ -214,7 +221,7 @@ class BatchSizeTuner(LearnerPlugin):
         *,
         max_batch_size: int = 1024,
         memory_budget_bytes: float | None = None,
-        n_calls: int = 8,
+        n_calls: int = 10,
         n_initial_points: int = 3,
         warm_calls: int = 1,
         per_octave: int = 4,
@@ -397,7 +404,7 @@ class BatchSizeTuner(LearnerPlugin):
                 return search, known, [(batch, t, fresh)]
             logger.info("cached rate %.0f at batch %d is stale (now %s): tuning cold", cached_rate, batch, fresh)
             search = GridSearch(candidates, threads, per_octave=self.per_octave)
-        design = search.initial_design(min(self.n_calls, max(self.n_initial_points, len(threads))))
+        design = search.initial_design(min(self.n_calls, max(self.n_initial_points, len(threads))), reach=_REACH)
         if anchored and (candidates[-1], threads[0]) not in design:
             design.append((candidates[-1], threads[0]))
         self._explore(search, runner, design, self.n_calls)
@@ -447,10 +454,25 @@ class BatchSizeTuner(LearnerPlugin):
 
     def _explore(self, search: GridSearch, runner: ProbeRunner, design: list[tuple[int, int]], calls: int) -> None:
         """Measure ``design``, then the surrogate's suggestions (the highest expected improvement per
-        square-root second of probing), ``calls`` probes at most; stop once no open point is expected
-        to improve the best by ``_MIN_GAIN``. A size already 20 % slower than the best stops early."""
+        square-root second of probing), ``calls`` probes at most. A suggestion is at most
+        1.5 octaves above the largest size measured (2 while the curve still rises steeply there;
+        :meth:`GridSearch.climb_limit`) and fits the budget left: ``_BUDGET`` of the seconds the surrogate
+        predicts a sweep of every candidate would take (or twice the design's seconds, if more: a
+        grid of a few sizes), less the probes' seconds so far. It stops once nothing affordable is
+        expected to improve the best by ``_MIN_GAIN``. A size already 20 % slower than the best stops early."""
+        design_seconds: float | None = None
         for call in range(calls):
-            point = design[call] if call < len(design) else search.suggest(self._probe_cost, min_gain=_MIN_GAIN)
+            point: tuple[int, int] | None
+            if call < len(design):
+                point = design[call]
+            elif not search.rates:  # every probe failed
+                break
+            else:
+                spent = sum(self._probe_cost(p, r) for p, rates in search.rates.items() for r in rates)
+                design_seconds = spent if design_seconds is None else design_seconds
+                budget = max(_BUDGET * search.sweep_cost(self._probe_cost), 2 * design_seconds)
+                limit = search.climb_limit(_STRIDE, steep_stride=_STEEP_STRIDE, steep_slope=_STEEP_SLOPE)
+                point = search.suggest(self._probe_cost, min_gain=_MIN_GAIN, budget=budget - spent, max_batch=limit)
             if point is None:
                 break
             if point in search.rates or point in search.infeasible:

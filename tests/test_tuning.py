@@ -122,7 +122,7 @@ def test_warm_calls_probe_the_cached_best_neighbours(tmp_path, fake_hardware):
 def test_cold_tune_finds_the_peak_with_few_probes(tmp_path, fake_hardware):
     result = _tune(BatchSizeTuner(cache_dir=tmp_path))
     oracle = max(candidate_batch_sizes(1024), key=synthetic_throughput)
-    assert 3 <= len(result.probes) <= 8 and len(fake_hardware) == len(result.probes)
+    assert 3 <= len(result.probes) <= 10 and len(fake_hardware) == len(result.probes)  # cheap probes: the budget allows n_calls
     assert synthetic_throughput(result.batch_size) >= 0.95 * synthetic_throughput(oracle)
     assert not result.warm and result.seconds > 0 and result.min_batch_size == 1
 
