@@ -112,6 +112,11 @@ def _interleaved(runner: ProbeRunner, points: Mapping[str, tuple[int, int | None
     return {label: rates[point] for label, point in points.items()}
 
 
+def _fixed_work(runner: ProbeRunner, point: tuple[int, int | None], steps: int, rounds: int) -> list[float]:
+    """Seconds of ``steps`` training steps at ``point`` = (batch, threads), once per round."""
+    return [runner.seconds_for(point[0], steps, threads=point[1]) for _ in range(rounds)]
+
+
 def _ratio(rounds: dict[str, list[float]], label: str, reference: str) -> float:
     """Median over rounds of the two labels' rates measured in the same round (the machine's load
     drifts between rounds; within a round the two were measured moments apart)."""
@@ -191,6 +196,8 @@ def run_threads_under_load(case: Case, *, hog_seconds: int, rounds: int, min_tim
             runner = ProbeRunner(model, optimizer, loss_fn, samples)
             points = {"joint": (result.batch_size, result.threads), "default_threads": (result.batch_size, DEFAULT_THREADS)}
             per_round = _interleaved(runner, points, rounds, 2 * min_time)
+            steps = max(3, math.ceil(2 * min_time * result.samples_per_s / result.batch_size))
+            work = {label: _fixed_work(runner, point, steps, rounds) for label, point in points.items()}
     finally:
         for hog in hogs:
             hog.kill()
@@ -203,6 +210,10 @@ def run_threads_under_load(case: Case, *, hog_seconds: int, rounds: int, min_tim
         "samples_per_s": {label: statistics.median(values) for label, values in per_round.items()},
         "samples_per_s_per_round": per_round,
         "joint_vs_default_threads": _ratio(per_round, "joint", "default_threads"),
+        # the same work (rounds x steps steps) in each setting: total samples over total seconds,
+        # where a slow spell counts in full (a median of rounds hides a round 100x slower)
+        "fixed_work": {"steps_per_round": steps, "rounds": rounds, "seconds_per_round": work},
+        "joint_vs_default_threads_fixed_work": sum(work["default_threads"]) / sum(work["joint"]),
         "tune_seconds": result.seconds,
         "probes": [list(p) for p in result.probes],
     }
@@ -239,7 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "cold s", "cold/grid", "warm/cold"], rows))
     if threads is not None:
         print(f"\nunder a CPU hog ({args.threads_model}): joint tune -> batch {threads['tuned_batch']} x {threads['tuned_threads']} "
-              f"threads = {threads['joint_vs_default_threads']:.2f}x the samples/s of torch's default {DEFAULT_THREADS} threads at that batch")
+              f"threads = {threads['joint_vs_default_threads_fixed_work']:.2f}x the samples/s of torch's default {DEFAULT_THREADS} threads "
+              f"at that batch over the same work (median of per-round rates: {threads['joint_vs_default_threads']:.2f}x)")
     save_result(args.out, "batch_size", {"models": results, "threads_under_load": threads})
     _plot(results, Path(args.out) / "batch_size.png")
     return 0

@@ -110,6 +110,15 @@ class ProbeRunner:
             self._sync()
         return time.perf_counter() - start
 
+    def seconds_for(self, batch_size: int, steps: int, *, threads: int | None = None) -> float:
+        """Wall seconds of ``steps`` training steps at ``batch_size`` (after one untimed step that
+        starts the thread pool): a fixed amount of work, so a slow spell counts in full."""
+        x, y = tile(self.samples, batch_size)
+        self._reset()
+        with num_threads(threads):
+            self._step(x, y)
+            return sum(self._step(x, y) for _ in range(steps))
+
     def trains_at(self, batch_size: int) -> str | None:
         """None if one training step at ``batch_size`` works, else why not."""
         x, y = tile(self.samples, batch_size)
@@ -147,7 +156,10 @@ class ProbeRunner:
         """
         x, y = tile(self.samples, batch_size)
         self._reset()
+        switched = threads is not None and threads != torch.get_num_threads()
         with num_threads(threads):
+            if switched:  # a new thread count's first step starts its pool: on a busy machine that can take a
+                self._step(x, y)  # whole scheduler period, which must not end the probe as if every step did
             return timed_rate(lambda: self._step(x, y), batch_size, min_time=min_time, min_steps=min_steps, stop_below=stop_below)
 
 

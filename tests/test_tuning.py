@@ -234,6 +234,19 @@ def test_measure_throughput_leaves_the_model_and_optimizer_untouched():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+def test_fixed_work_timing_runs_exactly_the_steps_asked_on_copies_and_restores_the_thread_count():
+    model = _mlp()
+    runner = ProbeRunner(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), batch(8))
+    calls = []
+    step = runner._step
+    runner._step = lambda x, y: calls.append(len(y)) or step(x, y)  # type: ignore[method-assign]
+    threads = torch.get_num_threads()
+    seconds = runner.seconds_for(16, 5, threads=1)
+    assert seconds > 0 and calls == [16] * 6  # one untimed start-up step, then the five timed
+    assert torch.get_num_threads() == threads
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_memory_budget_bounds_the_batch():
     model = _mlp()
     x = batch(4)[0]
