@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from taste_cl._probe import ProbeRunner, Samples, preserved_rng
-from taste_cl._report import format_table
+from taste_cl._report import format_number, format_table
 from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.datasets import TextClassifier, make_cnn, make_mlp, make_pattern_images
 from taste_cl.tuning import BatchSizeTuner, candidate_batch_sizes
@@ -252,9 +252,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\nunder a CPU hog ({args.threads_model}): joint tune -> batch {threads['tuned_batch']} x {threads['tuned_threads']} "
               f"threads = {threads['joint_vs_default_threads_fixed_work']:.2f}x the samples/s of torch's default {DEFAULT_THREADS} threads "
               f"at that batch over the same work (median of per-round rates: {threads['joint_vs_default_threads']:.2f}x)")
-    save_result(args.out, "batch_size", {"models": results, "threads_under_load": threads})
+    save_result(args.out, "batch_size", {"models": results, "threads_under_load": threads}, summary=_headline(results, threads))
     _plot(results, Path(args.out) / "batch_size.png")
     return 0
+
+
+def _headline(results: dict[str, dict[str, Any]], threads: dict[str, Any] | None) -> str:
+    """The README row: the ranges over the models, the CNN's ceiling, the thread check."""
+
+    def span(key: str) -> str:
+        values = [r[key] for r in results.values()]
+        return f"{format_number(min(values))}-{format_number(max(values))}" if len(values) > 1 else format_number(values[0])
+
+    parts = [
+        f"{len(results)} model{'s' if len(results) > 1 else ''} ({', '.join(results)}): tuned {span('tuned_vs_oracle')} of the grid "
+        f"oracle's samples/s; cold tune {span('cold_vs_grid')} of the grid's time, warm retune {span('warm_vs_cold')} of the cold"
+    ]
+    if "cnn" in results:
+        cnn = results["cnn"]
+        parts.append(
+            f"CNN {format_number(cnn['tuned_vs_max_batch'])}x its max batch (the grid's ceiling {format_number(cnn['grid_ceiling_vs_max_batch'])}x)"
+        )
+    if threads is not None:
+        parts.append(
+            f"under a CPU hog, joint threads x batch {format_number(threads['joint_vs_default_threads_fixed_work'])}x torch's "
+            f"default threads over the same work"
+        )
+    return "; ".join(parts)
 
 
 def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:

@@ -74,14 +74,6 @@ def _onnx(result: Mapping[str, Any]) -> str:
     )
 
 
-def _batch_size(result: Mapping[str, Any]) -> str:
-    return (
-        f"tuned {result['tuned_batch']} = {format_number(result['tuned_vs_oracle'])}x the oracle's samples/s and "
-        f"{format_number(result['tuned_vs_max_batch'])}x the max batch's; cold tune {format_number(result['tuner_seconds'])} s "
-        f"vs the grid's {format_number(result['grid_seconds'])} s; warm retune {format_number(result['warm_tuner_seconds'])} s"
-    )
-
-
 def _elastic(result: Mapping[str, Any]) -> str:
     runs = result["runs"]
     parts = [
@@ -94,7 +86,6 @@ def _elastic(result: Mapping[str, Any]) -> str:
 
 # headline figures for results saved without a ``summary``
 _DERIVED: dict[str, Callable[[Mapping[str, Any]], str]] = {
-    "batch_size": _batch_size,
     "elastic": _elastic,
     "federated": _federated,
     "online_digits": _online_digits,
