@@ -11,7 +11,8 @@ LSTM with AdamW and a small TransformerEncoder on token dicts; default: the CNN 
 
 Then, with a bounded CPU hog running (one busy process per core, killed by the benchmark
 and self-terminating), joint (threads, batch) tuning against torch's default thread count
-at the tuned batch, interleaved. Probes and grid use the same measurement (real samples,
+at the tuned batch, interleaved, over the same work: with batches up to an online
+learner's step (32; the tuner plugin never exceeds the effective batch) and up to 1024. Probes and grid use the same measurement (real samples,
 a copy of the model and optimizer). Writes ``batch_size.json`` and ``batch_size.png``
 under ``--out``. Run: ``taste-cl bench batch-size --zoo``.
 """
@@ -180,8 +181,9 @@ def run_case(case: Case, *, max_batch: int | None, rounds: int, min_time: float)
     }
 
 
-def run_threads_under_load(case: Case, *, hog_seconds: int, rounds: int, min_time: float) -> dict[str, Any]:
-    """With one busy-loop process per core, joint (threads, batch) tuning vs torch's default threads."""
+def run_threads_under_load(case: Case, *, hog_seconds: int, rounds: int, min_time: float, max_batch: int) -> dict[str, Any]:
+    """With one busy-loop process per core, joint (threads, batch) tuning up to ``max_batch`` vs
+    torch's default threads at the tuned batch."""
     import psutil
 
     torch.manual_seed(0)
@@ -191,7 +193,7 @@ def run_threads_under_load(case: Case, *, hog_seconds: int, rounds: int, min_tim
     try:
         with tempfile.TemporaryDirectory() as cache_dir, preserved_rng():
             torch.set_num_threads(DEFAULT_THREADS)
-            tuner = BatchSizeTuner(max_batch_size=case.max_batch, cache_dir=cache_dir, tune_threads=True, min_probe_time=min_time)
+            tuner = BatchSizeTuner(max_batch_size=max_batch, cache_dir=cache_dir, tune_threads=True, min_probe_time=min_time)
             result = tuner.tune(model, optimizer, loss_fn, samples)
             runner = ProbeRunner(model, optimizer, loss_fn, samples)
             points = {"joint": (result.batch_size, result.threads), "default_threads": (result.batch_size, DEFAULT_THREADS)}
@@ -204,6 +206,7 @@ def run_threads_under_load(case: Case, *, hog_seconds: int, rounds: int, min_tim
             hog.wait()
     return {
         "model": case.name,
+        "max_batch": max_batch,
         "default_threads": DEFAULT_THREADS,
         "tuned_batch": result.batch_size,
         "tuned_threads": result.threads,
@@ -227,11 +230,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the side-by-side comparison")
     parser.add_argument("--min-probe-time", type=float, default=0.15, help="seconds each probe measures at least")
     parser.add_argument("--threads-model", default="mlp", choices=sorted(CASES), help="model of the thread check under load")
+    parser.add_argument(
+        "--threads-max-batch",
+        type=int,
+        nargs="+",
+        default=[32, 1024],
+        help="search ceilings of the thread check: an online step (the plugin never exceeds the effective batch), the whole range",
+    )
     parser.add_argument("--skip-threads", action="store_true", help="skip the threads-under-load check")
     args = parse(parser, argv)
     names = args.models or (list(CASES) if args.zoo else ["cnn"])
     results: dict[str, Any] = {}
-    threads = None
+    threads: list[dict[str, Any]] | None = None
     for name in names:
         print(f"{name} ...", flush=True)
         results[name] = run_case(CASES[name], max_batch=args.max_batch, rounds=args.rounds, min_time=args.min_probe_time)
@@ -239,7 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         tuned, ratio, cold = done["sizes"]["tuned"], done["tuned_vs_oracle"], done["cold_seconds"]
         print(f"  tuned batch {tuned}: {ratio:.2f} of the oracle's samples/s, cold tune {cold:.1f} s", flush=True)
     if not args.skip_threads:
-        threads = run_threads_under_load(CASES[args.threads_model], hog_seconds=600, rounds=args.rounds, min_time=args.min_probe_time)
+        case = CASES[args.threads_model]
+        threads = [
+            run_threads_under_load(case, hog_seconds=600, rounds=args.rounds, min_time=args.min_probe_time, max_batch=limit)
+            for limit in args.threads_max_batch
+        ]
 
     rows = []
     for name, r in results.items():
@@ -248,16 +262,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                      r["grid_ceiling_vs_max_batch"], r["tuned_vs_default_32"], r["cold_seconds"], r["cold_vs_grid"], r["warm_vs_cold"]])
     print(format_table(["model", "oracle", "tuned", "max", "tuned/oracle", "tuned/max", "grid ceil/max", "tuned/32",
                         "cold s", "cold/grid", "warm/cold"], rows))
-    if threads is not None:
-        print(f"\nunder a CPU hog ({args.threads_model}): joint tune -> batch {threads['tuned_batch']} x {threads['tuned_threads']} "
-              f"threads = {threads['joint_vs_default_threads_fixed_work']:.2f}x the samples/s of torch's default {DEFAULT_THREADS} threads "
-              f"at that batch over the same work (median of per-round rates: {threads['joint_vs_default_threads']:.2f}x)")
+    for check in threads or []:
+        print(f"\nunder a CPU hog ({args.threads_model}, batches up to {check['max_batch']}): joint tune -> batch {check['tuned_batch']} x "
+              f"{check['tuned_threads']} threads = {check['joint_vs_default_threads_fixed_work']:.2f}x the samples/s of torch's default "
+              f"{DEFAULT_THREADS} threads at that batch over the same work (median of per-round rates: {check['joint_vs_default_threads']:.2f}x)")
     save_result(args.out, "batch_size", {"models": results, "threads_under_load": threads}, summary=_headline(results, threads))
     _plot(results, Path(args.out) / "batch_size.png")
     return 0
 
 
-def _headline(results: dict[str, dict[str, Any]], threads: dict[str, Any] | None) -> str:
+def _headline(results: dict[str, dict[str, Any]], threads: list[dict[str, Any]] | None) -> str:
     """The README row: the ranges over the models, the CNN's ceiling, the thread check."""
 
     def span(key: str) -> str:
@@ -273,11 +287,9 @@ def _headline(results: dict[str, dict[str, Any]], threads: dict[str, Any] | None
         parts.append(
             f"CNN {format_number(cnn['tuned_vs_max_batch'])}x its max batch (the grid's ceiling {format_number(cnn['grid_ceiling_vs_max_batch'])}x)"
         )
-    if threads is not None:
-        parts.append(
-            f"under a CPU hog, joint threads x batch {format_number(threads['joint_vs_default_threads_fixed_work'])}x torch's "
-            f"default threads over the same work"
-        )
+    if threads:
+        ratios = ", ".join(f"{format_number(t['joint_vs_default_threads_fixed_work'])}x (batches up to {t['max_batch']})" for t in threads)
+        parts.append(f"under a CPU hog, joint threads x batch vs torch's default threads over the same work: {ratios}")
     return "; ".join(parts)
 
 
