@@ -115,7 +115,7 @@ def _interleaved(runner: ProbeRunner, points: Mapping[str, tuple[int, int | None
 
 def _fixed_work(runner: ProbeRunner, point: tuple[int, int | None], steps: int, rounds: int) -> list[float]:
     """Seconds of ``steps`` training steps at ``point`` = (batch, threads), once per round."""
-    return [runner.seconds_for(point[0], steps, threads=point[1]) for _ in range(rounds)]
+    return [runner.work(point[0], steps, threads=point[1])[1] for _ in range(rounds)]
 
 
 def _ratio(rounds: dict[str, list[float]], label: str, reference: str) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import random
 import time
@@ -110,14 +111,19 @@ class ProbeRunner:
             self._sync()
         return time.perf_counter() - start
 
-    def seconds_for(self, batch_size: int, steps: int, *, threads: int | None = None) -> float:
-        """Wall seconds of ``steps`` training steps at ``batch_size`` (after one untimed step that
-        starts the thread pool): a fixed amount of work, so a slow spell counts in full."""
+    def work(self, batch_size: int, steps: int, *, threads: int | None = None, max_seconds: float = math.inf) -> tuple[int, float]:
+        """``(steps done, wall seconds)`` of up to ``steps`` training steps at ``batch_size``, after
+        one untimed step that starts the thread pool: a fixed amount of work, so a slow spell
+        counts in full (cut once ``max_seconds`` have passed, after at least one step)."""
         x, y = tile(self.samples, batch_size)
         self._reset()
+        done, seconds = 0, 0.0
         with num_threads(threads):
             self._step(x, y)
-            return sum(self._step(x, y) for _ in range(steps))
+            while done < steps and (done == 0 or seconds < max_seconds):
+                seconds += self._step(x, y)
+                done += 1
+        return done, seconds
 
     def trains_at(self, batch_size: int) -> str | None:
         """None if one training step at ``batch_size`` works, else why not."""

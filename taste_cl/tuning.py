@@ -87,6 +87,7 @@ _STRIDE = 2**1.5  # a probe at most 1.5 octaves above the largest size measured 
 _STEEP_STRIDE, _STEEP_SLOPE = 4.0, 0.25  # ... or 2 octaves while the rate still rises over 28 % per octave there
 _REACH = 0.7  # the initial design spans the cheapest 70 % of the candidates (octaves)
 _MIN_GAIN = 0.02  # a probe must be expected to raise the best log-rate by this much (about 2 %)
+_CONFIRM_ROUNDS = 3  # interleaved windows of work in which more threads must beat one thread
 
 
 class TuningError(RuntimeError):
@@ -350,6 +351,9 @@ class BatchSizeTuner(LearnerPlugin):
             reasons = "; ".join(f"{b}: {why}" for (b, _), why in list(search.infeasible.items())[:3])
             raise TuningError(f"no batch size in {candidates[0]}..{candidates[-1]} trained ({reasons})")
         batch, best_threads = search.best()  # type: ignore[misc]  # something was measured
+        if best_threads > 1 and self.tune_threads:
+            with preserved_rng():
+                batch, best_threads = self._threads_that_pay(runner, (batch, best_threads), known + observations)
         rate = statistics.fmean(r for b, t, r in known + observations if (b, t) == (batch, best_threads))
         at_top = [r for b, t, r in known + observations if b == candidates[-1] and t == best_threads]
         if observations:
@@ -480,6 +484,31 @@ class BatchSizeTuner(LearnerPlugin):
             best = search.best_rate()
             stop_below = None if best is None else best * _STOP_BELOW
             search.record(point, functools.partial(self._measure, runner, point[0], point[1], stop_below, self.min_probe_time))
+
+    def _threads_that_pay(self, runner: ProbeRunner, chosen: tuple[int, int], measured: list[tuple[int, int, float]]) -> tuple[int, int]:
+        """``chosen`` (more than one thread) if it beats the best one-thread point over the same
+        amount of work, else that point. Probes time the lower-quartile step, which suits batch
+        sizes; several threads beside a busy neighbour are fast most of the time and, in spells
+        of a second or so, 100x slower, which only whole windows of work show."""
+        single: dict[int, list[float]] = {}
+        for b, t, r in measured:
+            if t == 1:
+                single.setdefault(b, []).append(r)
+        if not single:
+            return chosen
+        alone = (max(single, key=lambda b: statistics.fmean(single[b])), 1)
+        expected = {p: statistics.fmean(r for b, t, r in measured if (b, t) == p) for p in (chosen, alone)}
+        steps = {p: max(2, math.ceil(self.min_probe_time * expected[p] / p[0])) for p in expected}
+        done = dict.fromkeys(expected, 0)
+        seconds = dict.fromkeys(expected, 0.0)
+        for _ in range(_CONFIRM_ROUNDS):
+            for point in expected:
+                n, spent = runner.work(point[0], steps[point], threads=point[1], max_seconds=4 * self.min_probe_time)
+                done[point] += n * point[0]
+                seconds[point] += spent
+        rates = {p: done[p] / seconds[p] for p in expected}
+        logger.info("threads over the same work: %s", ", ".join(f"{b} x {t}: {r:.0f} samples/s" for (b, t), r in rates.items()))
+        return chosen if rates[chosen] > rates[alone] else alone
 
     def _check_rate(self, runner: ProbeRunner, batch: int, threads: int) -> float:
         """A quick rate for a warm tune's checks (within 2.5x is all they need): a quarter of the

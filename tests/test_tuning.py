@@ -234,17 +234,20 @@ def test_measure_throughput_leaves_the_model_and_optimizer_untouched():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
-def test_fixed_work_timing_runs_exactly_the_steps_asked_on_copies_and_restores_the_thread_count():
+def test_fixed_work_runs_the_steps_asked_or_stops_at_max_seconds_on_copies_and_restores_the_thread_count():
     model = _mlp()
     runner = ProbeRunner(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), batch(8))
     calls = []
     step = runner._step
     runner._step = lambda x, y: calls.append(len(y)) or step(x, y)  # type: ignore[method-assign]
     threads = torch.get_num_threads()
-    seconds = runner.seconds_for(16, 5, threads=1)
-    assert seconds > 0 and calls == [16] * 6  # one untimed start-up step, then the five timed
+    steps, seconds = runner.work(16, 5, threads=1)
+    assert steps == 5 and seconds > 0 and calls == [16] * 6  # one untimed start-up step, then the five timed
     assert torch.get_num_threads() == threads
     assert all(p.grad is None for p in model.parameters())
+    calls.clear()
+    steps, seconds = runner.work(16, 5, max_seconds=0.0)
+    assert steps == 1 and seconds > 0 and calls == [16] * 2  # cut after the first timed step
 
 
 def test_memory_budget_bounds_the_batch():
@@ -543,11 +546,18 @@ def test_tune_threads_applies_the_fastest_thread_count(tmp_path, monkeypatch, re
     monkeypatch.setattr("taste_cl.tuning.thread_options", lambda: [1, 2, 4])
     seen = []
 
-    def measure(self, batch_size, *, threads=None, **kwargs):
-        seen.append(threads)
+    def rate(batch_size, threads):
         return synthetic_throughput(batch_size) * {1: 1.0, 2: 1.6, 4: 0.7}[threads]
 
+    def measure(self, batch_size, *, threads=None, **kwargs):
+        seen.append(threads)
+        return rate(batch_size, threads)
+
+    def work(self, batch_size, steps, *, threads=None, **kwargs):  # the confirmation agrees with the probes
+        return steps, steps * batch_size / rate(batch_size, threads)
+
     monkeypatch.setattr(ProbeRunner, "measure", measure)
+    monkeypatch.setattr(ProbeRunner, "work", work)
     monkeypatch.setattr("taste_cl.tuning.LoadMeter.read", lambda self: 0.0)
     torch.set_num_threads(1)
     tuner = BatchSizeTuner(cache_dir=tmp_path, tune_threads=True, n_calls=12)
@@ -557,6 +567,28 @@ def test_tune_threads_applies_the_fastest_thread_count(tmp_path, monkeypatch, re
     seen.clear()
     warm = tuner.tune(learner.model, learner.optimizer, learner.loss_fn, batch(10), foreign_load=0.0)
     assert warm.warm and seen == [2]  # the cache key does not depend on the count the tuner set
+
+
+def test_more_threads_with_slow_spells_lose_to_one_thread_over_the_same_work(tmp_path, monkeypatch, restore_threads):
+    monkeypatch.setattr("taste_cl.tuning.thread_options", lambda: [1, 2])
+    windows = []
+
+    def measure(self, batch_size, *, threads=None, **kwargs):  # probes catch 2 threads in a good moment
+        return synthetic_throughput(batch_size) * {1: 1.0, 2: 1.6}[threads]
+
+    def work(self, batch_size, steps, *, threads=None, **kwargs):  # ... but one window in three is 100x slower
+        windows.append(threads)
+        slow = 100.0 if threads == 2 and windows.count(2) == 2 else 1.0
+        return steps, slow * steps * batch_size / measure(self, batch_size, threads=threads)
+
+    monkeypatch.setattr(ProbeRunner, "measure", measure)
+    monkeypatch.setattr(ProbeRunner, "work", work)
+    torch.set_num_threads(1)
+    model = _mlp()
+    tuner = BatchSizeTuner(cache_dir=tmp_path, tune_threads=True, n_calls=12)
+    result = tuner.tune(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), batch(10), foreign_load=0.0)
+    assert result.threads == 1 and windows.count(1) == windows.count(2) == 3
+    assert result.samples_per_s == pytest.approx(synthetic_throughput(result.batch_size))
 
 
 def test_plugin_detects_a_load_shift_from_step_times(tmp_path, fake_hardware, monkeypatch):
