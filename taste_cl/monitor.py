@@ -96,10 +96,11 @@ class StabilityPlasticityMonitor:
         classification, a reservoir otherwise).
     eval_every:
         Evaluate the probe every this many recorded stream batches. With the default
-        probe of 100 samples every 20 batches, the probe's forward pass costs about 2.5% of
-        the training compute of a small CNN with stream and replay batches of 32
-        (``taste-cl bench overhead``); a larger probe or a shorter interval gives finer
-        stability and forgetting curves at a proportional cost.
+        probe of 100 samples every 20 batches, the probe's forward pass is about 2.5% of
+        the training FLOPs of a small CNN with stream and replay batches of 32, and 4-5% of
+        its ``observe`` time on a CPU where that CNN's forward is slow relative to its
+        backward (``taste-cl bench overhead``); a larger probe or a shorter interval gives
+        finer stability and forgetting curves at a proportional cost.
     window:
         Number of recent stream batches the plasticity estimate averages over.
     forgetting_threshold:
