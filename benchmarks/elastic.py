@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from taste_cl import ElasticTrainer, OnlineLearner
-from taste_cl._report import format_table
+from taste_cl._report import format_number, format_table
 from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.elastic import measure_training_memory
 from taste_cl.plugins import LearnerPlugin
@@ -388,8 +388,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plot:
             print(f"plot written to {_plot({n: r['curve'] for n, r in seeds[0].items()}, Path(args.out) / f'elastic_{model_name}.png')}")
     config = {key: value for key, value in vars(args).items() if key != "out"}
-    save_result(args.out, "elastic_zoo" if args.zoo else "elastic", {"config": config, "models": results})
+    save_result(args.out, "elastic_zoo" if args.zoo else "elastic", {"config": config, "models": results}, summary=_headline(results, args.clock))
     return 0
+
+
+def _median(runs: list[dict[str, dict[str, Any]]], variant: str, key: str) -> float:
+    return float(statistics.median(run[variant][key] for run in runs))
+
+
+def _headline(results: dict[str, Any], clock: str) -> str:
+    """The README row: per model, each variant's median speedup per step and accuracy against full training."""
+    other = "wall" if clock == "cpu" else "cpu"
+    parts = []
+    for model_name, result in results.items():
+        runs = list(result["seeds"].values())
+        variants = [name for name in runs[0] if name != "full"]
+
+        cells = [
+            f"{name} {format_number(_median(runs, name, 'speedup_vs_full'))}x "
+            f"({other} {format_number(_median(runs, name, 'other_clock_speedup_vs_full'))}x) "
+            f"at {_median(runs, name, 'accuracy_vs_full_points'):+.2f} points"
+            for name in variants
+        ]
+        parts.append(f"{model_name}, {len(runs)} seed{'s' if len(runs) > 1 else ''}: " + "; ".join(cells))
+    return f"speed per step on the {clock} clock vs full training, and final accuracy vs full: " + " | ".join(parts)
 
 
 if __name__ == "__main__":

@@ -74,19 +74,8 @@ def _onnx(result: Mapping[str, Any]) -> str:
     )
 
 
-def _elastic(result: Mapping[str, Any]) -> str:
-    runs = result["runs"]
-    parts = [
-        f"{name}: {format_number(run['speedup_vs_full'])}x faster per step, final accuracy {format_number(run['final_accuracy'])}"
-        for name, run in runs.items()
-        if name != "full"
-    ]
-    return "; ".join(parts) + f" (full training: {format_number(runs['full']['final_accuracy'])})"
-
-
 # headline figures for results saved without a ``summary``
 _DERIVED: dict[str, Callable[[Mapping[str, Any]], str]] = {
-    "elastic": _elastic,
     "federated": _federated,
     "online_digits": _online_digits,
     "onnx_training": _onnx,
