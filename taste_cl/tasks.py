@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from taste_cl._batch import as_tensor, count_nonfinite, label_range
+from taste_cl._batch import as_tensor, count_nonfinite, label_range, to_like
 from taste_cl.exceptions import InvalidBatchError
 
 __all__ = ["Classification", "MultiLabel", "Regression", "Task", "TokenClassification", "infer_task", "resolve_task"]
@@ -96,6 +96,12 @@ class Task(ABC):
 def _wide(t: torch.Tensor) -> torch.Tensor:
     """``t`` in float32 or wider for a stable loss (no dispatch when it already is: the hot path)."""
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _wide_pair(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs via :func:`_wide` and float targets in their dtype (the losses need one dtype)."""
+    wide = _wide(outputs)
+    return wide, to_like(targets, wide)
 
 
 def _check_length(y: torch.Tensor, n: int, name: str) -> None:
@@ -244,7 +250,7 @@ class Regression(Task):
         return {"mse": squared / count if count else math.nan, "mae": absolute / count if count else math.nan}
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> float:
-        return float(F.mse_loss(_wide(outputs), _wide(targets)))
+        return float(F.mse_loss(*_wide_pair(outputs, targets)))
 
 
 class MultiLabel(Task):
@@ -288,9 +294,10 @@ class MultiLabel(Task):
         return {"micro_f1": 2 * tp / denominator if denominator else 1.0, "exact_match": exact / n}
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> float:
+        wide, targets = _wide_pair(outputs, targets)
         if self.logits:
-            return float(F.binary_cross_entropy_with_logits(_wide(outputs), _wide(targets)))
-        return float(F.binary_cross_entropy(_wide(outputs).clamp(0, 1), _wide(targets)))
+            return float(F.binary_cross_entropy_with_logits(wide, targets))
+        return float(F.binary_cross_entropy(wide.clamp(0, 1), targets))
 
 
 _BY_NAME: dict[str, type[Task]] = {cls.name: cls for cls in (Classification, MultiLabel, Regression, TokenClassification)}

@@ -166,3 +166,13 @@ def test_regression_stability_and_forgetting_are_errors_that_rise_when_the_probe
     learner.observe((torch.randn(8, 4), torch.zeros(8)))
     assert learner.monitor.stability > best and learner.monitor.forgetting > 0
     assert learner.monitor.report()["metric"] == "mse"
+
+
+@pytest.mark.parametrize("task", [Regression(), MultiLabel(), MultiLabel(logits=False)], ids=["regression", "multilabel", "probabilities"])
+@pytest.mark.parametrize(
+    "outputs_dtype, targets_dtype", [(torch.float64, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.float64)]
+)
+def test_the_drift_loss_takes_outputs_and_targets_of_different_float_dtypes(task, outputs_dtype, targets_dtype):
+    outputs, targets = torch.rand(6, 3).to(outputs_dtype), torch.rand(6, 3).round().to(targets_dtype)
+    expected = task.loss(outputs.double(), targets.double())
+    assert task.loss(outputs, targets) == pytest.approx(expected, rel=1e-2)
