@@ -51,8 +51,6 @@ __all__ = [
     "unflatten",
 ]
 
-# Dtypes whose CPU tensors share memory with a numpy array: there a check is one numpy
-# call (about a microsecond) instead of two torch ops with their dispatch cost.
 _INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 # torch's wide unsigned dtypes have few kernels: they become the next signed dtype that holds them.
 _WIDE_UNSIGNED = {torch.uint16: torch.int32, torch.uint32: torch.int64, torch.uint64: torch.int64}
