@@ -490,14 +490,14 @@ class BatchSizeTuner(LearnerPlugin):
         amount of work, else that point. Probes time the lower-quartile step, which suits batch
         sizes; several threads beside a busy neighbour are fast most of the time and, in spells
         of a second or so, 100x slower, which only whole windows of work show."""
-        single: dict[int, list[float]] = {}
+        grouped: dict[tuple[int, int], list[float]] = {}
         for b, t, r in measured:
-            if t == 1:
-                single.setdefault(b, []).append(r)
-        if not single:
+            grouped.setdefault((b, t), []).append(r)
+        means = {p: statistics.fmean(rates) for p, rates in grouped.items()}
+        alone = max((p for p in means if p[1] == 1), key=means.__getitem__, default=None)
+        if alone is None:
             return chosen
-        alone = (max(single, key=lambda b: statistics.fmean(single[b])), 1)
-        expected = {p: statistics.fmean(r for b, t, r in measured if (b, t) == p) for p in (chosen, alone)}
+        expected = {p: means[p] for p in (chosen, alone)}
         steps = {p: max(2, math.ceil(self.min_probe_time * expected[p] / p[0])) for p in expected}
         done = dict.fromkeys(expected, 0)
         seconds = dict.fromkeys(expected, 0.0)
