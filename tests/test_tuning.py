@@ -222,6 +222,32 @@ def test_sequence_models_tune_on_their_own_samples(tmp_path, name):
     assert [t.dtype for t in leaves] == [t.dtype for t in (list(samples[0].values()) if isinstance(x, dict) else [x])]
 
 
+@pytest.mark.parametrize("name", ["text_transformer", "lstm", "batchnorm_mlp", "regression_mlp", "mobilenet_v3_small"])
+def test_thread_confirmation_trains_real_models_on_copies(tmp_path, monkeypatch, restore_threads, name):
+    """Dict token inputs, AdamW, BatchNorm, regression, a torchvision net: the fixed-work windows run the real model."""
+    monkeypatch.setattr("taste_cl.tuning.thread_options", lambda: [1, 2])
+    real_measure, windows = ProbeRunner.measure, []
+
+    def measure(self, batch_size, *, threads=None, **kwargs):  # probes favour 2 threads, so the confirmation runs
+        return real_measure(self, batch_size, threads=threads, **kwargs) * (10.0 if threads == 2 else 1.0)
+
+    def work(self, batch_size, steps, **kwargs):
+        windows.append(batch_size)
+        return real_work(self, batch_size, steps, **kwargs)
+
+    real_work = ProbeRunner.work
+    monkeypatch.setattr(ProbeRunner, "measure", measure)
+    monkeypatch.setattr(ProbeRunner, "work", work)
+    model, loss_fn, optimizer = ZOO[name].build()
+    before = [p.detach().clone() for p in model.parameters()]
+    tuner = BatchSizeTuner(cache_dir=tmp_path, tune_threads=True, max_batch_size=8, min_probe_time=0.01)
+    x, y = ZOO[name].batch(8)
+    y = y.view(-1, 1) if name == "regression_mlp" else y  # the (n, 1) targets a learner passes its plugins
+    result = tuner.tune(model, optimizer, loss_fn, (x, y), foreign_load=0.0)
+    assert len(windows) == 6 and result.threads in (1, 2) and result.samples_per_s > 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not optimizer.state
+
+
 def test_measure_throughput_leaves_the_model_and_optimizer_untouched():
     model = _mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
