@@ -146,3 +146,34 @@ def test_the_mode_check_changes_neither_the_random_stream_nor_the_model():
     (rng_auto, state_auto), (rng_eval, state_eval) = run("auto"), run("eval")
     assert torch.equal(rng_auto, rng_eval)
     assert all(torch.equal(state_auto[k], state_eval[k]) for k in state_auto)  # BatchNorm stats untouched by the check
+
+
+def test_offering_stream_batches_to_the_probe_in_runs_changes_nothing():
+    """The learner's batches wait and reach the probe every few batches; offering each at once
+    (state_dict() offers what waits) must give bit-identical probes, scores and events."""
+    from helpers import states_equal
+
+    runs = []
+    for offer_each in (False, True):
+        learner = tiny_learner(monitor=StabilityPlasticityMonitor(eval_every=7, probe_capacity=12))
+        for i in range(30):
+            learner.observe(batch(5 + i % 4, seed=i))
+            if offer_each:
+                learner.monitor.state_dict()
+                assert not learner.monitor._unoffered
+        runs.append(learner.monitor)
+    assert runs[0].stability is not None and states_equal(runs[0].state_dict(), runs[1].state_dict())
+
+
+def test_waiting_probe_batches_are_bounded_and_are_the_learners_copies():
+    from taste_cl.monitor import _OFFER_SAMPLES
+
+    learner = tiny_learner(monitor=StabilityPlasticityMonitor(eval_every=10**9, probe_capacity=12))
+    x, y = batch(64)
+    for _ in range(3 * _OFFER_SAMPLES // 64):
+        learner.observe((x, y))
+        assert sum(len(b[1]) for b in learner.monitor._unoffered) < _OFFER_SAMPLES
+    x.fill_(float("nan"))  # the caller reuses its buffer: what waits for the probe is unaffected
+    y.fill_(7)
+    probe = learner.monitor.state_dict()["probe"]
+    assert torch.isfinite(probe["storage"]["x"]).all() and int(probe["storage"]["y"].max()) < 3
