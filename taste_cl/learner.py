@@ -66,6 +66,8 @@ from taste_cl.tasks import Classification, Task, infer_task, resolve_task
 
 __all__ = ["BatchPlan", "ObserveStats", "OnlineLearner"]
 
+_FEW_TENSORS = 16  # gradient tensors up to which _total_norm reads each norm
+
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -820,8 +822,13 @@ def _total_norm(tensors: list[torch.Tensor]) -> float:
     first = tensors[0]
     if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
         # The fused kernel torch's own get_total_norm ends in, without its per-call
-        # regrouping by device and dtype (half the cost of a small model's step).
-        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
+        # regrouping by device and dtype (half the cost of a small model's step). For a
+        # few tensors, reading each norm costs less than stacking them for one more
+        # reduction (math.hypot gives inf for an inf entry and NaN for a NaN one).
+        norms = torch._foreach_norm(tensors)
+        if len(norms) <= _FEW_TENSORS:
+            return math.hypot(*[norm.item() for norm in norms])
+        return float(torch.linalg.vector_norm(torch.stack(norms)))
     return float(torch.nn.utils.get_total_norm(tensors))
 
 

@@ -254,3 +254,17 @@ def test_guard_config_and_state_travel_in_checkpoints(tmp_path):
 def test_bad_guard_settings_are_rejected(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         UpdateGuard(**kwargs)
+
+
+@pytest.mark.parametrize("count", [3, 40])  # read one by one, and stacked (more than _FEW_TENSORS)
+def test_gradient_norm_is_the_norm_of_all_tensors_and_flags_nan_and_inf(count):
+    from taste_cl.learner import _FEW_TENSORS, _total_norm
+
+    assert (count <= _FEW_TENSORS) == (count == 3)
+    tensors = [torch.randn(4, i + 1, generator=torch.Generator().manual_seed(i)) for i in range(count)]
+    expected = float(torch.linalg.vector_norm(torch.cat([t.flatten() for t in tensors]).double()))
+    assert _total_norm(tensors) == pytest.approx(expected, rel=1e-6)
+    for bad in (float("nan"), float("inf")):
+        poisoned = [t.clone() for t in tensors]
+        poisoned[-1][0, 0] = bad
+        assert not math.isfinite(_total_norm(poisoned))
