@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from taste_cl._batch import leaves
+from taste_cl._batch import cat_batches, leaves
 from taste_cl._checks import INT_LIMIT
 from taste_cl._report import MonitorReport
 from taste_cl.drift import PageHinkley
@@ -74,6 +74,7 @@ class MonitorEvent:
 
 Subscriber = Callable[[MonitorEvent], None]
 _OFFER_SAMPLES, _OFFER_BYTES = 512, 8 << 20  # at most this many waiting stream samples / bytes before they are offered to the probe
+_CONCAT_BYTES = 1 << 20  # waiting batches up to this size are offered as one
 _NO_IDS, _NO_FLAGS = torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool)
 
 
@@ -261,10 +262,19 @@ class StabilityPlasticityMonitor:
         return torch.arange(first, first + n)
 
     def _offer_to_probe(self) -> None:
-        """Offer the waiting stream batches to the probe, oldest first."""
-        for x, y, first in self._unoffered:
-            self._probe.add_validated(x, y, sid=self._ids(first, y.shape[0]))
-        self._unoffered.clear()
+        """Offer the waiting stream batches to the probe, oldest first.
+
+        Small ones go as one batch: a buffer's draws for n samples are the draws for their
+        parts in turn (torch's CPU generator fills a tensor serially), so one offer of the
+        concatenation is one offer per part, with one pass of the buffer's bookkeeping.
+        """
+        offers = [(x, y, self._ids(first, y.shape[0])) for x, y, first in self._unoffered]
+        if len(offers) > 1 and self._unoffered_size[1] <= _CONCAT_BYTES:
+            xs, ys, ids = zip(*offers)
+            offers = [(cat_batches(list(xs)), torch.cat(ys), torch.cat(ids))]
+        for x, y, sid in offers:
+            self._probe.add_validated(x, y, sid=sid)
+        self._unoffered = []
         self._unoffered_size = [0, 0]
 
     def due(self) -> bool:

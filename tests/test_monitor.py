@@ -148,16 +148,20 @@ def test_the_mode_check_changes_neither_the_random_stream_nor_the_model():
     assert all(torch.equal(state_auto[k], state_eval[k]) for k in state_auto)  # BatchNorm stats untouched by the check
 
 
-def test_offering_stream_batches_to_the_probe_in_runs_changes_nothing():
-    """The learner's batches wait and reach the probe every few batches; offering each at once
-    (state_dict() offers what waits) must give bit-identical probes, scores and events."""
+@pytest.mark.parametrize("task", ["classification", "regression"])  # a class-balanced probe, a reservoir
+def test_offering_stream_batches_to_the_probe_in_runs_changes_nothing(task):
+    """The learner's batches wait and reach the probe every few batches, small ones
+    concatenated; offering each at once (state_dict() offers what waits) must give
+    bit-identical probes, scores and events."""
     from helpers import states_equal
 
     runs = []
     for offer_each in (False, True):
-        learner = tiny_learner(monitor=StabilityPlasticityMonitor(eval_every=7, probe_capacity=12))
+        regression = {"loss_fn": torch.nn.MSELoss()} if task == "regression" else {}
+        learner = tiny_learner(monitor=StabilityPlasticityMonitor(eval_every=7, probe_capacity=12), **regression)
         for i in range(30):
-            learner.observe(batch(5 + i % 4, seed=i))
+            x, y = batch(5 + i % 4, seed=i)
+            learner.observe((x, torch.nn.functional.one_hot(y, 3).float() + x[:, :3] if task == "regression" else y))
             if offer_each:
                 learner.monitor.state_dict()
                 assert not learner.monitor._unoffered
