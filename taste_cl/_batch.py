@@ -375,6 +375,23 @@ def _to_leaf(value: Any, expected: Spec | None, name: str, *, min_dim: int, dtyp
     return x, expected or describe(x)
 
 
+def copy_if_plain(value: Any, spec: Spec | None, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The hot path of :func:`to_inputs` after the first batch: a contiguous copy of a plain,
+    finite float tensor that already has the model's dtype and device and ``spec``'s
+    feature shape. None when anything differs: :func:`to_inputs` then converts or explains.
+
+    Only inputs the full validation accepts unchanged pass, and they get the same copy.
+    """
+    if spec is None or not spec.is_tensor or spec.leaf != "float" or type(value) is not torch.Tensor:
+        return None
+    if value.dtype != dtype or value.device != device or value.requires_grad or value.layout != torch.strided or value.is_nested:
+        return None
+    if value.shape[1:] != spec.shape or not value.shape[0]:
+        return None
+    x = value.clone(memory_format=torch.contiguous_format)
+    return x if math.isfinite(x.sum().item()) else None  # a non-finite sum: the full check counts
+
+
 def to_inputs(value: Any, *, spec: Spec | None, dtype: torch.dtype, device: torch.device, name: str = "x") -> tuple[Inputs, Spec]:
     """Validate an input batch (a tensor/array or a dict/tuple/list of them) against ``spec``
     (None on the first batch) and return fresh tensors in the model's placement and its spec.

@@ -110,10 +110,26 @@ def _check_length(y: torch.Tensor, n: int, name: str) -> None:
         raise InvalidBatchError(f"x and {name} lengths differ: x has {n} samples, {name} has {got}")
 
 
+def _plain_int64(value: Any, shape: tuple[int, ...], device: torch.device) -> bool:
+    """Whether ``value`` is a dense int64 tensor of ``shape`` on ``device``, which the full checks pass unchanged."""
+    return (
+        type(value) is torch.Tensor
+        and value.dtype == torch.int64
+        and value.device == device
+        and value.layout == torch.strided
+        and not value.is_nested
+        and value.shape == shape
+    )
+
+
 def _class_targets(
     value: Any, *, n: int, num_classes: int, shape: tuple[int, ...], ignore_index: int | None, task: str, device: torch.device
 ) -> torch.Tensor:
     """Integer class labels of shape ``(n, *shape)`` in ``[0, num_classes)`` (or ``ignore_index``)."""
+    if ignore_index is None and n and _plain_int64(value, (n, *shape), device):  # the hot path: only the range to check
+        low, high = label_range(value)
+        if low >= 0 and high < num_classes:
+            return value.clone()
     y = as_tensor(value, "y")
     if y.is_floating_point() or y.dtype == torch.bool:
         raise InvalidBatchError(

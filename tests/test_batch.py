@@ -190,3 +190,41 @@ def test_structured_samples_waiting_for_a_micro_batch_survive_a_checkpoint(tmp_p
     assert torch.equal(straight.predict(x), resumed.predict(x))
     stored_x, _ = resumed.replay.sample(4)
     assert stored_x["ids"].dtype == torch.int64 and stored_x["feats"].dtype == torch.float32
+
+
+def test_the_plain_input_path_copies_exactly_what_the_full_validation_accepts_unchanged():
+    from taste_cl._batch import Spec, copy_if_plain, to_inputs
+
+    spec, cpu, f32 = Spec("tensor", "float", "", (3, 2)), torch.device("cpu"), torch.float32
+    x = torch.randn(4, 2, 3).transpose(1, 2)  # non-contiguous, still plain
+    copied = copy_if_plain(x, spec, dtype=f32, device=cpu)
+    assert copied is not None and copied.is_contiguous() and torch.equal(copied, x)
+    assert copied.data_ptr() != x.data_ptr() and torch.equal(copied, to_inputs(x, spec=spec, dtype=f32, device=cpu)[0])
+    nan = torch.zeros(4, 3, 2)
+    nan[1, 2, 0] = float("nan")
+    for odd in (
+        x.double(),  # converted by the full path
+        torch.ones(4, 3, 2, dtype=torch.long),
+        torch.zeros(4, 3, 3),  # wrong feature shape: the full path explains
+        torch.zeros(0, 3, 2),
+        nan,
+        torch.zeros(4, 3, 2, requires_grad=True),
+        nn.Parameter(torch.zeros(4, 3, 2)),
+        x.numpy(),
+    ):
+        assert copy_if_plain(odd, spec, dtype=f32, device=cpu) is None
+    assert copy_if_plain(x, None, dtype=f32, device=cpu) is None
+
+
+def test_the_plain_label_path_agrees_with_the_full_checks():
+    from taste_cl.tasks import Classification
+
+    task, cpu = Classification(), torch.device("cpu")
+    y = torch.tensor([0, 2, 1, 2])
+    targets = task.to_targets(y, n=4, output_shape=(3,), dtype=torch.float32, device=cpu)
+    assert torch.equal(targets, y) and targets.data_ptr() != y.data_ptr()
+    for bad, message in ((torch.tensor([0, 3, 1, 2]), "label 3 out of range"), (torch.tensor([0, -1, 1, 2]), "label -1 out of range")):
+        with pytest.raises(InvalidBatchError, match=message):
+            task.to_targets(bad, n=4, output_shape=(3,), dtype=torch.float32, device=cpu)
+    with pytest.raises(InvalidBatchError, match="lengths differ|must be"):
+        task.to_targets(y, n=5, output_shape=(3,), dtype=torch.float32, device=cpu)
