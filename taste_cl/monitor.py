@@ -232,9 +232,10 @@ class StabilityPlasticityMonitor:
         """Score a stream batch with outputs computed *before* training on it, then store it in the probe.
 
         Returns the task's additive statistics of the batch (for classification
-        ``(correct, n)``). ``validated=True`` (the learner's own calls) skips the probe's
-        input checks; ``store=False`` scores without storing (a batch whose training loss
-        overflowed).
+        ``(correct, n)``). ``validated=True`` (the learner's own calls, on its own copies
+        that nothing changes afterwards) skips the probe's input checks and lets the batch
+        wait to be offered to the probe with the next ones (same result, less time);
+        ``store=False`` scores without storing (a batch whose training loss overflowed).
         """
         outputs = outputs.detach() if outputs.requires_grad else outputs  # the learner's are detached already
         loss = self.task.loss(outputs, y)
