@@ -269,10 +269,15 @@ class StabilityPlasticityMonitor:
         parts in turn (torch's CPU generator fills a tensor serially), so one offer of the
         concatenation is one offer per part, with one pass of the buffer's bookkeeping.
         """
-        offers = [(x, y, self._ids(first, y.shape[0])) for x, y, first in self._unoffered]
-        if len(offers) > 1 and self._unoffered_size[1] <= _CONCAT_BYTES:
-            xs, ys, ids = zip(*offers)
-            offers = [(cat_batches(list(xs)), torch.cat(ys), torch.cat(ids))]
+        waiting = self._unoffered
+        if len(waiting) > 1 and self._unoffered_size[1] <= _CONCAT_BYTES:
+            xs, ys, firsts = zip(*waiting)
+            # ids run on unless a batch was scored but not stored (a non-finite loss)
+            gapless = all(a + y.shape[0] == b for a, b, y in zip(firsts, firsts[1:], ys))
+            ids = self._ids(firsts[0], self._unoffered_size[0]) if gapless else torch.cat([self._ids(a, y.shape[0]) for a, y in zip(firsts, ys)])
+            offers = [(cat_batches(list(xs)), torch.cat(ys), ids)]
+        else:
+            offers = [(x, y, self._ids(first, y.shape[0])) for x, y, first in waiting]
         for x, y, sid in offers:
             self._probe.add_validated(x, y, sid=sid)
         self._unoffered = []
