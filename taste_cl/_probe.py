@@ -25,11 +25,32 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from taste_cl._batch import batch_len, call_model, index_batch
+from taste_cl.tasks import infer_task
 
 __all__ = ["ProbeRunner", "Samples", "max_batch_for_memory", "measure_throughput", "num_threads", "preserved_rng", "thread_options", "timed_rate"]
 
 Samples = tuple[Any, Any]  # (inputs, targets): tensors or dicts/tuples/lists of tensors, batch first
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def _trained_targets(model: nn.Module, loss_fn: LossFn, samples: Samples) -> Any:
+    """The targets as :class:`~taste_cl.OnlineLearner` trains on them, for a loss whose task
+    taste_cl knows (:func:`~taste_cl.tasks.infer_task`): ``(n,)`` regression targets of an
+    ``(n, 1)`` output become ``(n, 1)``, and targets the task refuses raise
+    :class:`~taste_cl.exceptions.InvalidBatchError` instead of being timed on a broadcast
+    loss. ``model`` is the probes' private copy; other losses keep their targets."""
+    x, y = samples
+    try:
+        model.eval()
+        with torch.no_grad():
+            out = call_model(model, index_batch(x, slice(0, 1)))
+    except Exception:  # noqa: BLE001 - the probes find out what trains
+        return y
+    task = infer_task(loss_fn, tuple(out.shape[1:])) if isinstance(out, torch.Tensor) else None
+    if task is None:
+        return y
+    first = next(model.parameters(), out)
+    return task.to_targets(y, n=batch_len(x), output_shape=tuple(out.shape[1:]), dtype=first.dtype, device=first.device)
 
 
 def tile(samples: Samples, size: int) -> Samples:
@@ -87,8 +108,8 @@ class ProbeRunner:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, samples: Samples) -> None:
         batch_len(samples[0])
         self.model, self.loss_fn, self.optimizer = copy.deepcopy((model, loss_fn, optimizer))
+        self.samples = (samples[0], _trained_targets(self.model, self.loss_fn, samples))
         self.model.train()
-        self.samples = samples
         self._params = [p for group in self.optimizer.param_groups for p in group["params"]]
         with torch.no_grad():
             self._initial = [p.detach().clone() for p in self._params]

@@ -316,7 +316,10 @@ class BatchSizeTuner(LearnerPlugin):
         ``samples`` is ``(x, y)``: real inputs (a tensor, or a dict/tuple/list of tensors)
         and targets, batch first; probes tile them to each probed size. ``anchor`` (the
         effective batch of a plan) caps the search and is always measured, so a plan can
-        tell whether smaller micro-batches pay. Nothing passed in is modified. Raises
+        tell whether smaller micro-batches pay. Nothing passed in is modified. Targets go
+        through the task the loss implies, as in :class:`~taste_cl.OnlineLearner` (``(n,)``
+        regression targets of an ``(n, 1)`` output are reshaped; targets that would only
+        broadcast raise :class:`~taste_cl.exceptions.InvalidBatchError`). Raises
         :class:`TuningError` when no size trains.
         """
         start = time.perf_counter()

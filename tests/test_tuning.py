@@ -11,7 +11,7 @@ from helpers import fake_hardware as install_fake_hardware
 from torch import nn
 from zoo import ZOO
 
-from taste_cl import OnlineLearner, ReservoirReplay
+from taste_cl import InvalidBatchError, OnlineLearner, ReservoirReplay
 from taste_cl._probe import ProbeRunner
 from taste_cl._search import GridSearch
 from taste_cl._tuner_cache import CachedSurface
@@ -726,3 +726,22 @@ def test_readme_stream_with_the_tuner_stays_within_one_point_of_no_tuner(tmp_pat
     plans = [[(h.get("micro_batch_size"), h.get("accumulation_steps"), h["reason"]) for h in t.history_] for t in tuners]
     assert abs(sum(tuned) / 4 - sum(plain) / 4) <= 0.01, (plain, tuned, plans)
     assert all(abs(t - p) <= 0.02 for t, p in zip(tuned, plain)), (plain, tuned, plans)
+
+
+def test_probes_train_on_targets_shaped_like_the_learners_and_refuse_broadcasting(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(12, 4), torch.randn(12)
+    runner = ProbeRunner(model, optimizer, nn.MSELoss(), (x, y))
+    assert runner.samples[1].shape == (12, 1) and torch.equal(runner.samples[1][:, 0], y) and y.shape == (12,)
+    assert runner.model.training
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no broadcast warning from the probes' loss
+        result = _quick(tmp_path, max_batch_size=8).tune(model, optimizer, nn.MSELoss(), (x, y))
+    assert 1 <= result.batch_size <= 8
+    with pytest.raises(InvalidBatchError, match="no broadcasting"):
+        BatchSizeTuner(cache_dir=tmp_path).tune(model, optimizer, nn.MSELoss(), (x, torch.randn(12, 3)))
+    classifier = nn.Linear(4, 3)
+    with pytest.raises(InvalidBatchError, match="out of range"):  # class labels are checked too
+        ProbeRunner(classifier, torch.optim.SGD(classifier.parameters(), lr=0.1), nn.CrossEntropyLoss(), (x, torch.full((12,), 5)))
