@@ -375,21 +375,21 @@ def _to_leaf(value: Any, expected: Spec | None, name: str, *, min_dim: int, dtyp
     return x, expected or describe(x)
 
 
-def copy_if_plain(value: Any, spec: Spec | None, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+def _copy_if_plain(value: Any, spec: Spec, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """The hot path of :func:`to_inputs` after the first batch: a contiguous copy of a plain,
     finite float tensor that already has the model's dtype and device and ``spec``'s
-    feature shape. None when anything differs: :func:`to_inputs` then converts or explains.
+    feature shape. None when anything differs: the full validation then converts or explains.
 
     Only inputs the full validation accepts unchanged pass, and they get the same copy.
     """
-    if spec is None or not spec.is_tensor or spec.leaf != "float" or type(value) is not torch.Tensor:
+    if not spec.is_tensor or spec.leaf != "float" or type(value) is not torch.Tensor:
         return None
     if value.dtype != dtype or value.device != device or value.requires_grad or value.layout != torch.strided or value.is_nested:
         return None
     if value.shape[1:] != spec.shape or not value.shape[0]:
         return None
     x = value.clone(memory_format=torch.contiguous_format)
-    return x if math.isfinite(x.sum().item()) else None  # a non-finite sum: the full check counts
+    return None if count_nonfinite(x) else x  # non-finite: the full path raises with the count
 
 
 def to_inputs(value: Any, *, spec: Spec | None, dtype: torch.dtype, device: torch.device, name: str = "x") -> tuple[Inputs, Spec]:
@@ -399,6 +399,10 @@ def to_inputs(value: Any, *, spec: Spec | None, dtype: torch.dtype, device: torc
     A lone tensor needs at least 2 dimensions ``(batch, *features)``; a leaf inside a
     structure at least 1. Every leaf must have the same batch length.
     """
+    if spec is not None:
+        plain = _copy_if_plain(value, spec, dtype=dtype, device=device)
+        if plain is not None:
+            return plain, spec
     if isinstance(value, (torch.Tensor, np.ndarray)) or value is None:
         return _to_leaf(value, spec, name, min_dim=2, dtype=dtype, device=device)
     if spec is not None and spec.is_tensor:

@@ -39,7 +39,6 @@ from taste_cl._batch import (
     batch_len,
     call_model,
     cat_batches,
-    copy_if_plain,
     index_batch,
     leaves,
     map_leaves,
@@ -585,11 +584,9 @@ class OnlineLearner:
     def _validate(self, batch: BatchLike) -> tuple[Inputs, torch.Tensor]:
         raw_x, raw_y = split_batch(batch)
         device, dtype = self._placement()
+        x, spec = to_inputs(raw_x, spec=self.input_spec, dtype=dtype, device=device)
         if self.output_shape is None:
-            x, spec = to_inputs(raw_x, spec=self.input_spec, dtype=dtype, device=device)
             return x, self._first_batch(x, spec, raw_y)
-        plain = copy_if_plain(raw_x, self.input_spec, dtype=dtype, device=device)
-        x = plain if plain is not None else to_inputs(raw_x, spec=self.input_spec, dtype=dtype, device=device)[0]
         assert self.task is not None
         return x, self.task.to_targets(raw_y, n=batch_len(x), output_shape=self.output_shape, dtype=dtype, device=device)
 

@@ -193,11 +193,11 @@ def test_structured_samples_waiting_for_a_micro_batch_survive_a_checkpoint(tmp_p
 
 
 def test_the_plain_input_path_copies_exactly_what_the_full_validation_accepts_unchanged():
-    from taste_cl._batch import Spec, copy_if_plain, to_inputs
+    from taste_cl._batch import Spec, _copy_if_plain, to_inputs
 
     spec, cpu, f32 = Spec("tensor", "float", "", (3, 2)), torch.device("cpu"), torch.float32
     x = torch.randn(4, 2, 3).transpose(1, 2)  # non-contiguous, still plain
-    copied = copy_if_plain(x, spec, dtype=f32, device=cpu)
+    copied = _copy_if_plain(x, spec, dtype=f32, device=cpu)
     assert copied is not None and copied.is_contiguous() and torch.equal(copied, x)
     assert copied.data_ptr() != x.data_ptr() and torch.equal(copied, to_inputs(x, spec=spec, dtype=f32, device=cpu)[0])
     nan = torch.zeros(4, 3, 2)
@@ -212,8 +212,8 @@ def test_the_plain_input_path_copies_exactly_what_the_full_validation_accepts_un
         nn.Parameter(torch.zeros(4, 3, 2)),
         x.numpy(),
     ):
-        assert copy_if_plain(odd, spec, dtype=f32, device=cpu) is None
-    assert copy_if_plain(x, None, dtype=f32, device=cpu) is None
+        assert _copy_if_plain(odd, spec, dtype=f32, device=cpu) is None
+    assert _copy_if_plain(x, Spec("tensor", "int", "int64", (3, 2)), dtype=f32, device=cpu) is None
 
 
 def test_the_plain_label_path_agrees_with_the_full_checks():
