@@ -151,11 +151,7 @@ class StabilityPlasticityMonitor:
         self.regression_threshold = regression_threshold
         self.task: Task = Classification()
         self._probe = self._new_probe()
-        # Validated stream batches not yet offered to the probe, as (x, y, id of the first
-        # sample), with their sample count and bytes: offering them in a run every few
-        # batches is exactly what offering each at once does, for a fraction of the time.
-        self._unoffered: list[tuple[Any, torch.Tensor, int]] = []
-        self._unoffered_size = [0, 0]
+        self._forget_unoffered()
         if task is not None:
             self.set_task(task)
         self._subscribers: list[tuple[str | None, Subscriber]] = []
@@ -248,9 +244,9 @@ class StabilityPlasticityMonitor:
             self.emit("drift_detected", loss=loss)
         if store and validated:  # the learner's own copies: nobody changes them before the offer
             self._unoffered.append((x, y, self.samples_seen - y.shape[0]))
-            self._unoffered_size[0] += y.shape[0]
-            self._unoffered_size[1] += x.nbytes if isinstance(x, torch.Tensor) else sum(t.nbytes for t in leaves(x))
-            if self._unoffered_size[0] >= _OFFER_SAMPLES or self._unoffered_size[1] >= _OFFER_BYTES:
+            self._unoffered_samples += y.shape[0]
+            self._unoffered_bytes += x.nbytes if isinstance(x, torch.Tensor) else sum(t.nbytes for t in leaves(x))
+            if self._unoffered_samples >= _OFFER_SAMPLES or self._unoffered_bytes >= _OFFER_BYTES:
                 self._offer_to_probe()
         elif store:
             self._offer_to_probe()  # keep the order of offers
@@ -270,18 +266,27 @@ class StabilityPlasticityMonitor:
         concatenation is one offer per part, with one pass of the buffer's bookkeeping.
         """
         waiting = self._unoffered
-        if len(waiting) > 1 and self._unoffered_size[1] <= _CONCAT_BYTES:
+        if len(waiting) > 1 and self._unoffered_bytes <= _CONCAT_BYTES:
             xs, ys, firsts = zip(*waiting)
             # ids run on unless a batch was scored but not stored (a non-finite loss)
             gapless = all(a + y.shape[0] == b for a, b, y in zip(firsts, firsts[1:], ys))
-            ids = self._ids(firsts[0], self._unoffered_size[0]) if gapless else torch.cat([self._ids(a, y.shape[0]) for a, y in zip(firsts, ys)])
+            ids = self._ids(firsts[0], self._unoffered_samples) if gapless else torch.cat([self._ids(a, y.shape[0]) for a, y in zip(firsts, ys)])
             offers = [(cat_batches(list(xs)), torch.cat(ys), ids)]
         else:
             offers = [(x, y, self._ids(first, y.shape[0])) for x, y, first in waiting]
         for x, y, sid in offers:
             self._probe.add_validated(x, y, sid=sid)
-        self._unoffered = []
-        self._unoffered_size = [0, 0]
+        self._forget_unoffered()
+
+    def _forget_unoffered(self) -> None:
+        """Empty the list of validated stream batches not yet offered to the probe.
+
+        They wait as (x, y, id of the first sample), counted in samples and bytes: offering
+        them in a run every few batches is exactly what offering each at once does, for a
+        fraction of the time.
+        """
+        self._unoffered: list[tuple[Any, torch.Tensor, int]] = []
+        self._unoffered_samples = self._unoffered_bytes = 0
 
     def due(self) -> bool:
         """Whether the probe should be evaluated after this step."""
@@ -424,7 +429,7 @@ class StabilityPlasticityMonitor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; validated first, so a bad state raises ValueError and changes nothing."""
         parsed = _parse_state(state, self)
-        self._unoffered, self._unoffered_size = [], [0, 0]  # the probe is replaced
+        self._forget_unoffered()  # the probe is replaced
         self._reset_measurements()
         self.task = parsed["task"]
         self.steps, self.samples_seen = parsed["steps"], parsed["samples_seen"]
