@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from taste_cl._batch import cat_batches, leaves
+from taste_cl._batch import leaves
 from taste_cl._checks import INT_LIMIT
 from taste_cl._report import MonitorReport
 from taste_cl.drift import PageHinkley
@@ -259,23 +259,15 @@ class StabilityPlasticityMonitor:
         return torch.arange(first, first + n)
 
     def _offer_to_probe(self) -> None:
-        """Offer the waiting stream batches to the probe, oldest first.
-
-        Small ones go as one batch: a buffer's draws for n samples are the draws for their
-        parts in turn (torch's CPU generator fills a tensor serially), so one offer of the
-        concatenation is one offer per part, with one pass of the buffer's bookkeeping.
-        """
-        waiting = self._unoffered
-        if len(waiting) > 1 and self._unoffered_bytes <= _CONCAT_BYTES:
-            xs, ys, firsts = zip(*waiting)
-            # ids run on unless a batch was scored but not stored (a non-finite loss)
-            gapless = all(a + y.shape[0] == b for a, b, y in zip(firsts, firsts[1:], ys))
-            ids = self._ids(firsts[0], self._unoffered_samples) if gapless else torch.cat([self._ids(a, y.shape[0]) for a, y in zip(firsts, ys)])
-            offers = [(cat_batches(list(xs)), torch.cat(ys), ids)]
-        else:
-            offers = [(x, y, self._ids(first, y.shape[0])) for x, y, first in waiting]
-        for x, y, sid in offers:
-            self._probe.add_validated(x, y, sid=sid)
+        """Offer the waiting stream batches to the probe, oldest first; small ones in joined
+        runs (:meth:`~taste_cl.replay.ClassBalancedReplay.add_batches`: the same probe, one
+        pass of its bookkeeping)."""
+        batches = [(x, y, {"sid": self._ids(first, y.shape[0])}) for x, y, first in self._unoffered]
+        if self._unoffered_bytes <= _CONCAT_BYTES:
+            self._probe.add_batches(batches)
+        else:  # joining would copy this much once more
+            for x, y, fields in batches:
+                self._probe.add_validated(x, y, **fields)
         self._forget_unoffered()
 
     def _forget_unoffered(self) -> None:

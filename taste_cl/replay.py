@@ -24,6 +24,7 @@ import torch
 
 from taste_cl._batch import (
     Spec,
+    cat_batches,
     count_nonfinite,
     describe,
     index_batch,
@@ -338,6 +339,27 @@ class _SeededStrategy(ReplayStrategy):
     @abstractmethod
     def add_validated(self, x: Any, y: torch.Tensor, **fields: torch.Tensor) -> None: ...
 
+    def add_batches(self, batches: list[tuple[Any, torch.Tensor, dict[str, torch.Tensor]]]) -> None:
+        """``add_validated(x, y, **fields)`` of each batch in order, with runs of batches joined
+        into one call where that leaves the same buffer: the draws for n samples are the
+        draws for their parts in turn (torch's CPU generator fills a tensor serially), so
+        only a draw made between two batches' uniforms (see :meth:`_ends_run`) cuts a run."""
+        ends = self._ends_run([y for _, y, _ in batches])
+        run: list[tuple[Any, torch.Tensor, dict[str, torch.Tensor]]] = []
+        for i, (batch, end) in enumerate(zip(batches, ends)):
+            run.append(batch)
+            if end or i == len(batches) - 1:
+                xs, ys, fields = zip(*run)
+                if len(run) == 1:
+                    self.add_validated(xs[0], ys[0], **fields[0])
+                else:
+                    self.add_validated(cat_batches(list(xs)), torch.cat(ys), **{k: torch.cat([f[k] for f in fields]) for k in fields[0]})
+                run = []
+
+    def _ends_run(self, ys: list[torch.Tensor]) -> list[bool]:
+        """For each batch of targets, whether a joined run must end with it (none here: all draws are uniforms)."""
+        return [False] * len(ys)
+
     @property
     def labels(self) -> torch.Tensor:
         """Targets of the stored samples."""
@@ -493,6 +515,16 @@ class ClassBalancedReplay(_SeededStrategy):
             if j < len(slots):
                 writes[slots[j]] = i
         self._flush(x, y, fields, appends, writes)
+
+    def _ends_run(self, ys: list[torch.Tensor]) -> list[bool]:
+        """A batch with a class not registered before it ends a run: registering may evict
+        with a draw from the generator, which must come after that batch's uniforms only."""
+        known = set(self._seen)
+        ends = []
+        for labels in (set(y.tolist()) for y in ys):
+            ends.append(not labels <= known)
+            known |= labels
+        return ends
 
     def _flush(self, x: Any, y: torch.Tensor, fields: dict[str, torch.Tensor], appends: list[int], writes: dict[int, int]) -> None:
         """Apply the decisions made so far, appends first (a write may target a slot just appended)."""

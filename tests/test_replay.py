@@ -245,3 +245,23 @@ def test_reservoir_stores_structured_samples_with_float_targets_leaf_by_leaf():
 def test_class_balanced_replay_refuses_targets_that_are_not_class_labels():
     with pytest.raises(InvalidBatchError, match="integer class labels y of shape \\(n,\\)"):
         ClassBalancedReplay(4).add(*_structured(3, 0))
+
+
+@pytest.mark.parametrize("kind", [ReservoirReplay, ClassBalancedReplay])
+def test_add_batches_leaves_the_buffer_each_add_leaves(kind):
+    """Joined runs equal one add per batch, also when a class first appears mid-run and its
+    registration evicts with a draw from the buffer's generator."""
+    from taste_cl.testing import states_equal
+
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for i in range(12):
+        n = 3 + i % 5
+        labels = torch.randint(0, 2 + i // 3, (n,), generator=g)  # a new class every few batches
+        batches.append((torch.randn(n, 3, generator=g), labels, {"sid": torch.arange(10 * i, 10 * i + n)}))
+    joined, one_by_one = kind(9, seed=1), kind(9, seed=1)
+    joined.add_batches(batches[:7])
+    joined.add_batches(batches[7:])
+    for x, y, fields in batches:
+        one_by_one.add_validated(x, y, **fields)
+    assert states_equal(joined.state_dict(), one_by_one.state_dict())

@@ -142,3 +142,34 @@ def test_mobilenet_v2_plasticity_agrees_with_predict_on_the_same_samples():
         learner.observe((x, y))
     assert learner._score_eval
     assert abs(learner.monitor.plasticity - correct / total) <= 0.05
+
+
+@pytest.mark.parametrize("name", [n for n in ZOO if n not in IMAGE_CASES] + ["mobilenet_v3_small"])
+def test_zoo_probe_gets_the_same_samples_when_batches_wait(name):
+    """Dict token inputs, token tags, an AdamW LSTM, regression, multi-label, BatchNorm: the
+    monitor's batched offers to its probe equal one offer per batch (state_dict offers)."""
+    from taste_cl.testing import states_equal
+
+    case, states = ZOO[name], []
+    for offer_each in (False, True):
+        learner = _learner(case)
+        for step in range(12):
+            learner.observe(case.batch(_batch_size(case), seed=step))
+            if offer_each:
+                learner.monitor.state_dict()
+        states.append(learner.monitor.state_dict())
+    assert states_equal(states[0], states[1])
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_tuner_probes_train_on_the_learners_targets(name):
+    from taste_cl._probe import ProbeRunner
+
+    case = ZOO[name]
+    model, loss_fn, optimizer = case.build()
+    learner = OnlineLearner(model, loss_fn=loss_fn, optimizer=optimizer)
+    x, y = case.batch(4)
+    learner.observe((x, y))
+    _, targets = learner._validate((x, y))
+    runner = ProbeRunner(model, optimizer, loss_fn, (x, y))
+    assert torch.equal(runner.samples[1], targets) and runner.samples[1].dtype == targets.dtype
