@@ -4,10 +4,10 @@
   (reservoir, class-balanced, parametric/herding, ...) as a taste_cl
   :class:`~taste_cl.replay.ReplayStrategy` for ``OnlineLearner(replay=...)``.
 - :class:`TasteMonitorPlugin`: an Avalanche ``SupervisedPlugin`` that feeds a taste_cl
-  :class:`~taste_cl.monitor.StabilityPlasticityMonitor` from any Avalanche strategy and
+  :class:`~taste_cl.monitor.monitor.StabilityPlasticityMonitor` from any Avalanche strategy and
   publishes stability, plasticity, forgetting and drift as Avalanche metric values.
 - :class:`TasteBatchSizePlugin`: an Avalanche ``SupervisedPlugin`` that tunes the training
-  micro-batch with taste_cl's throughput-aware :class:`~taste_cl.tuning.BatchSizeTuner`
+  micro-batch with taste_cl's throughput-aware :class:`~taste_cl.tuning.tuner.BatchSizeTuner`
   and trains each strategy mini-batch as micro-batches with gradient accumulation.
 - :func:`run_on_avalanche_stream`: run an ``OnlineLearner`` over an Avalanche benchmark
   or (online) stream in one call; :func:`avalanche_metrics` names the results the way
@@ -33,13 +33,13 @@ import torch
 
 from taste_cl._checks import check_int
 from taste_cl.datasets import Task
-from taste_cl.evaluation import accuracy, average_forgetting, backward_transfer
 from taste_cl.exceptions import MissingDependencyError
 from taste_cl.experiment import StreamResult
 from taste_cl.learner import OnlineLearner
-from taste_cl.monitor import MonitorEvent, StabilityPlasticityMonitor
+from taste_cl.monitor.evaluation import accuracy, average_forgetting, backward_transfer
+from taste_cl.monitor.monitor import MonitorEvent, StabilityPlasticityMonitor
 from taste_cl.replay import State, _SeededStrategy
-from taste_cl.tuning import BatchSizeTuner, TuningResult
+from taste_cl.tuning.tuner import BatchSizeTuner, TuningResult
 
 __all__ = [
     "AvalancheReplay",
@@ -423,7 +423,7 @@ def _batch_plugin_class() -> type:
         """Train any Avalanche strategy with the throughput-best micro-batch of this machine.
 
         Before the first experience the plugin tunes the micro-batch with
-        :meth:`taste_cl.tuning.BatchSizeTuner.tune` (real training steps of the strategy's
+        :meth:`taste_cl.tuning.tuner.BatchSizeTuner.tune` (real training steps of the strategy's
         model, optimizer and criterion at the shape of the experience's samples; a GP
         surrogate cached on disk, so later tunes are warm and cost one probe). Every
         mini-batch the strategy's loader yields (``train_mb_size`` samples, plus replay
@@ -448,7 +448,7 @@ def _batch_plugin_class() -> type:
         Parameters
         ----------
         tuner:
-            The :class:`~taste_cl.tuning.BatchSizeTuner` whose search settings
+            The :class:`~taste_cl.tuning.tuner.BatchSizeTuner` whose search settings
             (``max_batch_size``, ``memory_budget_bytes``, ``n_calls``, ``warm_calls``,
             ``cache_dir``, ...) are used; its learner-side settings (effective batch,
             LR scaling, its own retune triggers) do not apply here. Default: ``BatchSizeTuner()``.
@@ -461,7 +461,7 @@ def _batch_plugin_class() -> type:
         def __init__(self, tuner: BatchSizeTuner | None = None, *, retune_every: int | None = None, retune_on_drift: bool = True) -> None:
             super().__init__()
             if tuner is not None and not isinstance(tuner, BatchSizeTuner):
-                raise TypeError(f"tuner must be a taste_cl.tuning.BatchSizeTuner or None; got {type(tuner).__name__}")
+                raise TypeError(f"tuner must be a taste_cl.tuning.tuner.BatchSizeTuner or None; got {type(tuner).__name__}")
             bad = isinstance(retune_every, bool) or not isinstance(retune_every, int) or retune_every < 1
             if retune_every is not None and bad:
                 raise ValueError(f"`retune_every == {retune_every!r}`, must be an int >= 1 or None")

@@ -19,9 +19,9 @@ import numpy as np
 import onnxruntime
 import torch
 
-from taste_cl.adapters.onnx_device import OrtOnlineLearner
+from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.datasets import split_digits, stream
-from taste_cl.demo import build_digits_learner
+from taste_cl.cli.demo import build_digits_learner
 
 
 def main() -> None:

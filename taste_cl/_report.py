@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from taste_cl.checkpoint import atomic_write_bytes
+from taste_cl.state.checkpoint import atomic_write_bytes
 
 __all__ = ["MonitorReport", "format_fields", "format_number", "format_table", "write_json"]
 

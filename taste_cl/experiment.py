@@ -13,8 +13,8 @@ import torch
 from tqdm.auto import tqdm
 
 from taste_cl.datasets import Task, stream
-from taste_cl.evaluation import accuracy, average_forgetting, backward_transfer
 from taste_cl.learner import OnlineLearner
+from taste_cl.monitor.evaluation import accuracy, average_forgetting, backward_transfer
 
 __all__ = ["StreamResult", "run_class_incremental"]
 

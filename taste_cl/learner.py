@@ -48,19 +48,19 @@ from taste_cl._batch import (
 )
 from taste_cl._checks import check_int
 from taste_cl._report import format_fields
-from taste_cl._restore import (
+from taste_cl.exceptions import CheckpointError, InvalidBatchError
+from taste_cl.guards.update import UpdateGuard
+from taste_cl.monitor.monitor import StabilityPlasticityMonitor
+from taste_cl.plugins import LearnerPlugin
+from taste_cl.replay import ClassBalancedReplay, ReplayStrategy
+from taste_cl.state.checkpoint import CheckpointLimits, read_checkpoint, write_checkpoint
+from taste_cl.state.restore import (
     CHECKPOINT_FORMAT,
     MONITOR_CONFIG,
     build_parts,
     restore_state,
     validate_state,
 )
-from taste_cl.checkpoint import CheckpointLimits, read_checkpoint, write_checkpoint
-from taste_cl.exceptions import CheckpointError, InvalidBatchError
-from taste_cl.monitor import StabilityPlasticityMonitor
-from taste_cl.plugins import LearnerPlugin
-from taste_cl.replay import ClassBalancedReplay, ReplayStrategy
-from taste_cl.safety import UpdateGuard
 from taste_cl.strategies import Strategy, resolve_strategy
 from taste_cl.tasks import Classification, Task, infer_task, resolve_task
 
@@ -200,7 +200,7 @@ class OnlineLearner:
         Inferred from the first batch and the model's output when not given
         (``input_shape`` is for a single-tensor ``x``; a structured ``x`` is described by ``input_spec``).
     monitor:
-        The :class:`~taste_cl.monitor.StabilityPlasticityMonitor`; a default one if None.
+        The :class:`~taste_cl.monitor.monitor.StabilityPlasticityMonitor`; a default one if None.
     plugins:
         :class:`~taste_cl.plugins.LearnerPlugin` instances (batch-size tuner, elastic training).
     strategy:
@@ -208,7 +208,7 @@ class OnlineLearner:
         :class:`~taste_cl.strategies.Strategy` or ``"er"`` (default), ``"er_ace"``,
         ``"der++"``, ``"lwf"`` (see :mod:`taste_cl.strategies`).
     guard_updates:
-        An :class:`~taste_cl.safety.UpdateGuard`, or its mode: ``"auto"`` (default)
+        An :class:`~taste_cl.guards.update.UpdateGuard`, or its mode: ``"auto"`` (default)
         skips steps with a non-finite loss or gradient or a NaN/negative/absurd learning
         rate, and copy-protects a step whose size bound (largest learning rate times
         ``max(1, gradient norm)``) exceeds 1e4, undoing it if a parameter becomes
@@ -533,7 +533,7 @@ class OnlineLearner:
     def _apply_accumulated(self) -> bool | None:
         """Apply the accumulated gradient; return True if applied, False if skipped, None if nothing was pending.
 
-        The :class:`~taste_cl.safety.UpdateGuard` decides: a non-finite loss or gradient or
+        The :class:`~taste_cl.guards.update.UpdateGuard` decides: a non-finite loss or gradient or
         an unsafe hyperparameter skips the update, a step that leaves a parameter
         non-finite is undone; both emit ``numerical_fault``.
         """
@@ -666,19 +666,19 @@ class OnlineLearner:
             }
 
     def save(self, directory: str | os.PathLike[str]) -> None:
-        """Atomically write a checkpoint into ``directory`` (created if needed); no pickle, see :mod:`taste_cl.checkpoint`."""
+        """Atomically write a checkpoint into ``directory`` (created if needed); no pickle, see :mod:`taste_cl.state.checkpoint`."""
         write_checkpoint(directory, self.state_dict, lock=self._lock)  # a consistent snapshot, written unlocked
 
     def export_onnx(self, directory: str | os.PathLike[str], **kwargs: Any) -> Path:
-        """Write ONNX Runtime on-device training artifacts; see :func:`taste_cl.adapters.onnx.export`."""
-        from taste_cl.adapters.onnx import export  # lazy: the [onnx] extra is optional
+        """Write ONNX Runtime on-device training artifacts; see :func:`taste_cl.adapters.onnxruntime.export.export`."""
+        from taste_cl.adapters.onnxruntime.export import export  # lazy: the [onnx] extra is optional
 
         return export(self, directory, **kwargs)
 
     def export(self, directory: str | os.PathLike[str], *, backend: str = "auto", **kwargs: Any) -> Path:
         """Write parity-checked on-device training artifacts with ``backend`` (``"onnxruntime"``,
-        ``"executorch"`` or ``"auto"``); see :func:`taste_cl.adapters.device_export.export`."""
-        from taste_cl.adapters.device_export import export  # lazy: optional extras
+        ``"executorch"`` or ``"auto"``); see :func:`taste_cl.adapters.device.export.export`."""
+        from taste_cl.adapters.device.export import export  # lazy: optional extras
 
         return export(self, directory, backend=backend, **kwargs)
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from taste_cl import OnlineLearner, ReservoirReplay
-from taste_cl.checkpoint import decode_state, encode_state
+from taste_cl.state.checkpoint import decode_state, encode_state
 from taste_cl.testing import states_equal
 
 
@@ -51,7 +51,7 @@ def fake_hardware(monkeypatch: Any, curve: Callable[[int], float]) -> list[int]:
     pinned to 0, since the cache key holds the load bucket and a busy test machine would
     otherwise change it between tunes.
     """
-    from taste_cl import tuning
+    from taste_cl.tuning import tuner as tuning
 
     probes: list[int] = []
 

@@ -22,6 +22,7 @@ from avalanche.training.storage_policy import (  # noqa: E402
     ParametricBuffer,
     ReservoirSamplingBuffer,
 )
+from helpers import fake_hardware as install_fake_hardware  # noqa: E402
 
 from taste_cl import InvalidBatchError, MissingDependencyError, OnlineLearner, StabilityPlasticityMonitor  # noqa: E402
 from taste_cl.adapters import avalanche as adapter  # noqa: E402
@@ -31,9 +32,8 @@ from taste_cl.adapters.avalanche import (  # noqa: E402
     benchmark_from_tasks,
     run_on_avalanche_stream,
 )
-from helpers import fake_hardware as install_fake_hardware  # noqa: E402
 from taste_cl.datasets import Task, make_mlp, split_digits  # noqa: E402
-from taste_cl.tuning import BatchSizeTuner  # noqa: E402
+from taste_cl.tuning.tuner import BatchSizeTuner  # noqa: E402
 
 POLICIES = {
     "reservoir": lambda: ReservoirSamplingBuffer(20),
@@ -184,7 +184,7 @@ def test_load_rejects_other_policy_type():
             "same n",
         ),
         (lambda: adapter.TasteMonitorPlugin(batch_size=0), ValueError, r"`batch_size == 0`, must be an int >= 1"),
-        (lambda: adapter.TasteBatchSizePlugin(object()), TypeError, "tuner must be a taste_cl.tuning.BatchSizeTuner.*got object"),
+        (lambda: adapter.TasteBatchSizePlugin(object()), TypeError, "tuner must be a taste_cl.tuning.tuner.BatchSizeTuner.*got object"),
         (lambda: adapter.TasteBatchSizePlugin(retune_every=0), ValueError, r"`retune_every == 0`, must be an int >= 1 or None"),
     ],
 )

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import batch, snapshot, tiny_learner
 from torch import nn
 
 from taste_cl import CheckpointError, ClassBalancedReplay, OnlineLearner, checkpoint
-from taste_cl.checkpoint import CHECKPOINT_FILE, write_checkpoint
 from taste_cl.exceptions import CheckpointNotFoundError
-from helpers import batch, snapshot, tiny_learner
+from taste_cl.state.checkpoint import CHECKPOINT_FILE, write_checkpoint
 
 TESTS = Path(__file__).parent
 

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 import torch
+from helpers import batch, tiny_learner
 
 from taste_cl import OnlineLearner
-from helpers import batch, tiny_learner
 
 OBSERVERS, OBSERVES_EACH, PREDICTORS, PREDICTS_EACH, BATCH = 4, 300, 2, 500, 8
 TIMEOUT_S = 120  # a deadlock fails the test instead of hanging it

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from taste_cl._console import NOISY_LOGGERS, HelpFormatter, plain_text, progress_bar, progress_enabled, set_third_party_logging
+from taste_cl.cli.console import NOISY_LOGGERS, HelpFormatter, plain_text, progress_bar, progress_enabled, set_third_party_logging
 
 
 class _Terminal(io.StringIO):

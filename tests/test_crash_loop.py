@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import batch, tiny_learner
 
 from taste_cl import OnlineLearner
-from taste_cl.checkpoint import CHECKPOINT_FILE
-from taste_cl._tuner_cache import CachedSurface, SurrogateCache
-from helpers import batch, tiny_learner
+from taste_cl.state.checkpoint import CHECKPOINT_FILE
+from taste_cl.tuning.cache import CachedSurface, SurrogateCache
 
 ROUNDS = 20
 KEY = "crash-test"

@@ -284,7 +284,7 @@ def test_apply_selection_rejects_unknown_units(tmp_path):
 def test_elastic_reprofiles_at_the_tuned_batch_after_each_retune(tmp_path, monkeypatch):
     from helpers import fake_hardware
 
-    from taste_cl.tuning import BatchSizeTuner
+    from taste_cl.tuning.tuner import BatchSizeTuner
 
     fake_hardware(monkeypatch, lambda b: 1000.0 * b / (b + 8) / (1 + (b / 40) ** 2))
     elastic = ElasticTrainer(rho=0.5, cache_dir=tmp_path)
@@ -470,7 +470,7 @@ def _deep(payload):
         _corrupt("input_bytes", lambda v: v[:-1]),
         _corrupt("noisy", "no"),
         _corrupt("forward_s", 1e300),
-        lambda payload: json.dumps({**payload, "profiles": {k: None for k in payload["profiles"]}}),
+        lambda payload: json.dumps({**payload, "profiles": dict.fromkeys(payload["profiles"])}),
         lambda payload: json.dumps({**payload, "profiles": []}),
         _deep,
         lambda payload: "{" + " " * (5 * 1024 * 1024) + "}",

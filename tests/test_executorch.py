@@ -15,10 +15,10 @@ from torch import nn
 pytest.importorskip("executorch.extension.training")
 
 from taste_cl import InvalidBatchError, OnlineLearner, ReservoirReplay
-from taste_cl.adapters._artifacts import ArtifactError, ExportError
-from taste_cl.adapters._et_transforms import FrozenBatchNorm, apply_transforms
-from taste_cl.adapters._parity import ParityError
-from taste_cl.adapters.executorch import (
+from taste_cl.adapters.device.artifacts import ArtifactError, ExportError
+from taste_cl.adapters.device.parity import ParityError
+from taste_cl.adapters.device.transforms import FrozenBatchNorm, apply_transforms
+from taste_cl.adapters.executorch.export import (
     EtOnlineLearner,
     UnsupportedModelError,
     export_model,

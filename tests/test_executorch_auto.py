@@ -13,10 +13,9 @@ pytest.importorskip("executorch.extension.training")
 pytest.importorskip("onnxruntime.training")
 
 from taste_cl import OnlineLearner, ReservoirReplay
-from taste_cl.adapters._artifacts import ExportError
-from taste_cl.adapters.device_export import AUTO_ORDER
-from taste_cl.adapters.executorch import EtOnlineLearner
-
+from taste_cl.adapters.device.artifacts import ExportError
+from taste_cl.adapters.device.export import AUTO_ORDER
+from taste_cl.adapters.executorch.export import EtOnlineLearner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

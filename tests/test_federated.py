@@ -14,12 +14,12 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before flwr is first imp
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 pytest.importorskip("flwr")
 
-from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict  # noqa: E402
+from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
-from taste_cl.adapters import flower  # noqa: E402
-from taste_cl.benchmarks.federated import make_fleet  # noqa: E402
-from taste_cl.datasets import make_mlp  # noqa: E402
-from taste_cl.exceptions import MissingDependencyError  # noqa: E402
+from taste_cl.adapters.flower import fleet as flower
+from taste_cl.benchmarks.federated import make_fleet
+from taste_cl.datasets import make_mlp
+from taste_cl.exceptions import MissingDependencyError
 
 PERSONAL = ["4.bias"]
 
@@ -123,10 +123,10 @@ def test_validating_strategy_wants_a_flower_strategy() -> None:
         flower.ValidatingStrategy({})
 
 
-def _corrupt_partition(partition: int):  # noqa: ANN202 - a Flower client mod
+def _corrupt_partition(partition: int):
     """A client mod that shrinks one array in every train reply of ``partition``."""
 
-    def mod(msg, context, call_next):  # noqa: ANN001, ANN202
+    def mod(msg, context, call_next):
         reply = call_next(msg, context)
         if msg.metadata.message_type == "train" and int(context.node_config["partition-id"]) == partition:
             arrays = reply.content["arrays"]

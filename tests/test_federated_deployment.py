@@ -13,10 +13,11 @@ import torch
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before flwr is first imported
 pytest.importorskip("flwr")
 
-from taste_cl.adapters import flower_app, flower_secagg
-from taste_cl.adapters.flower import InvalidUpdateError
-from taste_cl.adapters.flower_app import FleetConfig
-from taste_cl.adapters.flower_deployment import LoopbackDeployment, _app_module, _pyproject
+from taste_cl.adapters.flower import app as flower_app
+from taste_cl.adapters.flower import secagg as flower_secagg
+from taste_cl.adapters.flower.app import FleetConfig
+from taste_cl.adapters.flower.deployment import LoopbackDeployment, _app_module, _pyproject
+from taste_cl.adapters.flower.fleet import InvalidUpdateError
 from taste_cl.datasets import make_mlp
 
 
@@ -80,8 +81,8 @@ def test_fedbabu_finetune_moves_only_a_copy_of_the_head() -> None:
 
 
 def test_generated_app_module_imports_only_the_chosen_app() -> None:
-    assert "taste_cl.adapters.flower_app import" in _app_module(FleetConfig())
-    assert "taste_cl.adapters.flower_secagg import" in _app_module(FleetConfig(secagg=True))
+    assert "taste_cl.adapters.flower.app import" in _app_module(FleetConfig())
+    assert "taste_cl.adapters.flower.secagg import" in _app_module(FleetConfig(secagg=True))
 
 
 def test_each_app_factory_refuses_the_other_mode() -> None:

@@ -11,7 +11,7 @@ from torch import nn
 from zoo import ZOO
 
 from taste_cl import OnlineLearner, ReservoirReplay, StabilityPlasticityMonitor
-from taste_cl.guard import ProbeGuard
+from taste_cl.guards.probe import ProbeGuard
 
 
 def _guarded(guard: ProbeGuard, lr: float = 0.05) -> OnlineLearner:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import batch, snapshot, tiny_learner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -28,9 +29,8 @@ from taste_cl import (
     ReservoirReplay,
     StabilityPlasticityMonitor,
 )
-from taste_cl.checkpoint import CHECKPOINT_FILE, CheckpointLimits, decode_state, encode_state, read_checkpoint
+from taste_cl.state.checkpoint import CHECKPOINT_FILE, CheckpointLimits, decode_state, encode_state, read_checkpoint
 from taste_cl.testing import states_equal
-from helpers import batch, snapshot, tiny_learner
 
 Edit = Callable[[dict[str, Any]], None]
 
@@ -304,7 +304,7 @@ def test_the_memory_of_a_load_is_bounded_by_the_file_no_inflation(tmp_path):
 def _raw(header: Any, tensors: bytes = b"", *, header_bytes: bytes | None = None) -> bytes:
     import hashlib
 
-    from taste_cl import checkpoint
+    from taste_cl.state import checkpoint
 
     text = json.dumps(header).encode() if header_bytes is None else header_bytes
     body = len(text).to_bytes(8, "little") + text + tensors

@@ -3,11 +3,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import batch, snapshot, tiny_learner
 
 from taste_cl import ObserveStats, OnlineLearner, StabilityPlasticityMonitor
-from taste_cl.demo import build_digits_learner
+from taste_cl.cli.demo import build_digits_learner
 from taste_cl.experiment import run_class_incremental
-from helpers import batch, snapshot, tiny_learner
 
 
 def test_reservoir_replay_reaches_080_on_split_digits_and_no_replay_stays_near_chance(digits_tasks):

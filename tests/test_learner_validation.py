@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import batch, snapshot, tiny_learner
 
 from taste_cl import InvalidBatchError
-from helpers import batch, snapshot, tiny_learner
 
 X, Y = batch(6, seed=1)
 

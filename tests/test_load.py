@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from taste_cl import load
-from taste_cl.load import LoadMeter, load_bucket
+from taste_cl.tuning import load
+from taste_cl.tuning.load import LoadMeter, load_bucket
 
 
 def test_reads_the_kernel_counters_at_most_every_min_interval(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
-
-from taste_cl.tuning import BatchSizeTuner
 from helpers import batch, tiny_learner
+
+from taste_cl.tuning.tuner import BatchSizeTuner
 
 HOG = "import time\nend = time.monotonic() + 10\nwhile time.monotonic() < end: pass"  # self-terminating
 

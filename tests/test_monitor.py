@@ -5,7 +5,7 @@ import torch
 from helpers import batch, tiny_learner
 
 from taste_cl import PageHinkley, StabilityPlasticityMonitor
-from taste_cl.demo import build_digits_learner
+from taste_cl.cli.demo import build_digits_learner
 from taste_cl.experiment import run_class_incremental
 
 
@@ -172,7 +172,7 @@ def test_offering_stream_batches_to_the_probe_in_runs_changes_nothing(task):
 
 
 def test_waiting_probe_batches_are_bounded_and_are_the_learners_copies():
-    from taste_cl.monitor import _OFFER_SAMPLES
+    from taste_cl.monitor.monitor import _OFFER_SAMPLES
 
     learner = tiny_learner(monitor=StabilityPlasticityMonitor(eval_every=10**9, probe_capacity=12))
     x, y = batch(64)

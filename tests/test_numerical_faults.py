@@ -7,11 +7,11 @@ import re
 
 import pytest
 import torch
+from helpers import batch, snapshot, tiny_learner
 
 from taste_cl import OnlineLearner
-from taste_cl.safety import UpdateGuard
+from taste_cl.guards.update import UpdateGuard
 from taste_cl.testing import states_equal
-from helpers import batch, snapshot, tiny_learner
 
 NO_LR_CAP = 1e38  # lets a 1e37 spike reach the optimizer, to test the copy-protected step
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from taste_cl import CheckpointError
-from taste_cl.adapters._artifacts import (
+from taste_cl.adapters.device.artifacts import (
     MANIFEST_FILE,
     ArtifactError,
     read_manifest,
@@ -20,7 +20,7 @@ from taste_cl.adapters._artifacts import (
     staged_folder,
     write_manifest,
 )
-from taste_cl.adapters._parity import ParityError, TorchTrainer, check_parity
+from taste_cl.adapters.device.parity import ParityError, TorchTrainer, check_parity
 
 
 def _folder(root: Path, files: dict[str, bytes] | None = None, **manifest: object) -> Path:

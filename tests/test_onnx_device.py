@@ -21,9 +21,9 @@ pytest.importorskip("onnxruntime.training")
 
 import onnx
 
-from taste_cl.adapters._artifacts import ArtifactError
-from taste_cl.adapters.onnx import ReplayRows, export_model
-from taste_cl.adapters.onnx_device import OrtOnlineLearner
+from taste_cl.adapters.device.artifacts import ArtifactError
+from taste_cl.adapters.onnxruntime.export import ReplayRows, export_model
+from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.exceptions import InvalidBatchError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def test_device_runtime_runs_with_torch_unimportable(artifacts: Path, tmp_path: 
                     raise ImportError("torch is blocked in this test")
         sys.meta_path.insert(0, NoTorch())
         import numpy as np
-        from taste_cl.adapters.onnx_device import OrtOnlineLearner
+        from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
         device = OrtOnlineLearner.from_artifacts({str(artifacts)!r})
         rng = np.random.default_rng(0)
         x, y = rng.standard_normal((5, 6)).astype(np.float32), rng.integers(0, 3, 5)

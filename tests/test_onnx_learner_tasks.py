@@ -24,9 +24,9 @@ pytest.importorskip("onnxruntime.training")
 from zoo import ZOO, TextClassifier
 
 from taste_cl import OnlineLearner, ReservoirReplay
-from taste_cl.adapters._onnx_transforms import disable_dropout
-from taste_cl.adapters.onnx import ExportError, OrtOnlineLearner
-from taste_cl.demo import make_mlp
+from taste_cl.adapters.onnxruntime.export import ExportError, OrtOnlineLearner
+from taste_cl.adapters.onnxruntime.transforms import disable_dropout
+from taste_cl.cli.demo import make_mlp
 
 Batch = tuple[Any, torch.Tensor]
 

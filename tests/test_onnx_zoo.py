@@ -24,9 +24,9 @@ pytest.importorskip("onnxruntime.training")
 
 from zoo import ZOO
 
-from taste_cl.adapters._onnx_transforms import disable_dropout
-from taste_cl.adapters.onnx import export_model
-from taste_cl.adapters.onnx_device import OrtOnlineLearner
+from taste_cl.adapters.onnxruntime.export import export_model
+from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
+from taste_cl.adapters.onnxruntime.transforms import disable_dropout
 
 CASES = [
     ("resnet18", "frozen"),

@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import batch, snapshot, tiny_learner
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from taste_cl import ClassBalancedReplay, InvalidBatchError, ReservoirReplay
-from helpers import batch, snapshot, tiny_learner
 
 FAST = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 SLOW = settings(max_examples=1500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -6,7 +6,6 @@ import pytest
 
 from taste_cl.benchmarks.soak import run_soak
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

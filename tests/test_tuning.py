@@ -12,12 +12,12 @@ from torch import nn
 from zoo import ZOO
 
 from taste_cl import InvalidBatchError, OnlineLearner, ReservoirReplay
-from taste_cl._probe import ProbeRunner
-from taste_cl._search import GridSearch
-from taste_cl._tuner_cache import CachedSurface
 from taste_cl.learner import ObserveStats
 from taste_cl.testing import states_equal
-from taste_cl.tuning import (
+from taste_cl.tuning.cache import CachedSurface
+from taste_cl.tuning.probe import ProbeRunner
+from taste_cl.tuning.search import GridSearch
+from taste_cl.tuning.tuner import (
     BatchSizeTuner,
     SurrogateCache,
     TunerCacheWarning,
@@ -225,7 +225,7 @@ def test_sequence_models_tune_on_their_own_samples(tmp_path, name):
 @pytest.mark.parametrize("name", ["text_transformer", "lstm", "batchnorm_mlp", "regression_mlp", "mobilenet_v3_small"])
 def test_thread_confirmation_trains_real_models_on_copies(tmp_path, monkeypatch, restore_threads, name):
     """Dict token inputs, AdamW, BatchNorm, regression, a torchvision net: the fixed-work windows run the real model."""
-    monkeypatch.setattr("taste_cl.tuning.thread_options", lambda: [1, 2])
+    monkeypatch.setattr("taste_cl.tuning.tuner.thread_options", lambda: [1, 2])
     real_measure, windows = ProbeRunner.measure, []
 
     def measure(self, batch_size, *, threads=None, **kwargs):  # probes favour 2 threads, so the confirmation runs
@@ -360,7 +360,7 @@ def test_unusable_cache_folder_warns_and_the_learner_still_tunes(tmp_path, fake_
     if how == "file-instead-of-folder":
         cache_dir.write_text("not a folder")
     else:
-        from taste_cl import _tuner_cache
+        from taste_cl.tuning import cache as _tuner_cache
 
         def refuse(*args, **kwargs):
             raise PermissionError(13, "Permission denied")
@@ -566,10 +566,10 @@ def test_a_failing_tune_leaves_the_learner_unchanged_and_retries(tmp_path, monke
 
 
 def test_tune_threads_applies_the_fastest_thread_count(tmp_path, monkeypatch, restore_threads):
-    from taste_cl import _probe
+    from taste_cl.tuning import probe as _probe
 
     monkeypatch.setattr(_probe, "thread_options", lambda: [1, 2, 4])
-    monkeypatch.setattr("taste_cl.tuning.thread_options", lambda: [1, 2, 4])
+    monkeypatch.setattr("taste_cl.tuning.tuner.thread_options", lambda: [1, 2, 4])
     seen = []
 
     def rate(batch_size, threads):
@@ -584,7 +584,7 @@ def test_tune_threads_applies_the_fastest_thread_count(tmp_path, monkeypatch, re
 
     monkeypatch.setattr(ProbeRunner, "measure", measure)
     monkeypatch.setattr(ProbeRunner, "work", work)
-    monkeypatch.setattr("taste_cl.tuning.LoadMeter.read", lambda self: 0.0)
+    monkeypatch.setattr("taste_cl.tuning.tuner.LoadMeter.read", lambda self: 0.0)
     torch.set_num_threads(1)
     tuner = BatchSizeTuner(cache_dir=tmp_path, tune_threads=True, n_calls=12)
     learner = OnlineLearner(_mlp(), replay=None, plugins=[tuner])
@@ -596,7 +596,7 @@ def test_tune_threads_applies_the_fastest_thread_count(tmp_path, monkeypatch, re
 
 
 def test_more_threads_with_slow_spells_lose_to_one_thread_over_the_same_work(tmp_path, monkeypatch, restore_threads):
-    monkeypatch.setattr("taste_cl.tuning.thread_options", lambda: [1, 2])
+    monkeypatch.setattr("taste_cl.tuning.tuner.thread_options", lambda: [1, 2])
     windows = []
 
     def measure(self, batch_size, *, threads=None, **kwargs):  # probes catch 2 threads in a good moment
@@ -704,7 +704,7 @@ def test_warm_tune_with_every_candidate_cached_re_measures_instead_of_crashing(t
 
 # ---------------------------------------------- the README quick-start stream
 def _readme_accuracy(seed: int, tuner: BatchSizeTuner | None, tasks) -> float:
-    from taste_cl.evaluation import accuracy
+    from taste_cl.monitor.evaluation import accuracy
 
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))

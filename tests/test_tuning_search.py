@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from taste_cl._probe import timed_rate
-from taste_cl._search import GridSearch
 from taste_cl.benchmarks.tuner_replay import SYNTHETIC, SimulatedRunner, curve_from_grid, replay, summarize
+from taste_cl.tuning.probe import timed_rate
+from taste_cl.tuning.search import GridSearch
 
 
 @pytest.mark.parametrize(

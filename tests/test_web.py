@@ -24,18 +24,18 @@ pytest.importorskip("onnxruntime.training")
 import onnx
 
 from taste_cl import CheckpointError, OnlineLearner
-from taste_cl.adapters._web_compat import (
+from taste_cl.adapters.onnxruntime.export import OrtOnlineLearner, read_manifest
+from taste_cl.adapters.web.compat import (
     WEB_MANIFEST,
     WEB_OPTIMIZER_MODEL,
     WebCompatibilityError,
     check_strict_shapes,
     make_web_compatible,
 )
-from taste_cl.adapters.onnx import OrtOnlineLearner, read_manifest
+from taste_cl.cli.demo import build_digits_learner
+from taste_cl.cli.serve_demo import DemoServer, browser_tools, drive_browser
 from taste_cl.datasets import split_digits
-from taste_cl.demo import build_digits_learner
 from taste_cl.replay import ReservoirReplay
-from taste_cl.serve_demo import DemoServer, browser_tools, drive_browser
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout (taste_cl may be installed elsewhere)
 SCREENSHOT = Path(os.environ.get("TASTE_CL_WEB_SCREENSHOT", "/tmp/taste-cl-web-demo.png"))
@@ -125,7 +125,7 @@ def test_plain_sgd_gets_an_optimizer_graph_when_the_folder_has_none(artifacts: P
     """An exporter may leave SGD to numpy on the device; the browser gets onnxblock's SGD graph, same updates."""
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
-    from taste_cl.adapters._web_compat import _optimizer_graph
+    from taste_cl.adapters.web.compat import _optimizer_graph
 
     source = artifacts / "sgd"
     for name in ("training_model.onnx", "eval_model.onnx"):
@@ -180,7 +180,7 @@ def test_export_records_why_the_browser_cannot_train_and_the_device_still_works(
 
 
 def test_a_graph_failing_strict_inference_skips_the_web_step_not_the_export(tmp_path: Path, monkeypatch) -> None:
-    from taste_cl.adapters import _web_compat
+    from taste_cl.adapters.web import compat as _web_compat
 
     def strict(path: object) -> None:
         raise CheckpointError("training_model.onnx fails strict shape inference, so strict ORT clients reject it: test")

@@ -163,7 +163,7 @@ def test_zoo_probe_gets_the_same_samples_when_batches_wait(name):
 
 @pytest.mark.parametrize("name", list(ZOO))
 def test_zoo_tuner_probes_train_on_the_learners_targets(name):
-    from taste_cl._probe import ProbeRunner
+    from taste_cl.tuning.probe import ProbeRunner
 
     case = ZOO[name]
     model, loss_fn, optimizer = case.build()

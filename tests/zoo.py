@@ -22,7 +22,7 @@ from torch import nn
 
 from taste_cl.datasets import TextClassifier
 
-__all__ = ["ZOO", "ZooCase", "TextClassifier", "TokenTagger", "LSTMClassifier"]
+__all__ = ["ZOO", "LSTMClassifier", "TextClassifier", "TokenTagger", "ZooCase"]
 
 NUM_CLASSES = 4
 VOCAB = 50

@@ -1,8 +1,8 @@
 // taste_cl device learner for the browser: keep personalising an exported model with
 // ONNX Runtime Web training, rehearsing the exported replay buffer, state kept in IndexedDB.
 //
-// Artifacts: a folder written by `taste-cl export` (taste_cl.adapters.onnx.export followed by
-// taste_cl.adapters._web_compat.make_web_compatible), described by its `web.json`.
+// Artifacts: a folder written by `taste-cl export` (taste_cl.adapters.onnxruntime.export followed by
+// taste_cl.adapters.web.compat.make_web_compatible), described by its `web.json`.
 //
 //   import * as ort from './node_modules/onnxruntime-web/dist/ort.training.wasm.min.mjs';
 //   import { DeviceLearner } from './taste_cl_web.js';

@@ -18,8 +18,6 @@ from typing import Any
 
 from torch import nn
 
-from taste_cl._fingerprint import hardware_fingerprint, model_signature
-from taste_cl.checkpoint import atomic_write_bytes
 from taste_cl.elastic.profiling import (
     CLOCKS,
     GRANULARITIES,
@@ -29,6 +27,8 @@ from taste_cl.elastic.profiling import (
     profile_tensors,
     unit_names,
 )
+from taste_cl.state.checkpoint import atomic_write_bytes
+from taste_cl.tuning.fingerprint import hardware_fingerprint, model_signature
 
 __all__ = ["CACHE_FILE", "load_or_profile", "parse_profile"]
 

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from taste_cl._fingerprint import default_cache_dir
 from taste_cl.elastic.cache import load_or_profile, parse_profile
 from taste_cl.elastic.calibration import StepTimeModel
 from taste_cl.elastic.memory import optimizer_state_factor
@@ -33,8 +32,9 @@ from taste_cl.elastic.profiling import (
     unit_parameters,
 )
 from taste_cl.elastic.selection import GradientImportance, select_tensors
-from taste_cl.monitor import MonitorEvent
+from taste_cl.monitor.monitor import MonitorEvent
 from taste_cl.plugins import LearnerPlugin
+from taste_cl.tuning.fingerprint import default_cache_dir
 
 if TYPE_CHECKING:
     from taste_cl.learner import ObserveStats, OnlineLearner
@@ -78,7 +78,7 @@ class ElasticTrainer(LearnerPlugin):
         Optional cap on training memory (kept activations + gradients + optimizer state of
         the selected units; see :meth:`TensorProfile.memory_bytes`).
     cache_dir:
-        Where profiles are cached (see :func:`~taste_cl._fingerprint.default_cache_dir`); None to always profile.
+        Where profiles are cached (see :func:`~taste_cl.tuning.fingerprint.default_cache_dir`); None to always profile.
     warmup, repeats, max_rounds, tolerance:
         Profiling: untimed rounds, timed rounds, the bound on rounds when the profile is
         noisy, and the relative CI half-width that counts as noisy.

@@ -1,0 +1,38 @@
+"""What every on-device backend shares: the artifact folder, the parity gate, the export
+transforms, the learner's data, and the choice of backend.
+
+- :mod:`.export`: ``export(learner, folder, backend="auto" | "onnxruntime" | "executorch")``;
+- :mod:`.artifacts`: staged, hashed artifact folders and their manifest;
+- :mod:`.parity`: train in torch and in the backend from identical weights, compare;
+- :mod:`.transforms`: model rewrites a device backend needs (frozen BatchNorm, no dropout);
+- :mod:`.learner_data`: what exporters read from an :class:`~taste_cl.OnlineLearner`.
+"""
+
+from taste_cl._lazy import lazy_getattr
+
+__all__ = [
+    "AUTO_ORDER",
+    "BACKENDS",
+    "MANIFEST_FILE",
+    "ArtifactError",
+    "ExportError",
+    "ParityError",
+    "ParityReport",
+    "export",
+    "read_manifest",
+]
+
+__getattr__ = lazy_getattr(
+    __name__,
+    {
+        "AUTO_ORDER": "taste_cl.adapters.device.export",
+        "BACKENDS": "taste_cl.adapters.device.export",
+        "export": "taste_cl.adapters.device.export",
+        "MANIFEST_FILE": "taste_cl.adapters.device.artifacts",
+        "ArtifactError": "taste_cl.adapters.device.artifacts",
+        "ExportError": "taste_cl.adapters.device.artifacts",
+        "read_manifest": "taste_cl.adapters.device.artifacts",
+        "ParityError": "taste_cl.adapters.device.parity",
+        "ParityReport": "taste_cl.adapters.device.parity",
+    },
+)

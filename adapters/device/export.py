@@ -1,0 +1,134 @@
+"""Export a learner for on-device training through ONNX Runtime, ExecuTorch, or whichever passes the parity gate.
+
+The two runtimes are complementary: ONNX Runtime trains pooling and AdamW and, with its
+exporter's transforms, BatchNorm, Hardswish and LayerNorm, but is deprecated upstream
+(1.19.2 was its last release, no wheels for Linux aarch64 or Python 3.13) and has no Einsum
+gradient; ExecuTorch is maintained and trains Hardswish, LayerNorm, attention and Einsum,
+but ships only SGD, needs BatchNorm frozen (``transforms=("freeze_batchnorm",)``) and gets
+some MaxPool2d gradients wrong, which its parity gate catches. ``backend="auto"`` tries them
+in :data:`AUTO_ORDER` (ONNX Runtime first: measured faster, see there) and publishes the
+first whose export passes its parity gate; the manifest's ``"selection"`` records the
+chosen backend and why each earlier one was refused.
+
+Options are passed to each backend that accepts them (``transforms`` and
+``max_batch_size`` only reach ExecuTorch; ``trainable``, ``batchnorm``, ``optimizer``,
+``opset`` only ONNX Runtime; ``example`` and ``lr`` both); an option no tried backend
+accepts is a ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from taste_cl.adapters.device.artifacts import (
+    ExportError,
+    read_manifest,
+    staged_folder,
+    write_manifest,
+)
+
+__all__ = ["AUTO_ORDER", "BACKENDS", "export"]
+
+BACKENDS = ("onnxruntime", "executorch")
+# ONNX Runtime first, measured (`taste-cl bench device --zoo`, 1 thread, batch 32, see
+# docs/executorch.md): on the models both runtimes train, its SGD step ran 2.4x (MLP) and
+# 1.4x (stride-2 CNN) eager PyTorch's samples/s, ExecuTorch's (the Python runtime's
+# portable kernels) 0.33x and 0.08x, and its export took under a second against 10-20 s.
+# ExecuTorch is the fallback for what ONNX Runtime refuses (Einsum; before the ONNX
+# exporter's transforms also Hardswish, HardSigmoid and BatchNorm eval graphs) and where ONNX
+# Runtime has no wheel (Linux aarch64, Python 3.13): there it is refused as not installed. Pass
+# ``order=("executorch", "onnxruntime")`` to prefer the maintained runtime.
+AUTO_ORDER = ("onnxruntime", "executorch")
+
+
+def _exporter(backend: str) -> Callable[..., Path]:
+    if backend == "executorch":
+        from taste_cl.adapters.executorch.export import export as et_export
+
+        return et_export
+    from taste_cl.adapters.onnxruntime.export import export as ort_export
+
+    return ort_export
+
+
+_PACKAGES = {"onnxruntime": ("onnx", "onnxruntime"), "executorch": ("executorch",)}
+# what ``taste_cl.adapters.onnxruntime.export.export`` passes on to its ``export_model`` through ``**options``
+_ORT_PASSTHROUGH = frozenset({"trainable", "batchnorm", "lr", "verify", "parity_steps", "tolerance", "opset"})
+
+
+def _accepted(function: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
+    """The options ``function`` takes: its keyword parameters, plus the documented pass-through of a ``**``."""
+    parameters = inspect.signature(function).parameters
+    names = {name for name, p in parameters.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        names |= _ORT_PASSTHROUGH
+    return {key: value for key, value in options.items() if key in names}
+
+
+def export(
+    learner: Any,
+    directory: str | os.PathLike[str],
+    *,
+    backend: str = "auto",
+    order: Sequence[str] = AUTO_ORDER,
+    **options: Any,
+) -> Path:
+    """Write on-device training artifacts for ``learner`` with ``backend``; return the folder.
+
+    ``backend`` is ``"onnxruntime"``, ``"executorch"`` or ``"auto"`` (try the backends in
+    ``order``). A single backend's refusal propagates unchanged; under ``"auto"`` an
+    :class:`ExportError` lists every backend's refusal when none passes. ``directory`` is
+    written only on success.
+    """
+    if backend not in (*BACKENDS, "auto"):
+        raise ValueError(f"`backend == {backend!r}`, must be one of {[*BACKENDS, 'auto']}")
+    if isinstance(order, str) or not order or any(name not in BACKENDS for name in order) or len(set(order)) != len(order):
+        raise ValueError(f"`order == {order!r}`, must be a non-empty sequence of distinct names from {list(BACKENDS)}")
+    order = tuple(order) if backend == "auto" else (backend,)
+    exporters = {name: _exporter_or_none(name) for name in order}
+    unknown = set(options)
+    for function in exporters.values():
+        if function is not None:
+            unknown -= set(_accepted(function, options))
+    if unknown and any(exporters.values()):
+        raise TypeError(f"export options {sorted(unknown)} are accepted by none of the backends {list(order)}")
+    if backend != "auto":
+        return _exporter(backend)(learner, directory, **_accepted(_exporter(backend), options))
+    refused: dict[str, str] = {}
+    with staged_folder(directory) as stage:
+        for name in order:
+            function = exporters[name]
+            if function is None:
+                refused[name] = f"not installed (pip install 'taste-cl[{'onnx' if name == 'onnxruntime' else name}]')"
+                continue
+            trial = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=stage.parent))
+            try:
+                function(learner, trial / "out", **_accepted(function, options))
+            except Exception as error:  # noqa: BLE001 - under auto, any exporter failure is that backend's recorded refusal
+                # exporters also fail with RuntimeError etc. (ONNX Runtime on BatchNorm): record and fall back
+                refused[name] = f"{type(error).__name__}: {error}"
+                continue
+            else:
+                for item in (trial / "out").iterdir():
+                    os.replace(item, stage / item.name)
+                manifest = {k: v for k, v in read_manifest(stage).items() if k != "files"}
+                manifest["selection"] = {"backend": name, "order": list(order), "refused": refused}
+                write_manifest(stage, manifest)
+                return Path(directory).absolute()
+            finally:
+                shutil.rmtree(trial, ignore_errors=True)
+        raise ExportError("no device backend can train this model with parity: " + "; ".join(f"{name}: {reason}" for name, reason in refused.items()))
+
+
+def _exporter_or_none(backend: str) -> Callable[..., Path] | None:
+    """The backend's export function, or None when its packages are not installed."""
+    if any(importlib.util.find_spec(package) is None for package in _PACKAGES[backend]):
+        return None
+    return _exporter(backend)

@@ -1,0 +1,66 @@
+"""What the device exporters read from an :class:`~taste_cl.OnlineLearner`: buffered rows and task targets.
+
+Both exporters (ONNX Runtime, ExecuTorch) ship the learner's replay buffer and check parity
+on buffered rows, and both must give the device targets shaped like the learner's (a
+regression target ``(n,)`` for an ``(n, 1)`` output becomes ``(n, 1)``, as the learner's
+:class:`~taste_cl.tasks.Task` makes it). The rows are read from the buffer's
+``state_dict()`` (``x`` one tensor, or a list of leaves plus ``x_spec`` for structured
+inputs), so the buffer's random stream is not advanced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from taste_cl._batch import Spec, batch_len, unflatten
+from taste_cl.adapters.device.artifacts import ExportError
+from taste_cl.replay import ReplayStrategy
+from taste_cl.tasks import Task
+
+__all__ = ["BufferedRows", "buffered_rows", "task_targets"]
+
+
+@dataclass(frozen=True)
+class BufferedRows:
+    """The samples a buffer holds (``x`` in the learner's input structure), its capacity and counters."""
+
+    x: Any
+    y: torch.Tensor
+    capacity: int
+    seen: int
+    seed: int = 0
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+
+def buffered_rows(replay: ReplayStrategy | None) -> BufferedRows | None:
+    """The rows of ``replay`` (None for no buffer or an empty one); :class:`ExportError` if its state has no storage."""
+    if replay is None:
+        return None
+    state = replay.state_dict()
+    storage = state.get("storage") if isinstance(state, dict) else None
+    if not isinstance(storage, dict) or "size" not in storage:
+        raise ExportError(
+            f"cannot export a {type(replay).__name__} buffer: its state_dict() has no 'storage' (a BufferStorage state); pass include_replay=False"
+        )
+    size = int(storage["size"])
+    if not size:
+        return None
+    x = storage["x"] if "x_spec" not in storage else unflatten(Spec.from_json(storage["x_spec"]), list(storage["x"]))
+    seen = state.get("seen")  # a reservoir counts one stream; a class-balanced buffer one per class
+    total = sum(seen) if isinstance(seen, list) else seen if isinstance(seen, int) else size
+    return BufferedRows(x, storage["y"], int(replay.capacity), max(int(total), size), int(state.get("seed", 0)))
+
+
+def task_targets(task: Task | None, x: Any, y: Any, output_shape: tuple[int, ...]) -> torch.Tensor:
+    """``y`` validated and shaped by ``task`` for outputs ``(n, *output_shape)`` (as the learner does), on the CPU.
+
+    Float targets become float32; with no task (a loss taste_cl does not know) ``y`` is kept as given.
+    """
+    if task is None:
+        return torch.as_tensor(y).detach().cpu()
+    return task.to_targets(y, n=batch_len(x), output_shape=output_shape, dtype=torch.float32, device=torch.device("cpu"))

@@ -1,0 +1,513 @@
+"""ExecuTorch on-device training: export a model as a ``.pte`` program, keep it learning on the device.
+
+:func:`export_model` captures model + loss with ``torch.export`` (batch dimension dynamic,
+``Dim("batch", min=2, max=max_batch_size)``), builds the joint forward-backward graph, lowers
+it with ``to_edge(...).to_executorch()`` with the weights in an external ``model.ptd``, and
+publishes the folder only if the program passes the parity gate against eager PyTorch
+(:func:`taste_cl.adapters.device.parity.check_parity`): a model whose gradients ExecuTorch gets
+wrong (MaxPool2d in 1.5) is refused with the numbers, never published. :func:`export` does
+the same for an :class:`~taste_cl.OnlineLearner`, adding its replay buffer and batch plan.
+:class:`EtOnlineLearner` loads the folder and offers ``observe``/``predict``/``save`` with replay.
+
+Needs the ``[executorch]`` extra (``executorch>=1.5,<1.6``); its Python runtime imports torch.
+
+>>> import torch
+>>> from torch import nn
+>>> from taste_cl.adapters.executorch.export import EtOnlineLearner, export_model
+>>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+>>> sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+>>> x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+>>> folder = export_model(model, nn.CrossEntropyLoss(), sgd, (x, y), "art")  # doctest: +SKIP
+>>> device = EtOnlineLearner.from_artifacts(folder)  # doctest: +SKIP
+>>> stats = device.observe((x.numpy(), y.numpy()))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from taste_cl import __version__
+from taste_cl._batch import call_model, index_batch, split_batch
+from taste_cl._checks import check_int
+from taste_cl.adapters.device.artifacts import (
+    ArtifactError,
+    ExportError,
+    read_manifest,
+    read_verified,
+    staged_folder,
+    write_manifest,
+)
+from taste_cl.adapters.device.learner_data import buffered_rows, task_targets
+from taste_cl.adapters.device.parity import ParityReport, TorchTrainer, check_parity
+from taste_cl.adapters.device.transforms import apply_transforms, needed_transforms
+from taste_cl.adapters.executorch.replay import load_replay, save_replay
+from taste_cl.adapters.executorch.runtime import (
+    MIN_BATCH,
+    EtTrainer,
+    IOSpec,
+    check_sgd,
+    executorch_runtime,
+    sgd_config,
+)
+from taste_cl.learner import ObserveStats, OnlineLearner
+from taste_cl.replay import ReplayStrategy, ReservoirReplay
+
+__all__ = ["BACKEND", "EtOnlineLearner", "UnsupportedModelError", "export", "export_model"]
+
+BACKEND = "executorch"
+FORMAT = 1
+PROGRAM, WEIGHTS, PARAMS, REPLAY = "model.pte", "model.ptd", "params.npz", "replay.npz"
+PARITY_STEPS = 20
+PARITY_SIZES = (3, 8)  # alternate two batch sizes: the gate also checks the dynamic batch dimension
+
+
+class UnsupportedModelError(ExportError):
+    """ExecuTorch cannot capture, differentiate or lower the model (the message names the step and cause)."""
+
+
+class _WithLoss(nn.Module):
+    """Model + loss as one module: the loss first (what ExecuTorch differentiates), then the detached outputs."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, x: Any, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = call_model(self.model, x)
+        return self.loss_fn(out, y), out.detach()
+
+
+def _lower(model: nn.Module, loss_fn: Callable[..., torch.Tensor], x: Any, y: torch.Tensor, max_batch: int) -> Any:
+    """``torch.export`` + joint forward-backward + ``to_executorch`` with external weights."""
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge
+    from torch.export import Dim, export
+    from torch.export.experimental import _export_forward_backward
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    batch = Dim("batch", min=MIN_BATCH, max=max_batch)
+    x_dims = {key: {0: batch} for key in x} if isinstance(x, Mapping) else {0: batch}
+    stage = "torch.export"
+    try:
+        # the fused CPU attention kernel has no ExecuTorch backward: capture the math one (plain matmul/softmax)
+        with sdpa_kernel(SDPBackend.MATH):
+            program = export(_WithLoss(model, loss_fn), (x, y), dynamic_shapes=(x_dims, {0: batch}), strict=True)
+            stage = "the joint forward-backward graph"
+            program = _export_forward_backward(program)
+        stage = "to_edge/to_executorch"
+        edge = to_edge(program, compile_config=EdgeCompileConfig(_check_ir_validity=False))
+        return edge.to_executorch(ExecutorchBackendConfig(external_constants=True, external_mutable_weights=True))
+    except Exception as error:  # the exporters raise many unrelated types; name the step and keep the cause
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UnsupportedModelError(f"ExecuTorch cannot train this model: {stage} failed: {first_line}") from error
+
+
+def _write_program(lowered: Any, folder: Path) -> None:
+    """Write ``model.pte`` and the single external weight file as ``model.ptd``."""
+    (folder / PROGRAM).write_bytes(lowered.buffer)
+    data = getattr(lowered, "_tensor_data", {})
+    if len(data) != 1:
+        raise UnsupportedModelError(f"expected one external weight file from ExecuTorch, got {sorted(data)}")
+    lowered.write_tensor_data_to_file(str(folder))
+    (folder / f"{next(iter(data))}.ptd").rename(folder / WEIGHTS)
+
+
+def _cpu_example(example: tuple[Any, Any], limit: int) -> tuple[Any, torch.Tensor]:
+    """The example on the CPU, floats as float32 (integers keep their dtype), at most ``limit`` rows."""
+
+    def leaf(value: Any) -> torch.Tensor:
+        tensor = torch.as_tensor(value).detach().cpu()[:limit]
+        return tensor.float() if tensor.is_floating_point() else tensor
+
+    x, y = example
+    if not isinstance(x, (Mapping, torch.Tensor, np.ndarray)):
+        raise UnsupportedModelError(
+            f"the ExecuTorch backend takes x as a tensor or a dict of tensors, not a {type(x).__name__}: "
+            "wrap the model to take a dict, or use backend='onnxruntime'"
+        )
+    return ({key: leaf(value) for key, value in x.items()} if isinstance(x, Mapping) else leaf(x)), leaf(y)
+
+
+def _as_numpy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _as_numpy(item) for key, item in value.items()}
+    return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+
+
+def _parity_batches(example: tuple[Any, torch.Tensor], steps: int) -> list[tuple[Any, np.ndarray]]:
+    """``steps`` batches of sizes 3 and 8 in turn, rows drawn (seeded) from the example batch."""
+    x, y = example
+    n = y.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for step in range(steps):
+        idx = torch.randint(0, n, (PARITY_SIZES[step % len(PARITY_SIZES)],), generator=generator)
+        picked = {key: value[idx] for key, value in x.items()} if isinstance(x, Mapping) else x[idx]
+        batches.append((_as_numpy(picked), _as_numpy(y[idx])))
+    return batches
+
+
+def _validate_options(max_batch_size: Any, transforms: Any, parity_steps: Any) -> list[str]:
+    check_int("max_batch_size", max_batch_size, 8)
+    check_int("parity_steps", parity_steps, 1)
+    if isinstance(transforms, str) or not isinstance(transforms, Sequence):
+        raise TypeError(f"`transforms == {transforms!r}`, must be a sequence of names")
+    return list(transforms)
+
+
+def export_model(
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    example: tuple[Any, torch.Tensor],
+    directory: str | os.PathLike[str],
+    *,
+    num_classes: int | None = None,
+    transforms: Sequence[str] = (),
+    lr: float | None = None,
+    max_batch_size: int = 128,
+    parity_steps: int = PARITY_STEPS,
+    extra: Mapping[str, Any] | None = None,
+    write_extra: Callable[[Path], dict[str, Any]] | None = None,
+) -> Path:
+    """Export ``model`` for ExecuTorch training into ``directory``, published only if parity holds.
+
+    ``example`` is an ``(x, y)`` batch (``x`` a tensor or a dict of tensors) that fixes the
+    shapes and dtypes and provides the parity batches. ``optimizer`` must be an SGD; its
+    hyper-parameters (``lr`` overridable) become the device's. ``transforms`` (see
+    :mod:`taste_cl.adapters.device.transforms`) are applied to a copy first. Raises
+    :class:`UnsupportedModelError` when ExecuTorch cannot lower the model and
+    :class:`~taste_cl.adapters.device.parity.ParityError` (``.report``) when it trains differently;
+    ``directory`` is then untouched. Returns the folder.
+    """
+    executorch_runtime()
+    names = _validate_options(max_batch_size, transforms, parity_steps)
+    sgd = sgd_config(optimizer, lr)
+    example = _cpu_example(example, max_batch_size)
+    x, y = example
+    if y.shape[0] < MIN_BATCH:
+        raise ValueError(f"`example` has {y.shape[0]} samples, must have at least {MIN_BATCH}")
+    prepared = copy.deepcopy(model).cpu().float().train()
+    applied = apply_transforms(prepared, names)
+    left = needed_transforms(prepared)
+    if "freeze_batchnorm" in left:
+        raise UnsupportedModelError(
+            "ExecuTorch 1.5 cannot train BatchNorm with batch statistics (no out variant of "
+            "_native_batch_norm_legit_functional); pass transforms=('freeze_batchnorm',) to train it as an "
+            "affine layer with frozen statistics, or use backend='onnxruntime'"
+        )
+    spec = IOSpec.of(x, y, num_classes)
+    start = time.perf_counter()
+    lowered = _lower(prepared, loss_fn, x, y, max_batch_size)
+    export_s = time.perf_counter() - start
+    reference_sgd = torch.optim.SGD(prepared.parameters(), **sgd)
+    batches = _parity_batches(example, parity_steps)
+    with staged_folder(directory) as stage:
+        _write_program(lowered, stage)
+        program, data = (stage / PROGRAM).read_bytes(), (stage / WEIGHTS).read_bytes()
+        report = check_parity(
+            TorchTrainer(prepared, reference_sgd, loss_fn, forward=call_model),
+            EtTrainer(program, data, spec, sgd),
+            batches,
+            backend=BACKEND,
+        )
+        manifest: dict[str, Any] = {
+            "format": FORMAT,
+            "backend": BACKEND,
+            "producer": f"taste_cl {__version__}",
+            "program": PROGRAM,
+            "weights": WEIGHTS,
+            "params": None,
+            "io": spec.to_json(),
+            "batch": {"min": MIN_BATCH, "max": max_batch_size},
+            "optimizer": {"type": "sgd", **sgd},
+            "optimizer_state": "not saved: the shipped ExecuTorch SGD exposes no momentum buffers",
+            "transforms": applied,
+            "parity": _report_json(report),
+            "export_s": round(export_s, 3),
+            **(extra or {}),
+        }
+        if write_extra is not None:
+            manifest.update(write_extra(stage))
+        write_manifest(stage, manifest)
+    return Path(directory).absolute()
+
+
+def _report_json(report: ParityReport) -> dict[str, Any]:
+    return {
+        "steps": report.steps,
+        "max_output_diff": report.max_output_diff,
+        "max_loss_diff": report.max_loss_diff,
+        "max_param_diff": report.max_param_diff,
+        "tolerance": report.param_tol,
+        "summary": str(report),
+    }
+
+
+# ------------------------------------------------------------------ the learner
+def _learner_example(learner: OnlineLearner, example: tuple[Any, Any] | None) -> tuple[Any, torch.Tensor]:
+    """The shape-fixing batch: ``example``, else the replay buffer's contents (at least 8 samples); targets
+    shaped by the learner's task once it has seen a batch."""
+    if example is not None:
+        x, y = split_batch(example)
+    else:
+        rows = buffered_rows(learner.replay)
+        size = 0 if rows is None else len(rows)
+        if rows is None or size < 8:
+            raise ValueError(
+                "exporting for ExecuTorch needs example data to fix shapes and check parity: pass example=(x, y) "
+                f"or export after the replay buffer holds at least 8 samples (it holds {size})"
+            )
+        x, y = index_batch(rows.x, slice(0, size)), rows.y
+    if learner.output_shape is None:
+        return x, torch.as_tensor(y)
+    return x, task_targets(learner.task, x, y, learner.output_shape)
+
+
+def _check_replay_exportable(x: Any) -> None:
+    """Refuse, before the slow lowering, a buffer the ExecuTorch folder cannot hold (structured inputs)."""
+    if isinstance(x, (Mapping, list, tuple)):
+        raise ExportError(
+            "the ExecuTorch backend ships replay buffers of single-tensor inputs only (its replay.npz and device "
+            f"buffer hold one array); this learner's inputs are a {type(x).__name__}: pass include_replay=False "
+            "(the device then trains without replay) or use backend='onnxruntime', which ships structured buffers"
+        )
+
+
+def _replay_writer(replay: ReplayStrategy | None) -> Callable[[Path], dict[str, Any]]:
+    def write(stage: Path) -> dict[str, Any]:
+        return {"replay": None if replay is None else save_replay(stage / REPLAY, replay)}
+
+    return write
+
+
+def export(
+    learner: OnlineLearner,
+    directory: str | os.PathLike[str],
+    *,
+    example: tuple[Any, Any] | None = None,
+    transforms: Sequence[str] = (),
+    lr: float | None = None,
+    max_batch_size: int = 128,
+    include_replay: bool = True,
+) -> Path:
+    """Export an :class:`~taste_cl.OnlineLearner` for ExecuTorch training (see :func:`export_model`).
+
+    The learning rate defaults to the learner's current one, which a batch plan has already
+    scaled by its ``lr_scale`` (the plan is recorded; the device takes one step per
+    ``observe``); ``example`` defaults to the replay buffer's contents.
+    """
+    if not isinstance(learner, OnlineLearner):
+        raise TypeError(f"learner must be a taste_cl.OnlineLearner; got {type(learner).__name__}")
+    with learner._lock:
+        model = copy.deepcopy(learner.model)
+        optimizer = learner.optimizer
+        plan = learner.batch_plan
+        replay = copy.deepcopy(learner.replay) if include_replay else None
+        base = _learner_example(learner, example)
+        if replay is not None:
+            _check_replay_exportable(base[0])
+        extra = {
+            "batch_plan": None
+            if plan is None
+            else {
+                "micro_batch_size": plan.micro_batch_size,
+                "accumulation_steps": plan.accumulation_steps,
+                "lr_scale": plan.lr_scale,
+            },
+            "replay_batch_size": learner.replay_batch_size,
+            "train_iterations": learner.train_iterations,
+            "counters": {"samples_seen": learner.samples_seen, "steps": learner.steps},
+        }
+    return export_model(
+        model,
+        learner.loss_fn,
+        optimizer,  # only its hyper-parameters are read
+        base,
+        directory,
+        num_classes=learner.num_classes,
+        transforms=transforms,
+        lr=lr,
+        max_batch_size=max_batch_size,
+        extra=extra,
+        write_extra=_replay_writer(replay),
+    )
+
+
+# --------------------------------------------------------- on-device learner
+def _load_replay(folder: Path, manifest: dict[str, Any], spec: IOSpec) -> ReservoirReplay | None:
+    if manifest.get("replay") is None:
+        return None
+    return load_replay(read_verified(folder, manifest, REPLAY), spec)
+
+
+class EtOnlineLearner:
+    """Keep personalising an exported model with ExecuTorch training, with replay.
+
+    Build it with :meth:`from_artifacts`. :meth:`observe` scores a batch (test-then-train),
+    trains ``train_iterations`` SGD steps on it mixed with ``replay_batch_size`` buffered
+    samples, and offers it to the reservoir. Inputs may be numpy arrays or tensors (a dict
+    of them for dict-input models); :meth:`predict` returns numpy outputs.
+    """
+
+    def __init__(self, *, directory: Path, manifest: dict[str, Any], trainer: EtTrainer, replay: ReservoirReplay | None) -> None:
+        self.directory = directory
+        self.manifest = manifest
+        self.trainer = trainer
+        self.replay = replay
+        self.spec = trainer.spec
+        self.replay_batch_size = _count(manifest.get("replay_batch_size", 0), "replay_batch_size", 0)
+        self.train_iterations = _count(manifest.get("train_iterations", 1), "train_iterations", 1)
+        counters = manifest.get("counters") or {}
+        self.samples_seen = _count(counters.get("samples_seen", 0), "samples_seen", 0)
+        self.steps = _count(counters.get("steps", 0), "steps", 0)
+        self._lock = threading.RLock()
+
+    @classmethod
+    def from_artifacts(cls, directory: str | os.PathLike[str]) -> EtOnlineLearner:
+        """Load a folder written by :func:`export_model`/:func:`export` or :meth:`save`, every file hash-checked."""
+        executorch_runtime()
+        folder = Path(directory)
+        manifest = read_manifest(folder, required=(PROGRAM, WEIGHTS))
+        if manifest.get("backend") != BACKEND or manifest.get("format") != FORMAT:
+            raise ArtifactError(
+                f"{str(folder)!r} holds a {manifest.get('backend')!r} artifact of format {manifest.get('format')!r}; "
+                f"this loader reads {BACKEND!r} format {FORMAT}"
+            )
+        try:
+            spec = IOSpec.from_json(manifest.get("io"))
+            sgd = check_sgd({k: v for k, v in (manifest.get("optimizer") or {}).items() if k != "type"})
+        except ValueError as error:
+            raise ArtifactError(f"{str(folder)!r} has an invalid manifest: {error}") from None
+        program = read_verified(folder, manifest, PROGRAM)
+        data = read_verified(folder, manifest, WEIGHTS)
+        try:
+            trainer = EtTrainer(program, data, spec, sgd)
+        except RuntimeError as error:
+            raise ArtifactError(f"ExecuTorch could not load the program in {str(folder)!r}: {error}") from error
+        if manifest.get("params") is not None:
+            with np.load(io.BytesIO(read_verified(folder, manifest, PARAMS)), allow_pickle=False) as saved:
+                try:
+                    trainer.load_parameters({name: saved[name] for name in saved.files})
+                except ValueError as error:
+                    raise ArtifactError(f"{str(folder)!r}: {error}") from None
+        return cls(directory=folder, manifest=manifest, trainer=trainer, replay=_load_replay(folder, manifest, spec))
+
+    @property
+    def lr(self) -> float:
+        """The SGD learning rate; setting it rebuilds the shipped optimizer (momentum restarts)."""
+        return float(self.trainer.sgd["lr"])
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"`lr == {value!r}`, must be a finite number > 0")
+        with self._lock:
+            self.trainer.set_lr(float(value))
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Copies of the trainable parameters, by their PyTorch names."""
+        with self._lock:
+            return self.trainer.parameters()
+
+    def observe(self, batch: Any) -> ObserveStats:
+        """Test-then-train on one batch ``(x, y)`` or ``{"x": x, "y": y}``."""
+        with self._lock:
+            raw_x, raw_y = split_batch(batch)
+            inputs = self.spec.flat_inputs(raw_x)
+            n = inputs[0].shape[0]
+            y = self.spec.targets(raw_y, n)
+            start = time.perf_counter()
+            n_replay = min(self.replay_batch_size, len(self.replay)) if self.replay is not None else 0
+            steps, losses = 0, []
+            for iteration in range(self.train_iterations):
+                train_inputs, train_y = inputs, y
+                if n_replay:
+                    assert self.replay is not None
+                    replay_x, replay_y = self.replay.sample(n_replay)
+                    replay_inputs = self.spec.flat_inputs(replay_x)
+                    train_inputs = [torch.cat([a, b]) for a, b in zip(inputs, replay_inputs)]
+                    train_y = torch.cat([y, replay_y.to(y.dtype)])
+                loss, outputs, skipped = self.trainer.run(train_inputs, train_y, step=True)
+                if iteration == 0:
+                    stream_outputs = outputs[:n]
+                steps += not skipped
+                losses.append(loss)
+            elapsed = time.perf_counter() - start
+            if self.replay is not None:
+                stored: Any = dict(zip(self.spec.keys, inputs)) if self.spec.keys is not None else inputs[0]
+                self.replay.add(stored, y)
+            self.samples_seen += n
+            self.steps += 1
+            return ObserveStats(
+                loss=sum(losses) / len(losses),
+                accuracy=self._accuracy(stream_outputs, y),
+                samples=n,
+                replay_samples=n_replay * self.train_iterations,
+                batch_size=n + n_replay,
+                micro_batches=self.train_iterations,
+                steps=steps,
+                step_time_s=elapsed,
+                skipped=steps < self.train_iterations,
+            )
+
+    def train_step(self, x: Any, y: Any) -> tuple[np.ndarray, float, bool]:
+        """One SGD step on a batch (no replay, no counters); return ``(outputs, loss, skipped)``.
+
+        A non-finite loss or gradient skips the update, as in the PyTorch learner.
+        """
+        with self._lock:
+            inputs = self.spec.flat_inputs(x)
+            loss, outputs, skipped = self.trainer.run(inputs, self.spec.targets(y, inputs[0].shape[0]), step=True)
+            return outputs.numpy(), loss, skipped
+
+    def _accuracy(self, outputs: torch.Tensor, y: torch.Tensor) -> float:
+        if self.spec.num_classes is None or y.is_floating_point() or outputs.dim() != 2:
+            return math.nan
+        return float((outputs.argmax(dim=1) == y).float().mean())
+
+    def predict(self, x: Any) -> np.ndarray:
+        """Model outputs for ``x``; changes no parameter."""
+        with self._lock:
+            return self.trainer.predict(x)
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Write the program, the current parameters (``params.npz``) and the buffer as a new artifact folder.
+
+        The ``.pte``/``.ptd`` are copied unchanged (after re-checking their hashes); the trained
+        values go to ``params.npz``, applied on load. SGD momentum is not saved (see the module notes).
+        """
+        with self._lock, staged_folder(directory) as stage:
+            for name in (PROGRAM, WEIGHTS):
+                (stage / name).write_bytes(read_verified(self.directory, self.manifest, name))
+            params: dict[str, Any] = self.trainer.parameters()
+            np.savez(stage / PARAMS, **params)
+            manifest = {key: value for key, value in self.manifest.items() if key != "files"}
+            manifest.update(
+                params=PARAMS,
+                optimizer={"type": "sgd", **self.trainer.sgd},
+                counters={"samples_seen": self.samples_seen, "steps": self.steps},
+                replay=None,
+            )
+            if self.replay is not None:
+                manifest["replay"] = save_replay(stage / REPLAY, self.replay)
+            write_manifest(stage, manifest)
+        return Path(directory).absolute()
+
+
+def _count(value: Any, name: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ArtifactError(f"manifest `{name} == {value!r}`, must be an int >= {low}")
+    return value

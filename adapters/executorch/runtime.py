@@ -1,0 +1,274 @@
+"""The ExecuTorch training runtime behind both the parity gate and the on-device learner.
+
+:class:`EtTrainer` loads a ``.pte`` program and its ``.ptd`` weights from bytes (so what
+runs is what was hash-checked), runs the exported ``forward`` method (loss, outputs, then
+gradients) and steps the shipped SGD (``get_sgd_optimizer``: momentum, dampening, weight
+decay, Nesterov). :class:`IOSpec` describes the inputs and targets recorded in the manifest
+and turns user values into the flat list of tensors the program takes.
+
+Limits of the shipped runtime (ExecuTorch 1.5), which this module works around or states:
+the parameters are reachable only after a first ``forward_backward`` (done once at load, on
+a zero batch, without a step); the SGD object has no learning-rate setter and no state
+access, so changing the rate rebuilds it (momentum restarts) and saving cannot keep the
+momentum buffers; the batch dimension has a lower bound of 2, so a single-sample
+``predict`` is padded and a single-sample training step is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from taste_cl.adapters.device.artifacts import ExportError
+from taste_cl.exceptions import InvalidBatchError, MissingDependencyError
+
+__all__ = ["PARAM_PREFIX", "EtTrainer", "IOSpec", "LeafSpec", "executorch_runtime"]
+
+PARAM_PREFIX = "model."  # the exported wrapper holds the user's model as ``model``
+MIN_BATCH = 2
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}
+SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+
+
+def executorch_runtime() -> Any:
+    """Import the ExecuTorch training runtime lazily, with an install hint when missing."""
+    try:
+        from executorch.extension.pybindings import portable_lib
+        from executorch.extension.training import TrainingModule, get_sgd_optimizer  # noqa: F401
+    except ImportError as error:
+        raise MissingDependencyError("executorch", "executorch") from error
+    return portable_lib
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """One tensor of a batch: the shape after the batch dimension and the dtype name."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> LeafSpec:
+        name = str(tensor.dtype).removeprefix("torch.")
+        if name not in _DTYPES:
+            raise ValueError(f"tensors of dtype {tensor.dtype} cannot be exported; use one of {sorted(_DTYPES)}")
+        return cls(tuple(int(d) for d in tensor.shape[1:]), name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": ["batch", *self.shape], "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, value: Any, what: str) -> LeafSpec:
+        if not isinstance(value, Mapping) or value.get("dtype") not in _DTYPES or not isinstance(value.get("shape"), list):
+            raise ValueError(f"manifest {what} {value!r} must be {{'shape': ['batch', ...], 'dtype': one of {sorted(_DTYPES)}}}")
+        shape = value["shape"][1:]
+        if value["shape"][:1] != ["batch"] or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+            raise ValueError(f"manifest {what} shape {value['shape']!r} must be ['batch', positive ints...]")
+        return cls(tuple(shape), value["dtype"])
+
+    def coerce(self, value: Any, name: str, n: int | None) -> torch.Tensor:
+        """``value`` as a fresh tensor of this spec; :class:`InvalidBatchError` naming ``name`` otherwise."""
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach()
+        elif isinstance(value, np.ndarray) and value.dtype != object:
+            tensor = torch.from_numpy(np.ascontiguousarray(value))
+        else:
+            raise InvalidBatchError(f"{name} must be a torch.Tensor or numpy.ndarray; got {type(value).__name__}")
+        if tuple(tensor.shape[1:]) != self.shape or tensor.dim() != len(self.shape) + 1:
+            raise InvalidBatchError(f"{name} has shape {tuple(tensor.shape)}, expected (batch, *{self.shape})")
+        if n is not None and tensor.shape[0] != n:
+            raise InvalidBatchError(f"{name} has {tensor.shape[0]} samples, the batch has {n}")
+        dtype = _DTYPES[self.dtype]
+        if dtype.is_floating_point != (tensor.is_floating_point()):
+            raise InvalidBatchError(f"{name} has dtype {tensor.dtype}, expected {self.dtype}")
+        tensor = tensor.to(dtype, copy=True).contiguous()
+        if dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
+            raise InvalidBatchError(f"{name} contains non-finite values (NaN or inf)")
+        return tensor
+
+
+@dataclass(frozen=True)
+class IOSpec:
+    """Inputs (one tensor, or a dict of tensors in ``keys`` order) and targets of an exported program."""
+
+    keys: tuple[str, ...] | None
+    inputs: tuple[LeafSpec, ...]
+    target: LeafSpec
+    num_classes: int | None
+
+    @classmethod
+    def of(cls, x: Any, y: torch.Tensor, num_classes: int | None) -> IOSpec:
+        if isinstance(x, Mapping):
+            keys = tuple(str(k) for k in x)
+            return cls(keys, tuple(LeafSpec.of(x[k]) for k in keys), LeafSpec.of(y), num_classes)
+        return cls(None, (LeafSpec.of(x),), LeafSpec.of(y), num_classes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "keys": list(self.keys) if self.keys is not None else None,
+            "inputs": [leaf.to_json() for leaf in self.inputs],
+            "target": self.target.to_json(),
+            "num_classes": self.num_classes,
+        }
+
+    @classmethod
+    def from_json(cls, value: Any) -> IOSpec:
+        if not isinstance(value, Mapping) or not isinstance(value.get("inputs"), list) or not value["inputs"]:
+            raise ValueError(f"manifest 'io' {value!r} must hold a non-empty 'inputs' list")
+        keys = value.get("keys")
+        if keys is not None and (not isinstance(keys, list) or len(keys) != len(value["inputs"]) or not all(isinstance(k, str) for k in keys)):
+            raise ValueError(f"manifest io 'keys' {keys!r} must be null or one name per input")
+        if keys is None and len(value["inputs"]) != 1:
+            raise ValueError("manifest io without 'keys' must have exactly one input")
+        classes = value.get("num_classes")
+        if classes is not None and (isinstance(classes, bool) or not isinstance(classes, int) or classes < 1):
+            raise ValueError(f"manifest io 'num_classes' {classes!r} must be null or an int >= 1")
+        inputs = tuple(LeafSpec.from_json(leaf, "input") for leaf in value["inputs"])
+        return cls(tuple(keys) if keys is not None else None, inputs, LeafSpec.from_json(value.get("target"), "target"), classes)
+
+    def flat_inputs(self, x: Any) -> list[torch.Tensor]:
+        """Validate ``x`` and return its tensors in the program's order (all with one batch size)."""
+        if self.keys is None:
+            return [self.inputs[0].coerce(x, "x", None)]
+        if not isinstance(x, Mapping) or set(x) != set(self.keys):
+            got = sorted(map(str, x)) if isinstance(x, Mapping) else type(x).__name__
+            raise InvalidBatchError(f"x must be a mapping with keys {sorted(self.keys)}; got {got}")
+        first = self.inputs[0].coerce(x[self.keys[0]], f"x[{self.keys[0]!r}]", None)
+        rest = [leaf.coerce(x[key], f"x[{key!r}]", first.shape[0]) for key, leaf in zip(self.keys[1:], self.inputs[1:])]
+        return [first, *rest]
+
+    def targets(self, y: Any, n: int) -> torch.Tensor:
+        """Validate targets for ``n`` samples (class labels in range when ``num_classes`` is known);
+        a regression target ``(n,)`` for an ``(n, 1)`` output is taken, as the learner takes it."""
+        if self.target.shape == (1,) and self.target.dtype.startswith("float") and getattr(y, "ndim", 0) == 1:
+            y = y.reshape(-1, 1)
+        target = self.target.coerce(y, "y", n)
+        if self.num_classes is not None and not target.is_floating_point():
+            valid = target[target != -100]  # CrossEntropyLoss's default ignore_index
+            if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= self.num_classes):
+                raise InvalidBatchError(f"y has labels outside [0, {self.num_classes - 1}]")
+        return target
+
+    def zero_targets(self, n: int) -> torch.Tensor:
+        return torch.zeros((n, *self.target.shape), dtype=_DTYPES[self.target.dtype])
+
+
+def sgd_config(optimizer: Any, lr: float | None = None) -> dict[str, Any]:
+    """The SGD hyper-parameters of a ``torch.optim.SGD`` (the only optimizer ExecuTorch ships)."""
+    if not isinstance(optimizer, torch.optim.SGD):  # a capability refusal (ExportError), not a type error
+        raise ExportError(
+            f"ExecuTorch ships only SGD; the learner uses {type(optimizer).__name__}: "
+            "use torch.optim.SGD (momentum, weight decay, Nesterov are supported) or backend='onnxruntime'"
+        )
+    group = optimizer.param_groups[0]
+    config = {key: group[key] for key in SGD_KEYS}
+    if lr is not None:
+        config["lr"] = lr
+    return check_sgd(config)
+
+
+def check_sgd(config: Any) -> dict[str, Any]:
+    """Validate SGD settings (from a learner or a manifest); return them as plain floats/bool."""
+    if not isinstance(config, Mapping) or set(config) != set(SGD_KEYS):
+        raise ValueError(f"SGD settings {config!r} must have exactly the keys {list(SGD_KEYS)}")
+    out: dict[str, Any] = {}
+    for key in SGD_KEYS[:4]:
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"`{key} == {value!r}`, must be a finite number >= 0")
+        out[key] = float(value)
+    if out["lr"] <= 0:
+        raise ValueError(f"`lr == {out['lr']!r}`, must be > 0")
+    if not isinstance(config["nesterov"], bool):
+        raise TypeError(f"`nesterov == {config['nesterov']!r}`, must be a bool")
+    out["nesterov"] = config["nesterov"]
+    return out
+
+
+class EtTrainer:
+    """A loaded ExecuTorch training program with the shipped SGD; satisfies the parity gate's ``Trainer``.
+
+    ``program`` and ``data`` are the ``.pte`` and ``.ptd`` bytes; they are kept alive as long
+    as the trainer (the runtime reads from them). Parameter names are PyTorch's.
+    """
+
+    def __init__(self, program: bytes, data: bytes, spec: IOSpec, sgd: dict[str, Any]) -> None:
+        runtime = executorch_runtime()
+        from executorch.extension.training import TrainingModule
+
+        self._buffers = (program, data)
+        self.spec = spec
+        self.sgd = check_sgd(sgd)
+        with warnings.catch_warnings():  # every ExecuTorch training API is marked experimental
+            warnings.simplefilter("ignore")
+            self.module = TrainingModule(runtime._load_for_executorch_from_buffer(program, data))
+        warm = [
+            torch.zeros((MIN_BATCH, *leaf.shape), dtype=_DTYPES[leaf.dtype]) for leaf in spec.inputs
+        ]  # parameters are reachable only after one forward_backward
+        self.module.forward_backward("forward", (*warm, spec.zero_targets(MIN_BATCH)))
+        self.params = {name.removeprefix(PARAM_PREFIX): p for name, p in self.module.named_parameters().items()}
+        self.optimizer = self._new_optimizer()
+
+    def _new_optimizer(self) -> Any:
+        from executorch.extension.training import get_sgd_optimizer
+
+        s = self.sgd
+        return get_sgd_optimizer(self.module.named_parameters(), s["lr"], s["momentum"], s["dampening"], s["weight_decay"], s["nesterov"])
+
+    def set_lr(self, lr: float) -> None:
+        """Change the learning rate; the shipped SGD has no setter, so it is rebuilt and momentum restarts."""
+        self.sgd = check_sgd({**self.sgd, "lr": lr})
+        self.optimizer = self._new_optimizer()
+
+    def run(self, inputs: list[torch.Tensor], y: torch.Tensor, *, step: bool) -> tuple[float, torch.Tensor, bool]:
+        """Forward and backward on validated tensors; step unless told not to or non-finite.
+
+        Returns ``(loss, outputs, skipped)``; ``skipped`` is true when a step was asked for
+        and a non-finite loss or gradient prevented it.
+        """
+        n = inputs[0].shape[0]
+        if n < MIN_BATCH:
+            raise InvalidBatchError(f"a training batch needs at least {MIN_BATCH} samples on ExecuTorch; got {n}")
+        outputs = self.module.forward_backward("forward", (*inputs, y))
+        loss = float(outputs[0])
+        if not step:
+            return loss, outputs[1], False
+        grads = self.module.named_gradients()
+        finite = math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads.values())
+        if finite:
+            self.optimizer.step(grads)
+        return loss, outputs[1], not finite
+
+    def train_step(self, x: Any, y: Any) -> float:
+        inputs = self.spec.flat_inputs(x)
+        return self.run(inputs, self.spec.targets(y, inputs[0].shape[0]), step=True)[0]
+
+    def outputs(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        """Model outputs without a step (a one-sample batch is padded to two, then cut)."""
+        n = inputs[0].shape[0]
+        if n < MIN_BATCH:
+            inputs = [torch.cat([t] * MIN_BATCH) for t in inputs]
+        out = self.run(inputs, self.spec.zero_targets(inputs[0].shape[0]), step=False)[1]
+        return out[:n].clone()
+
+    def predict(self, x: Any) -> np.ndarray:
+        return self.outputs(self.spec.flat_inputs(x)).numpy()
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {name: p.detach().numpy().copy() for name, p in self.params.items()}
+
+    def load_parameters(self, values: Mapping[str, np.ndarray]) -> None:
+        """Copy saved values into the live parameters (names and shapes must all match)."""
+        if set(values) != set(self.params):
+            raise ValueError(f"saved parameters {sorted(values)} do not match the program's {sorted(self.params)}")
+        for name, value in values.items():
+            if tuple(value.shape) != tuple(self.params[name].shape):
+                raise ValueError(f"saved parameter {name!r} has shape {value.shape}, the program's is {tuple(self.params[name].shape)}")
+        for name, value in values.items():
+            self.params[name].copy_(torch.from_numpy(np.asarray(value, dtype=np.float32)))

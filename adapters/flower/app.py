@@ -1,0 +1,380 @@
+"""The digits fleet as one Flower App: the same ServerApp/ClientApp for simulation and deployment.
+
+Every device rebuilds its own partition of the non-IID digits stream
+(:func:`taste_cl.benchmarks.federated.make_fleet`) from the run config and its node
+config (``partition-id``), so nothing but the shared part of the model travels.
+Options, all from the run config (:class:`FleetConfig`):
+
+- ``method``: ``fedper`` (the personal part trains on the device and never leaves it)
+  or ``fedbabu`` (the personal part, the head, stays frozen at its common initialisation
+  during federated rounds; each device fine-tunes it locally before predicting).
+- ``privacy``: ``off``; ``central`` (Flower's ``DifferentialPrivacyServerSideFixedClipping``:
+  the server clips each update and adds Gaussian noise to the aggregate); ``client``
+  (``DifferentialPrivacyClientSideFixedClipping`` + ``fixedclipping_mod``: devices clip,
+  the server adds the noise); ``local`` (``LocalDpMod``: each device clips and noises
+  its own update, so even the server sees only noised updates).
+- ``secagg``: the same devices under Flower's SecAgg+ secure aggregation, served by
+  the legacy-API twin of this app in :mod:`taste_cl.adapters.flower.secagg`.
+
+The module-level ``server_app`` and ``client_app`` read their :class:`FleetConfig`
+from the run config (``flwr run``); :func:`make_fleet_apps` builds a pair with a fixed
+config (for ``run_simulation``, which has no run config). When ``out-dir`` is set, the
+server writes ``result.json`` and ``server.npz`` (the final shared arrays) there and
+each device writes ``device-<partition>.npz`` (its whole model after loading the
+final aggregate), so a caller outside the processes can check them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import psutil
+import torch
+from torch import nn
+
+from taste_cl._checks import check_int
+from taste_cl.adapters.flower.fleet import (
+    AggregationPolicy,
+    DroppedUpdate,
+    RoundStats,
+    _persist,
+    _personal_predicate,
+    _record_to_numpy,
+    _reply,
+    _restore,
+    _validating_strategy_class,
+    load_shared,
+    require_flwr,
+    shared_state,
+)
+from taste_cl.monitor.evaluation import accuracy
+
+if TYPE_CHECKING:
+    from flwr.app import Context, Message
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+
+    from taste_cl.benchmarks.federated import Fleet
+    from taste_cl.learner import OnlineLearner
+
+__all__ = ["FleetConfig", "client_app", "evaluate_device", "fit_device", "make_fleet_apps", "read_outputs", "server_app", "write_outputs"]
+
+METHODS = ("fedper", "fedbabu")
+PRIVACY = ("off", "central", "client", "local")
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """One fleet run. Field names map to run-config keys with ``_`` -> ``-``.
+
+    ``personal`` holds comma-separated ``state_dict`` name prefixes kept on the device
+    (the head for FedBABU). ``clip`` is the L2 clipping norm of a model update,
+    ``noise`` the noise multiplier (central/client DP), ``epsilon``/``delta`` the
+    per-round budget of local DP. With ``evaluate_every_round=False`` devices are
+    evaluated after the last round only (fewer messages, hence fewer ClientApp process
+    starts in a deployment). ``finetune_steps`` of SGD at ``finetune_lr`` adapt
+    the FedBABU head before each evaluation. ``secagg`` runs the same devices under
+    Flower's SecAgg+ protocol (:mod:`taste_cl.adapters.flower.secagg`): the server sees
+    only the sum of the updates; it needs at least 3 devices and cannot be combined
+    with ``privacy="central"`` (the server would have to clip single updates).
+    """
+
+    devices: int = 3
+    rounds: int = 2
+    method: str = "fedper"
+    personal: str = "4."
+    privacy: str = "off"
+    clip: float = 1.0
+    noise: float = 0.1
+    epsilon: float = 10.0
+    delta: float = 1e-5
+    finetune_steps: int = 30
+    finetune_lr: float = 0.1
+    evaluate_every_round: bool = True
+    secagg: bool = False
+    seed: int = 0
+    out_dir: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("devices", "rounds"):
+            value = getattr(self, name)
+            check_int(name, value, 1)
+        if self.method not in METHODS:
+            raise ValueError(f"`method == {self.method!r}`, must be one of {METHODS}")
+        if self.privacy not in PRIVACY:
+            raise ValueError(f"`privacy == {self.privacy!r}`, must be one of {PRIVACY}")
+        for name in ("clip", "epsilon", "delta", "finetune_lr"):
+            if not float(getattr(self, name)) > 0:
+                raise ValueError(f"`{name} == {getattr(self, name)!r}`, must be > 0")
+        if not float(self.noise) >= 0 or self.finetune_steps < 0:
+            raise ValueError(f"`noise` and `finetune_steps` must be >= 0; got {self.noise!r}, {self.finetune_steps!r}")
+        if not self.prefixes:
+            raise ValueError(f"`personal == {self.personal!r}`, must name at least one state_dict prefix")
+        if self.secagg and self.devices < 3:
+            raise ValueError(f"`devices == {self.devices}` with `secagg=True`, must be >= 3 (with 2 the average reveals the other update)")
+        if self.secagg and self.privacy == "central":
+            raise ValueError("`privacy == 'central'` with `secagg=True`: the server cannot clip updates it cannot see; use 'client' or 'local'")
+
+    @property
+    def prefixes(self) -> list[str]:
+        """The personal ``state_dict`` name prefixes."""
+        return [p for p in self.personal.split(",") if p]
+
+    def to_run_config(self) -> dict[str, Any]:
+        """The run-config keys and values (TOML scalars) of this config."""
+        return {f.name.replace("_", "-"): getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> FleetConfig:
+        """Read a config from Flower's run config; missing keys keep their defaults."""
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            key = f.name.replace("_", "-")
+            if key in run_config:
+                value, default = run_config[key], cast(Any, f.default)
+                kwargs[f.name] = value if isinstance(default, bool) else type(default)(value)
+        return cls(**kwargs)
+
+
+@functools.lru_cache(maxsize=4)
+def _fleet(devices: int, rounds: int, seed: int) -> Fleet:
+    from taste_cl.benchmarks.federated import make_fleet
+
+    return make_fleet(devices, num_rounds=rounds, seed=seed)
+
+
+def _config(fixed: FleetConfig | None, context: Context) -> FleetConfig:
+    return fixed if fixed is not None else FleetConfig.from_run_config(context.run_config)
+
+
+def _set_trainable(model: nn.Module, is_personal: Callable[[str], bool], personal: bool) -> None:
+    """Let only the personal (``personal=True``) or only the shared parameters receive gradients."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_personal(name) == personal)
+
+
+def _finetune(model: nn.Module, cfg: FleetConfig, x: torch.Tensor, y: torch.Tensor) -> nn.Module:
+    """A copy of ``model`` whose personal part (the head) took ``finetune_steps`` SGD steps on ``(x, y)``."""
+    tuned = copy.deepcopy(model)
+    _set_trainable(tuned, _personal_predicate(cfg.prefixes), personal=True)
+    params = [p for p in tuned.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=cfg.finetune_lr)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    tuned.train()
+    for _ in range(cfg.finetune_steps):
+        idx = torch.randint(x.shape[0], (min(32, x.shape[0]),), generator=generator)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(tuned(x[idx]), y[idx]).backward()
+        optimizer.step()
+    tuned.eval()
+    return tuned
+
+
+def _device(cfg: FleetConfig, context: Context, shared: Mapping[str, np.ndarray]) -> tuple[int, OnlineLearner]:
+    """This device's learner with the fleet's ``shared`` part loaded."""
+    torch.set_num_threads(1)  # devices on one host share its cores
+    partition = int(context.node_config["partition-id"])
+    if not 0 <= partition < cfg.devices:
+        raise ValueError(f"node config `partition-id == {partition}`, must be in [0, devices={cfg.devices})")
+    fleet = _fleet(cfg.devices, cfg.rounds, cfg.seed)
+    learner = _restore(context, fleet.build_learner(partition))
+    load_shared(learner.model, shared, personal=cfg.prefixes)
+    return partition, learner
+
+
+def _server_round(msg: Message) -> int:
+    return int(cast(int, msg.content.config_records["config"]["server-round"]))
+
+
+def fit_device(
+    cfg: FleetConfig, context: Context, shared: Mapping[str, np.ndarray], server_round: int
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """One device's round: load ``shared``, observe its stream slice, keep its state in ``context``.
+
+    Returns the device's new shared part and its metrics (``num-examples`` first).
+    Both apps (Message API and SecAgg+) train through this function.
+    """
+    partition, learner = _device(cfg, context, shared)
+    fleet = _fleet(cfg.devices, cfg.rounds, cfg.seed)
+    if cfg.method == "fedbabu":  # the head stays at its common initialisation during federated rounds
+        _set_trainable(learner.model, _personal_predicate(cfg.prefixes), personal=False)
+    start, samples = time.perf_counter(), 0
+    try:
+        for batch in fleet.train_batches(partition, server_round):
+            samples += learner.observe(batch).samples
+    finally:
+        for param in learner.model.parameters():
+            param.requires_grad_(True)
+    _persist(context, learner)
+    metrics = {
+        "num-examples": max(samples, 1),
+        "train-seconds": time.perf_counter() - start,
+        "rss-mb": psutil.Process().memory_info().rss / 2**20,
+    }
+    return shared_state(learner.model, personal=cfg.prefixes), metrics
+
+
+def _train(fixed: FleetConfig | None, msg: Message, context: Context) -> Message:
+    from flwr.app import Array, ArrayRecord, MetricRecord
+
+    cfg = _config(fixed, context)
+    shared, metrics = fit_device(cfg, context, _record_to_numpy(msg.content.array_records["arrays"]), _server_round(msg))
+    return _reply(msg, {"arrays": ArrayRecord({k: Array(v) for k, v in shared.items()}), "metrics": MetricRecord(metrics)})
+
+
+def evaluate_device(cfg: FleetConfig, context: Context, shared: Mapping[str, np.ndarray], server_round: int) -> dict[str, Any]:
+    """Score one device (the fleet's ``shared`` part + its personal part) on its held-out sets.
+
+    With ``out_dir`` set, the last round also saves the device's whole model there.
+    """
+    partition, learner = _device(cfg, context, shared)
+    if cfg.out_dir and server_round == cfg.rounds:
+        state = {k: v.detach().cpu().numpy() for k, v in learner.model.state_dict().items()}
+        np.savez(Path(cfg.out_dir) / f"device-{partition}.npz", **state)
+    model = learner.model
+    if cfg.method == "fedbabu":
+        x, y = _fleet(cfg.devices, cfg.rounds, cfg.seed).seen(partition, server_round)
+        model = _finetune(model, cfg, x, y)
+    model.eval()
+    metrics: dict[str, Any] = {"partition-id": partition}
+    with torch.no_grad():
+        for name, (x, y) in _fleet(cfg.devices, cfg.rounds, cfg.seed).eval_sets(partition).items():
+            metrics[f"accuracy-{name}"] = accuracy(model, x, y)
+            metrics["num-examples"] = int(x.shape[0])
+    return metrics
+
+
+def _evaluate(fixed: FleetConfig | None, msg: Message, context: Context) -> Message:
+    from flwr.app import MetricRecord
+
+    cfg = _config(fixed, context)
+    metrics = evaluate_device(cfg, context, _record_to_numpy(msg.content.array_records["arrays"]), _server_round(msg))
+    return _reply(msg, {"metrics": MetricRecord(metrics)})
+
+
+def _privacy_mod(fixed: FleetConfig | None) -> Callable[..., Message]:
+    """A client mod applying the configured Flower privacy mod to train messages."""
+
+    def mod(msg: Message, context: Context, call_next: Callable[..., Message]) -> Message:
+        from flwr.app import MessageType
+        from flwr.clientapp.mod import LocalDpMod, fixedclipping_mod
+
+        cfg = _config(fixed, context)
+        if msg.metadata.message_type != MessageType.TRAIN or cfg.privacy in ("off", "central"):
+            return call_next(msg, context)
+        if cfg.privacy == "client":
+            return fixedclipping_mod(msg, context, call_next)
+        return LocalDpMod(cfg.clip, cfg.clip, cfg.epsilon, cfg.delta)(msg, context, call_next)
+
+    return mod
+
+
+def _strategy(cfg: FleetConfig) -> Any:
+    """FedAvg over every device, inside the configured DP wrapper, inside :class:`ValidatingStrategy`."""
+    from flwr.serverapp.strategy import (
+        DifferentialPrivacyClientSideFixedClipping,
+        DifferentialPrivacyServerSideFixedClipping,
+        FedAvg,
+    )
+
+    n = cfg.devices
+    inner: Any = FedAvg(min_train_nodes=n, min_evaluate_nodes=n, min_available_nodes=n)
+    if cfg.privacy == "central":
+        inner = DifferentialPrivacyServerSideFixedClipping(inner, cfg.noise, cfg.clip, n)
+    elif cfg.privacy == "client":
+        inner = DifferentialPrivacyClientSideFixedClipping(inner, cfg.noise, cfg.clip, n)
+    guard = _validating_strategy_class()(inner, AggregationPolicy())
+    if not cfg.evaluate_every_round:
+        configure_evaluate = guard.configure_evaluate
+
+        def last_round_only(server_round: int, *args: Any) -> Any:
+            return configure_evaluate(server_round, *args) if server_round == cfg.rounds else []
+
+        guard.configure_evaluate = last_round_only
+    return guard
+
+
+def _server_main(fixed: FleetConfig | None, grid: Grid, context: Context) -> None:
+    from flwr.app import Array, ArrayRecord
+
+    cfg = _config(fixed, context)
+    fleet = _fleet(cfg.devices, cfg.rounds, cfg.seed)
+    initial = shared_state(fleet.build_learner(0).model, personal=cfg.prefixes)
+    guard = _strategy(cfg)
+    start = time.perf_counter()
+    result = guard.start(grid=grid, initial_arrays=ArrayRecord({k: Array(v) for k, v in initial.items()}), num_rounds=cfg.rounds)
+    if cfg.out_dir:
+        final = _record_to_numpy(result.arrays)
+        write_outputs(cfg, final, time.perf_counter() - start, guard.rounds, guard.dropped, guard.evaluations)
+
+
+def write_outputs(
+    cfg: FleetConfig,
+    server: Mapping[str, np.ndarray],
+    seconds: float,
+    rounds: list[RoundStats],
+    dropped: list[DroppedUpdate],
+    evaluations: Mapping[int, Mapping[int, Mapping[str, Any]]],
+) -> None:
+    """Write ``server.npz`` (the final shared arrays) and ``result.json`` to ``cfg.out_dir``."""
+    out = Path(cfg.out_dir)
+    np.savez(out / "server.npz", **server)  # type: ignore[arg-type]
+    summary = {
+        "config": cfg.to_run_config(),
+        "seconds": seconds,
+        "rounds": [asdict(r) for r in rounds],
+        "dropped": [asdict(d) for d in dropped],
+        "evaluations": {str(r): {str(p): dict(m) for p, m in nodes.items()} for r, nodes in evaluations.items()},
+    }
+    (out / "result.json").write_text(json.dumps(summary, indent=1, default=float))
+
+
+def make_fleet_apps(config: FleetConfig | None = None) -> tuple[ServerApp, ClientApp]:
+    """A ``(ServerApp, ClientApp)`` pair; with ``config=None`` both read the run config."""
+    require_flwr()
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    if config is not None and not (isinstance(config, FleetConfig) and not config.secagg):
+        raise TypeError(f"config must be a FleetConfig with secagg=False (see flower_secagg), or None; got {config!r}")
+    capp = ClientApp(mods=[_privacy_mod(config)])
+    sapp = ServerApp()
+
+    @capp.train()
+    def train(msg: Message, context: Context) -> Message:
+        return _train(config, msg, context)
+
+    @capp.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        return _evaluate(config, msg, context)
+
+    @sapp.main()
+    def main(grid: Grid, context: Context) -> None:
+        _server_main(config, grid, context)
+
+    return sapp, capp
+
+
+def read_outputs(out_dir: str | Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[int, dict[str, np.ndarray]]]:
+    """``(result.json, server arrays, {partition: device state})`` written by a run with ``out-dir``."""
+    out = Path(out_dir)
+    result = json.loads((out / "result.json").read_text())
+    with np.load(out / "server.npz", allow_pickle=False) as data:
+        server = {k: data[k] for k in data.files}
+    devices = {}
+    for path in sorted(out.glob("device-*.npz")):
+        with np.load(path, allow_pickle=False) as data:
+            devices[int(path.stem.split("-")[1])] = {k: data[k] for k in data.files}
+    return result, server, devices
+
+
+server_app, client_app = make_fleet_apps()

@@ -1,0 +1,286 @@
+"""A Flower deployment on loopback: one SuperLink and N SuperNodes as real processes.
+
+:class:`LoopbackDeployment` starts ``flower-superlink`` and ``flower-supernode``
+(flwr 1.42: one insecure HTTP port per SuperLink for its Fleet, Control and Runtime
+APIs; one Runtime port per SuperNode) on free ports of 127.0.0.1, each SuperNode with
+``--node-config "partition-id=i num-partitions=N"``, then submits the digits fleet app
+(:mod:`taste_cl.adapters.flower.app`) with ``flwr run --stream`` and waits for it,
+bounded by ``timeout_s``. Flower's own logs go to files in the work folder unless
+``verbose``. On exit, normal or not (Ctrl-C included), it stops every process it
+started *and their descendants* by PID: SuperLink and SuperNode start their
+``flower-superexec`` in a new session, so killing a process group is not enough.
+Insecure mode is only for loopback; a real fleet needs TLS and SuperNode auth.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import psutil
+
+from taste_cl._checks import check_int
+from taste_cl.adapters.flower.app import FleetConfig, read_outputs
+from taste_cl.adapters.flower.fleet import require_flwr
+from taste_cl.exceptions import TasteCLError
+
+__all__ = ["DeploymentError", "LoopbackDeployment", "free_port"]
+
+_APP_MODULE = "taste_cl_fleet_app"
+
+
+class DeploymentError(TasteCLError, RuntimeError):
+    """The loopback deployment could not start, or its run failed or timed out."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_for_port(port: int, deadline: float, proc: subprocess.Popen[bytes], log: Path) -> None:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise DeploymentError(f"flower-superlink exited with code {proc.returncode}; see {log}")
+        with socket.socket() as sock:
+            sock.settimeout(0.5)
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.3)
+    raise DeploymentError(f"flower-superlink did not listen on 127.0.0.1:{port} in time; see {log}")
+
+
+def _pyproject(config: FleetConfig) -> str:
+    """The Flower App's pyproject: components from :func:`_app_module`, run config = ``config``."""
+    lines = [
+        "[build-system]",
+        'requires = ["hatchling"]',
+        'build-backend = "hatchling.build"',
+        "[project]",
+        'name = "taste-cl-fleet"',
+        'version = "1.0.0"',
+        "dependencies = []",
+        "[tool.hatch.build.targets.wheel]",
+        'packages = ["."]',
+        "[tool.flwr.app]",
+        'publisher = "taste-cl"',
+        "[tool.flwr.app.components]",
+        f'serverapp = "{_APP_MODULE}:server_app"',
+        f'clientapp = "{_APP_MODULE}:client_app"',
+        "[tool.flwr.app.config]",
+    ]
+    for key, value in config.to_run_config().items():
+        lines.append(f"{key} = {_toml(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _app_module(config: FleetConfig) -> str:
+    """The app module's source: the plain app, or the SecAgg+ one (each process imports only its own)."""
+    module = "secagg" if config.secagg else "app"
+    return f"from taste_cl.adapters.flower.{module} import client_app, server_app\n\n__all__ = ['client_app', 'server_app']\n"
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+class LoopbackDeployment:
+    """SuperLink + ``devices`` SuperNodes on 127.0.0.1; use as a context manager.
+
+    >>> with LoopbackDeployment(devices=3) as fleet:          # doctest: +SKIP
+    ...     result, server, devices = fleet.run(FleetConfig(devices=3, rounds=2))
+
+    ``timeout_s`` bounds startup plus each run. The work folder (logs, app, Flower
+    home) is a fresh temporary folder, removed on exit unless ``keep``.
+    """
+
+    def __init__(self, devices: int, *, timeout_s: float = 300.0, verbose: bool = False, keep: bool = False) -> None:
+        check_int("devices", devices, 1)
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"`timeout_s == {timeout_s!r}`, must be a number > 0")
+        self.devices, self.timeout_s, self.verbose, self.keep = devices, float(timeout_s), verbose, keep
+        self.work: Path | None = None
+        self.port = 0  # the SuperLink's port, chosen at start()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._seen: dict[int, psutil.Process] = {}  # descendants, remembered while their parents live
+        self._logs: list[IO[bytes]] = []
+        self._bin = Path(sys.executable).parent
+
+    # ---------------------------------------------------------------- process plumbing
+    def _env(self) -> dict[str, str]:
+        import taste_cl
+
+        assert self.work is not None
+        env = dict(os.environ)
+        root = str(Path(taste_cl.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([root, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else root
+        env["PATH"] = os.pathsep.join([str(self._bin), env.get("PATH", "")])
+        env["FLWR_HOME"] = str(self.work / "flwr-home")
+        env.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        assert self.work is not None
+        out: Any = None
+        if not self.verbose:
+            out = open(self.work / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop())
+            self._logs.append(out)
+        proc = subprocess.Popen(
+            [str(self._bin / args[0]), *args[1:]],
+            env=self._env(),
+            cwd=self.work,
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None,
+            start_new_session=True,  # Ctrl-C reaches us, not them: we stop them in order
+        )
+        self.procs.append(proc)
+        return proc
+
+    def start(self) -> LoopbackDeployment:
+        """Start the SuperLink, wait until it listens, then start the SuperNodes."""
+        require_flwr()
+        if self.procs:
+            raise DeploymentError("this deployment is already started")
+        self.work = Path(tempfile.mkdtemp(prefix="taste-cl-fleet-"))
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            self.port = free_port()
+            home = self.work / "flwr-home"
+            home.mkdir()
+            (home / "config.toml").write_text(
+                f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
+            )
+            link = self._spawn(
+                "superlink",
+                ["flower-superlink", "--insecure", "--port", str(self.port), "--disable-runtime-dependency-installation"],
+            )
+            _wait_for_port(self.port, deadline, link, self.work / "superlink.log")
+            for i in range(self.devices):
+                self._spawn(
+                    f"supernode-{i}",
+                    [
+                        "flower-supernode",
+                        "--insecure",
+                        "--superlink",
+                        f"127.0.0.1:{self.port}",
+                        "--port",
+                        str(free_port()),
+                        "--node-config",
+                        f"partition-id={i} num-partitions={self.devices}",
+                    ],
+                )
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def run(self, config: FleetConfig) -> tuple[dict[str, Any], dict[str, Any], dict[int, dict[str, Any]]]:
+        """Submit one run of the fleet app with ``config`` and wait for it (``read_outputs``' triple)."""
+        if not isinstance(config, FleetConfig):
+            raise TypeError(f"config must be a FleetConfig; got {type(config).__name__}")
+        if config.devices != self.devices:
+            raise ValueError(f"`config.devices == {config.devices}`, must equal the deployment's {self.devices}")
+        if self.work is None or not self.procs:
+            raise DeploymentError("start the deployment first (use it as a context manager)")
+        out = Path(tempfile.mkdtemp(prefix="run-", dir=self.work))
+        config = FleetConfig(**{**config.__dict__, "out_dir": str(out)})
+        app = out / "app"
+        app.mkdir()
+        (app / "pyproject.toml").write_text(_pyproject(config))
+        (app / f"{_APP_MODULE}.py").write_text(_app_module(config))
+        log = None if self.verbose else open(out / "flwr-run.log", "wb")  # noqa: SIM115
+        try:
+            cli = subprocess.Popen(
+                [str(self._bin / "flwr"), "run", str(app), "loopback", "--stream"],
+                env=self._env(),
+                cwd=out,
+                stdout=log,
+                stderr=subprocess.STDOUT if log else None,
+                start_new_session=True,
+            )
+            self.procs.append(cli)
+            deadline = time.monotonic() + self.timeout_s
+            while not (out / "result.json").exists():
+                if time.monotonic() > deadline:
+                    raise DeploymentError(f"the fleet run did not finish in {self.timeout_s:g} s; logs in {self.work}")
+                if cli.poll() is not None and cli.returncode != 0:
+                    raise DeploymentError(f"`flwr run` exited with code {cli.returncode}; see {out / 'flwr-run.log'}")
+                self._track()
+                time.sleep(0.5)
+            self._wait_for_devices(out, deadline)
+            return read_outputs(out)
+        finally:
+            if log is not None:
+                log.close()
+
+    def _wait_for_devices(self, out: Path, deadline: float) -> None:
+        """The server writes its result after the last evaluate replies, so device files exist; re-check briefly."""
+        while len(list(out.glob("device-*.npz"))) < self.devices and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Stop every started process and all their descendants (TERM, then KILL after 10 s)."""
+        self._track()
+        victims = list(self._seen.values())
+        for victim in victims:
+            try:
+                victim.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(victims, timeout=10)
+        for victim in alive:
+            try:
+                victim.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+        self.procs.clear()
+        self._seen.clear()
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+        if self.work is not None and not self.keep:
+            shutil.rmtree(self.work, ignore_errors=True)
+            self.work = None
+
+    def _track(self) -> None:
+        """Remember the started processes and their descendants (psutil handles guard against PID reuse)."""
+        for proc in self.procs:
+            try:
+                parent = psutil.Process(proc.pid)
+                for p in [parent, *parent.children(recursive=True)]:
+                    self._seen.setdefault(p.pid, p)
+            except psutil.NoSuchProcess:
+                pass
+
+    @property
+    def pids(self) -> list[int]:
+        """PIDs of the started processes and the descendants seen so far that are still running."""
+        self._track()
+        return sorted(pid for pid, p in self._seen.items() if p.is_running())
+
+    def __enter__(self) -> LoopbackDeployment:  # noqa: PYI034 (Self needs Python 3.11)
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()

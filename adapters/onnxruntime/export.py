@@ -1,0 +1,133 @@
+"""ONNX Runtime on-device training: export a model, keep it learning on a device without torch.
+
+The package's other modules: :mod:`.transforms` (export rewrites), :mod:`.build` (artifact
+generation with the parity gate of :mod:`taste_cl.adapters.device.parity`) and :mod:`.runtime`
+(the torch-free device learner).
+
+:func:`export` is the learner-level entry point (``learner.export_onnx(...)``): it takes
+the learner's model, loss, optimizer, counters and replay buffer. Needs the ``[onnx]``
+extra (``onnx==1.17.0``, ``onnxruntime-training-cpu==1.19.2``).
+
+>>> import torch
+>>> from taste_cl.adapters.onnxruntime.export import export_model
+>>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+>>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+>>> example = (torch.randn(4, 8), torch.randint(0, 3, (4,)))
+>>> folder = export_model(model, torch.nn.CrossEntropyLoss(), optimizer, example, "artifacts")  # doctest: +SKIP
+>>> from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
+>>> device = OrtOnlineLearner.from_artifacts(folder)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from taste_cl._batch import index_batch
+from taste_cl.adapters.device.artifacts import (
+    MANIFEST_FILE,
+    ArtifactError,
+    ExportError,
+    read_manifest,
+)
+from taste_cl.adapters.device.learner_data import buffered_rows
+from taste_cl.adapters.device.parity import ParityError, ParityReport
+from taste_cl.adapters.onnxruntime.build import (
+    ReplayRows,
+    UnsupportedOperatorError,
+    export_model,
+)
+from taste_cl.adapters.onnxruntime.runtime import (
+    CHECKPOINT,
+    EVAL_MODEL,
+    INFERENCE_MODEL,
+    OPTIMIZER_MODEL,
+    TRAINING_MODEL,
+    DeviceObserveStats,
+    OrtOnlineLearner,
+)
+from taste_cl.learner import OnlineLearner
+
+__all__ = [
+    "ARTIFACT_FILES",
+    "MANIFEST_FILE",
+    "ArtifactError",
+    "DeviceObserveStats",
+    "ExportError",
+    "OrtOnlineLearner",
+    "ParityError",
+    "ParityReport",
+    "ReplayRows",
+    "UnsupportedOperatorError",
+    "export",
+    "export_model",
+    "read_manifest",
+]
+
+ARTIFACT_FILES = (TRAINING_MODEL, EVAL_MODEL, OPTIMIZER_MODEL, CHECKPOINT, INFERENCE_MODEL)
+_EXAMPLE_ROWS = 8
+
+
+def export(
+    learner: OnlineLearner,
+    directory: str | os.PathLike[str],
+    *,
+    include_replay: bool = True,
+    example: tuple[Any, Any] | None = None,
+    optimizer: str | None = None,
+    batch_size: int | None = None,
+    **options: Any,
+) -> Path:
+    """Export an :class:`~taste_cl.OnlineLearner` (model, loss, optimizer, counters, buffer).
+
+    ``example`` defaults to up to 8 buffered rows (the learner must have a non-empty
+    buffer or be given one); the parity gate trains on buffered rows. ``optimizer``
+    (``"sgd"``/``"adamw"``) trains on the device with a fresh optimizer of that kind instead
+    of the learner's (state not carried); ``batch_size`` (default: the tuned micro-batch)
+    is recorded in the manifest for the app. Every other keyword
+    (``trainable``, ``batchnorm``, ``lr``, ``verify``, ``parity_steps``, ``tolerance``,
+    ``opset``) goes to :func:`export_model`. Returns the published folder.
+    """
+    if not isinstance(learner, OnlineLearner):
+        raise TypeError(f"learner must be a taste_cl.OnlineLearner; got {type(learner).__name__}")
+    if optimizer not in (None, "sgd", "adamw"):
+        raise ValueError(f"`optimizer == {optimizer!r}`, must be None, 'sgd' or 'adamw'")
+    with learner._lock:  # a consistent snapshot; the export itself runs without the lock
+        model, torch_optimizer = copy.deepcopy((learner.model, learner.optimizer))
+        rows = buffered_rows(learner.replay)
+        task = learner.task
+        counters = {"samples_seen": learner.samples_seen, "steps": learner.steps}
+        if batch_size is None and learner.batch_plan is not None:
+            batch_size = learner.batch_plan.micro_batch_size  # the tuner's choice
+    if optimizer is not None:
+        lr = options.pop("lr", None) or torch_optimizer.param_groups[0]["lr"]
+        kind = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
+        torch_optimizer = kind([p for p in model.parameters() if p.requires_grad], lr=lr)
+    if example is None:
+        if rows is None or len(rows) < 2:
+            raise ValueError("the learner's buffer holds fewer than 2 rows; pass example=(x, y) with at least 2 rows")
+        example = (index_batch(rows.x, slice(0, _EXAMPLE_ROWS)), rows.y[:_EXAMPLE_ROWS])
+    batches = None
+    if rows is not None and len(rows) >= 2:
+        steps = options.get("parity_steps", 3)
+        starts = [(i * _EXAMPLE_ROWS) % max(1, len(rows) - 1) for i in range(steps)]
+        batches = [(index_batch(rows.x, slice(s, s + _EXAMPLE_ROWS)), rows.y[s : s + _EXAMPLE_ROWS]) for s in starts]
+    return export_model(
+        model,
+        learner.loss_fn,
+        torch_optimizer,
+        example,
+        directory,
+        replay=rows if include_replay else None,
+        replay_batch_size=learner.replay_batch_size,
+        train_iterations=learner.train_iterations,
+        counters=counters,
+        parity_batches=batches,
+        batch_size=batch_size,
+        task=task,
+        **options,
+    )

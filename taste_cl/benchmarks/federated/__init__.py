@@ -1,0 +1,224 @@
+"""Fleet personalization on Flower: local-only vs federated shared + local personal, one run.
+
+Each simulated device sees its own non-IID class-incremental slice of sklearn digits (2-4
+classes in sequence, disjoint samples), one pass, spread over the rounds. Both variants
+observe exactly the same batches with the same learner (reference MLP, reservoir replay):
+*local* never communicates; *federated* averages the shared part with Flower's FedAvgM
+(FedAvg with server momentum; ``--server-momentum 0`` is plain FedAvg) and keeps the
+personal part on the device: by default the output-layer bias, i.e. the device's own
+label prior (keeping a whole layer local does not help on this tiny non-IID stream). Accuracy is per device on held-out digits of all
+classes ("all") and of the device's own classes ("own"). Also reports payload bytes,
+time and memory per round, and writes JSON.
+Run: ``taste-cl bench federated`` (needs ``pip install 'taste-cl[federated]'``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from taste_cl._report import format_table
+from taste_cl.benchmarks._common import base_parser, parse, save_result
+from taste_cl.cli.demo import build_digits_learner
+from taste_cl.datasets import split_digits
+from taste_cl.learner import OnlineLearner
+from taste_cl.monitor.evaluation import accuracy
+
+__all__ = ["Fleet", "main", "make_fleet"]
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """Per-device class sequences and private streams, plus the held-out test set.
+
+    Picklable (plain tensors), so Flower's simulation workers can rebuild each stream.
+    """
+
+    classes: list[list[int]]
+    x_train: list[torch.Tensor]
+    y_train: list[torch.Tensor]
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_rounds: int
+    batch_size: int
+    replay_capacity: int
+    seed: int
+
+    def build_learner(self, partition: int) -> OnlineLearner:
+        """Every device starts from the same reference learner (FedAvg needs one initialisation)."""
+        return build_digits_learner(replay_capacity=self.replay_capacity, seed=self.seed)
+
+    def train_batches(self, partition: int, server_round: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The device's stream slice for ``server_round`` (1-based), in class order."""
+        x, y = self.x_train[partition], self.y_train[partition]
+        bounds = np.linspace(0, x.shape[0], self.num_rounds + 1).astype(int)
+        lo, hi = bounds[server_round - 1], bounds[server_round]
+        return [(x[s : min(s + self.batch_size, hi)], y[s : min(s + self.batch_size, hi)]) for s in range(lo, hi, self.batch_size)]
+
+    def seen(self, partition: int, server_round: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything the device observed in rounds ``1..server_round`` (it stays on the device)."""
+        bounds = np.linspace(0, self.x_train[partition].shape[0], self.num_rounds + 1).astype(int)
+        hi = bounds[server_round]
+        return self.x_train[partition][:hi], self.y_train[partition][:hi]
+
+    def eval_sets(self, partition: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        own = torch.isin(self.y_test, torch.tensor(self.classes[partition]))
+        return {"all": (self.x_test, self.y_test), "own": (self.x_test[own], self.y_test[own])}
+
+
+def make_fleet(num_devices: int, *, num_rounds: int, batch_size: int = 10, replay_capacity: int = 200, seed: int = 0) -> Fleet:
+    """Give each device 2-4 digit classes in a random order and a disjoint share of their samples."""
+    rng = np.random.default_rng(seed)
+    tasks = split_digits(10, seed=seed)
+    classes = [[int(c) for c in rng.choice(10, size=int(rng.integers(2, 5)), replace=False)] for _ in range(num_devices)]
+    holders = {c: [d for d in range(num_devices) if c in classes[d]] for c in range(10)}
+    shares: dict[tuple[int, int], np.ndarray] = {}
+    for task in tasks:
+        (c,) = task.classes
+        for d, part in zip(holders[c], np.array_split(rng.permutation(task.x_train.shape[0]), max(len(holders[c]), 1))):
+            shares[(d, c)] = part
+    x_train, y_train = [], []
+    for d in range(num_devices):
+        x_train.append(torch.cat([tasks[c].x_train[shares[(d, c)]] for c in classes[d]]))
+        y_train.append(torch.cat([tasks[c].y_train[shares[(d, c)]] for c in classes[d]]))
+    return Fleet(
+        classes=classes,
+        x_train=x_train,
+        y_train=y_train,
+        x_test=torch.cat([t.x_test for t in tasks]),
+        y_test=torch.cat([t.y_test for t in tasks]),
+        num_rounds=num_rounds,
+        batch_size=batch_size,
+        replay_capacity=replay_capacity,
+        seed=seed,
+    )
+
+
+def run_local(fleet: Fleet) -> dict[int, dict[str, float]]:
+    """Each device alone: the same batches, no communication."""
+    results = {}
+    for d in range(len(fleet.classes)):
+        torch.manual_seed(fleet.seed)
+        learner = fleet.build_learner(d)
+        for server_round in range(1, fleet.num_rounds + 1):
+            for batch in fleet.train_batches(d, server_round):
+                learner.observe(batch)
+        results[d] = {f"accuracy-{k}": accuracy(learner.predict, x, y) for k, (x, y) in fleet.eval_sets(d).items()}
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = base_parser("federated", __doc__.splitlines()[0], threads=0)
+    parser.add_argument("--devices", type=int, default=None, help="devices (1-20; default 10, with --deployment 3)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (default 12, with --deployment 2)")
+    parser.add_argument(
+        "--personal", default=None, help="comma-separated state_dict name prefixes kept on device (default 4.bias, with --deployment 4.)"
+    )
+    parser.add_argument("--deployment", action="store_true", help="devices as processes: a SuperLink and SuperNodes on loopback")
+    parser.add_argument("--privacy", choices=["central", "client", "local"], default="central", help="DP variant (--deployment)")
+    parser.add_argument("--clip", type=float, default=1.0, help="DP clipping norm of an update (--deployment)")
+    parser.add_argument("--noise", type=float, default=0.1, help="DP noise multiplier, central/client (--deployment)")
+    parser.add_argument("--epsilon", type=float, default=10.0, help="local DP epsilon per round (--deployment)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for startup and for each run (--deployment)")
+    parser.add_argument("--no-simulation", action="store_true", help="skip the simulation twin of the FedPer run (--deployment)")
+    parser.add_argument("--no-secagg", action="store_true", help="skip the FedPer + SecAgg+ run (--deployment)")
+    parser.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM server momentum (0 = FedAvg)")
+    parser.add_argument("--client-cpus", type=float, default=1.0, help="CPU share of one simulated device")
+    args = parse(parser, argv)
+    for name, default, deployed in (("devices", 10, 3), ("rounds", 12, 2), ("personal", "4.bias", "4.")):
+        if getattr(args, name) is None:
+            setattr(args, name, deployed if args.deployment else default)
+    if not 1 <= args.devices <= 20:
+        parser.error(f"`--devices == {args.devices}`, must be in [1, 20]")
+    if args.rounds < 1:
+        parser.error(f"`--rounds == {args.rounds}`, must be >= 1")
+    if args.deployment:
+        from taste_cl.benchmarks.federated.deployment import run_deployment_bench
+
+        return run_deployment_bench(args)
+    from taste_cl.adapters.flower.fleet import require_flwr, run_fleet_simulation
+
+    require_flwr()  # telemetry off before flwr is first imported
+    from flwr.serverapp.strategy import FedAvgM
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    personal = [p for p in args.personal.split(",") if p]
+    fleet = make_fleet(args.devices, num_rounds=args.rounds, seed=args.seed)
+    local = run_local(fleet)
+    fed = run_fleet_simulation(
+        build_learner=fleet.build_learner,
+        train_batches=fleet.train_batches,
+        eval_sets=fleet.eval_sets,
+        personal=personal,
+        num_devices=args.devices,
+        num_rounds=args.rounds,
+        strategy=FedAvgM(
+            min_train_nodes=args.devices,
+            min_evaluate_nodes=args.devices,
+            min_available_nodes=args.devices,
+            server_momentum=args.server_momentum,
+        ),
+        client_cpus=args.client_cpus,
+        verbose=args.verbose,
+    )
+    final = fed.final
+    rows = [
+        [
+            d,
+            ",".join(map(str, fleet.classes[d])),
+            local[d]["accuracy-all"],
+            final[d]["accuracy-all"],
+            local[d]["accuracy-own"],
+            final[d]["accuracy-own"],
+        ]
+        for d in range(args.devices)
+    ]
+    means = {key: float(np.mean([r[i] for r in rows])) for i, key in enumerate(["local_all", "fed_all", "local_own", "fed_own"], 2)}
+    rows.append(["mean", "", means["local_all"], means["fed_all"], means["local_own"], means["fed_own"]])
+    print(format_table(["device", "classes", "local all", "fed all", "local own", "fed own"], rows))
+    print()
+    print(
+        format_table(
+            ["round", "accepted", "dropped", "bytes down", "bytes up", "round s", "client train s", "server RSS MB", "max client RSS MB"],
+            [
+                [
+                    r.server_round,
+                    r.accepted,
+                    r.dropped,
+                    r.bytes_down,
+                    r.bytes_up,
+                    r.seconds,
+                    r.mean_client_train_s,
+                    r.server_rss_mb,
+                    r.max_client_rss_mb,
+                ]
+                for r in fed.rounds
+            ],
+        )
+    )
+    print(f"\nmean per-device accuracy on all classes: local {means['local_all']:.3f}  federated {means['fed_all']:.3f}")
+    save_result(
+        args.out,
+        "federated",
+        {
+            "devices": args.devices,
+            "rounds": args.rounds,
+            "personal": personal,
+            "server_momentum": args.server_momentum,
+            "classes": fleet.classes,
+            "local": {str(d): v for d, v in local.items()},
+            "federated": {str(d): v for d, v in final.items()},
+            "mean": means,
+            "round_stats": [asdict(r) for r in fed.rounds],
+            "dropped": [asdict(d) for d in fed.dropped],
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""Fleet personalization with devices as processes: Flower's deployment engine on loopback.
+
+One SuperLink and ``--devices`` SuperNode processes (:class:`LoopbackDeployment`) run
+the digits fleet app once per variant: FedPer, FedBABU, FedPer with differential
+privacy (``--privacy``: central / client / local, Flower's wrappers and mods), and
+FedPer under SecAgg+ secure aggregation (unless ``--no-secagg``). Each
+device's accuracy is compared with *local only* (the same batches, no communication)
+and with the same FedPer run in Flower's simulation engine (same seeds); payload bytes
+and seconds per round come from the server (SecAgg+ counts all four of its message
+exchanges per round, config records included). Run:
+``taste-cl bench federated --deployment [--devices 3 --rounds 2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from taste_cl._report import format_table
+from taste_cl.benchmarks._common import save_result
+
+__all__ = ["run_deployment_bench"]
+
+
+def _simulate(config: Any) -> dict[str, Any]:
+    """The same app in Flower's simulation engine (Ray), outputs in a temporary folder."""
+    from flwr.simulation import run_simulation
+
+    from taste_cl.adapters.flower.app import make_fleet_apps, read_outputs
+
+    with tempfile.TemporaryDirectory(prefix="taste-cl-sim-") as out:
+        server_app, client_app = make_fleet_apps(type(config)(**{**config.__dict__, "out_dir": out}))
+        run_simulation(
+            server_app=server_app,
+            client_app=client_app,
+            num_supernodes=config.devices,
+            backend_config={
+                "client_resources": {"num_cpus": 1.0, "num_gpus": 0.0},
+                "init_args": {"logging_level": "ERROR", "log_to_driver": False},
+            },
+        )
+        return read_outputs(out)[0]
+
+
+def _per_round(result: dict[str, Any]) -> dict[str, float]:
+    rounds = result["rounds"]
+    return {
+        "bytes_down": float(np.mean([r["bytes_down"] for r in rounds])),
+        "bytes_up": float(np.mean([r["bytes_up"] for r in rounds])),
+        "seconds": float(result["seconds"]) / len(rounds),
+        "dropped": float(sum(r["dropped"] for r in rounds)),
+    }
+
+
+def run_deployment_bench(args: argparse.Namespace) -> int:
+    """Run the variants on one loopback deployment, print tables, save JSON."""
+    from taste_cl.adapters.flower.fleet import require_flwr
+
+    require_flwr()
+    from taste_cl.adapters.flower.app import FleetConfig
+    from taste_cl.adapters.flower.deployment import LoopbackDeployment
+    from taste_cl.benchmarks.federated import make_fleet, run_local
+
+    logging.getLogger("flwr").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    base = FleetConfig(
+        devices=args.devices,
+        rounds=args.rounds,
+        personal=args.personal,
+        seed=args.seed,
+        clip=args.clip,
+        noise=args.noise,
+        epsilon=args.epsilon,
+        evaluate_every_round=False,
+    )
+    variants = {
+        "fedper": base,
+        "fedbabu": FleetConfig(**{**base.__dict__, "method": "fedbabu"}),
+        f"fedper+dp-{args.privacy}": FleetConfig(**{**base.__dict__, "privacy": args.privacy}),
+    }
+    if not args.no_secagg:
+        variants["fedper+secagg"] = FleetConfig(**{**base.__dict__, "secagg": True})
+    local = run_local(make_fleet(args.devices, num_rounds=args.rounds, seed=args.seed))
+    results: dict[str, dict[str, Any]] = {}
+    servers: dict[str, dict[str, np.ndarray]] = {}
+    start = time.perf_counter()
+    with LoopbackDeployment(args.devices, timeout_s=args.timeout, verbose=args.verbose) as deployment:
+        for name, config in variants.items():
+            print(f"deployment run: {name} ...", flush=True)
+            results[name], servers[name], _ = deployment.run(config)
+    deployment_s = time.perf_counter() - start
+    simulated = None if args.no_simulation else _simulate(base)
+    last = str(args.rounds)
+    names = list(variants)
+    header = ["device", "local only", *names] + ([] if simulated is None else ["fedper (simulation)"])
+    means: dict[str, dict[str, float]] = {}
+    for key, label in (("accuracy-all", "all classes"), ("accuracy-own", "the device's own classes")):
+        rows = []
+        for d in range(args.devices):
+            row: list[Any] = [d, local[d][key], *(results[n]["evaluations"][last][str(d)][key] for n in names)]
+            if simulated is not None:
+                row.append(simulated["evaluations"][last][str(d)][key])
+            rows.append(row)
+        rows.append(["mean", *(float(np.mean([r[i] for r in rows])) for i in range(1, len(header)))])
+        means[key] = dict(zip(header[1:], rows[-1][1:]))
+        print(f"per-device accuracy on held-out digits of {label}, after the last round")
+        print(format_table(header, rows))
+        print()
+    stats = {n: _per_round(r) for n, r in results.items()}
+    if simulated is not None:
+        stats["fedper (simulation)"] = _per_round(simulated)
+    print(
+        format_table(
+            ["variant", "bytes down/round", "bytes up/round", "seconds/round", "dropped"],
+            [[n, s["bytes_down"], s["bytes_up"], s["seconds"], s["dropped"]] for n, s in stats.items()],
+        )
+    )
+    if simulated is not None:
+        gap = max(
+            abs(results["fedper"]["evaluations"][last][str(d)][k] - simulated["evaluations"][last][str(d)][k])
+            for d in range(args.devices)
+            for k in ("accuracy-all", "accuracy-own")
+        )
+        print(f"\nlargest per-device accuracy gap, fedper deployment vs simulation (same seeds): {gap:.4f}")
+    secagg_gap = None
+    if "fedper+secagg" in servers:
+        secagg_gap = max(float(np.max(np.abs(servers["fedper+secagg"][k] - v))) for k, v in servers["fedper"].items())
+        print(f"largest shared-weight difference, fedper+secagg vs fedper after round {args.rounds}: {secagg_gap:.2e}")
+    print(f"deployment wall time (start, {len(names)} runs, stop): {deployment_s:.1f} s")
+    save_result(
+        args.out,
+        "federated_deployment",
+        {
+            "devices": args.devices,
+            "rounds": args.rounds,
+            "variants": {n: c.to_run_config() for n, c in variants.items()},
+            "local": {str(d): v for d, v in local.items()},
+            "deployment": results,
+            "simulation": simulated,
+            "per_round": stats,
+            "mean_accuracy": means,
+            "deployment_seconds": deployment_s,
+            "secagg_max_abs_weight_gap": secagg_gap,
+        },
+    )
+    return 0

@@ -1,0 +1,62 @@
+"""``taste-cl export``: write ONNX Runtime on-device training artifacts of the digits learner.
+
+Without ``--checkpoint`` it trains the reference digits learner (MLP, SGD, 200-sample
+reservoir) on the first ``--tasks`` split-digits tasks, then exports it; with
+``--checkpoint DIR`` it loads a saved reference learner instead. The folder then holds
+``training_model.onnx``, ``eval_model.onnx``, ``optimizer_model.onnx``, ``checkpoint``,
+``inference_model.onnx``, ``replay.npz`` and ``manifest.json``; load it on the device with
+``taste_cl.adapters.onnxruntime.export.OrtOnlineLearner.from_artifacts``. Needs the ``[onnx]`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import torch
+
+from taste_cl.cli.console import plain_text
+from taste_cl.cli.demo import build_digits_learner
+from taste_cl.datasets import make_mlp, split_digits, stream
+from taste_cl.learner import OnlineLearner
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="taste-cl export", description=plain_text(__doc__))
+    parser.add_argument("--out", default="artifacts", help="artifact folder to write (replaced if it holds artifacts)")
+    parser.add_argument("--checkpoint", help="folder of a saved reference digits learner to export instead of training")
+    parser.add_argument("--tasks", type=int, default=2, help="split-digits tasks (of 5) to train on before exporting")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), help="on-device optimizer (default: the learner's)")
+    parser.add_argument("--lr", type=float, help="on-device learning rate (default: the learner's)")
+    parser.add_argument("--batch-size", type=int, help="stream batch size to record in the manifest for the app")
+    parser.add_argument("--last-layer-only", action="store_true", help="train only the output layer on device")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the training stream and model")
+    args = parser.parse_args(argv)
+    if not 1 <= args.tasks <= 5:
+        parser.error(f"--tasks must be in [1, 5]; got {args.tasks}")
+
+    from taste_cl.adapters.onnxruntime.export import export  # needs the [onnx] extra
+
+    torch.manual_seed(args.seed)
+    if args.checkpoint:
+        model = make_mlp(seed=args.seed)
+        learner = OnlineLearner.load(args.checkpoint, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    else:
+        learner = build_digits_learner(seed=args.seed)
+        tasks = split_digits(5, seed=args.seed)
+        for _, x, y in stream(tasks[: args.tasks], 10, seed=args.seed):
+            learner.observe((x, y))
+    names = [name for name, _ in learner.model.named_parameters()]
+    trainable = names[-2:] if args.last_layer_only else None  # the output layer's weight and bias
+    folder = export(learner, args.out, trainable=trainable, optimizer=args.optimizer, lr=args.lr, batch_size=args.batch_size)
+    sizes = {path.name: path.stat().st_size for path in sorted(folder.iterdir())}
+    print(f"exported {learner.samples_seen} samples' worth of learning to {folder}")
+    for name, size in sizes.items():
+        print(f"  {name:24s} {size / 1024:8.1f} KiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,550 @@
+"""Stability-plasticity monitor: does the model keep old knowledge while learning new data?
+
+- **plasticity**: prequential (test-then-train) score on each incoming stream batch,
+  measured with the parameters *before* the model trains on that batch, over a
+  sliding window of recent batches;
+- **stability**: score on a *probe* of past stream samples (class-balanced when the task
+  has one class per sample, a reservoir otherwise), kept by the monitor apart from the
+  replay buffer and re-evaluated every ``eval_every`` steps;
+- **forgetting**: per class, best probe score so far minus current probe score,
+  averaged over classes (the class-wise analogue of Chaudhry et al.'s forgetting); for
+  tasks without classes, over the whole probe (for error metrics: current minus best);
+- **drift**: Page-Hinkley test on the prequential loss;
+- **anytime score**: the probe score (all classes seen so far) averaged over every evaluation;
+- **negative flip rate** (classification, multi-label): among probe samples scored at two
+  consecutive evaluations, the share that was right and became wrong; **flip impact** is
+  the share of the current errors that are such flips. ``update_regressed`` fires when
+  the probe score drops by more than ``regression_threshold`` between two evaluations.
+
+Scores are the task's (:mod:`taste_cl.tasks`): accuracy for classification and token
+tagging, micro-F1 for multi-label, MSE for regression (``report()`` has all its metrics).
+
+``prequential`` chooses the forward that plasticity is scored with: ``"train"`` reuses the
+training forward (free, but batch statistics and dropout make it differ from what
+``predict()`` returns), ``"eval"`` scores with an extra eval-mode forward of the stream
+samples, ``"auto"`` (default) uses ``"eval"`` only for models whose output changes with the
+train/eval mode (checked once, on a copy, on the first batch).
+
+Other components subscribe to its events (``drift_detected``, ``forgetting_rising``,
+``numerical_fault``, ``update_regressed``, the guard's ``update_rolled_back`` and the tuner's ``load_shift``) with :meth:`subscribe`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from taste_cl._batch import leaves
+from taste_cl._checks import INT_LIMIT
+from taste_cl._report import MonitorReport
+from taste_cl.monitor.drift import PageHinkley
+from taste_cl.replay import ClassBalancedReplay, ReservoirReplay
+from taste_cl.tasks import Classification, MultiLabel, Task, TokenClassification, resolve_task
+
+__all__ = ["MonitorEvent", "StabilityPlasticityMonitor", "sample_correct"]
+
+PREQUENTIAL_MODES = ("auto", "train", "eval")
+EVENT_NAMES = (
+    "drift_detected",
+    "forgetting_rising",
+    "numerical_fault",
+    "updates_stuck",
+    "diverging",
+    "load_shift",
+    "retuned",
+    "update_regressed",
+    "update_rolled_back",
+)
+
+
+@dataclass(frozen=True)
+class MonitorEvent:
+    """Something subscribers may react to; ``details`` holds only plain values."""
+
+    name: str
+    step: int
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+Subscriber = Callable[[MonitorEvent], None]
+_OFFER_SAMPLES, _OFFER_BYTES = 512, 8 << 20  # at most this many waiting stream samples / bytes before they are offered to the probe
+_CONCAT_BYTES = 1 << 20  # waiting batches up to this size are offered as one
+_NO_IDS, _NO_FLAGS = torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool)
+
+
+def sample_correct(task: Task, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    """Per sample, whether the prediction is right (all labels right for multi-label);
+    None for tasks without a right or wrong answer per sample (regression, token tagging)."""
+    if isinstance(task, Classification):
+        return outputs.argmax(1) == y
+    if isinstance(task, MultiLabel):
+        predicted = outputs > 0 if task.logits else outputs > 0.5
+        return (predicted == (y > 0.5)).all(1)
+    return None
+
+
+class StabilityPlasticityMonitor:
+    """Measure stability, plasticity, forgetting and drift of an online learner.
+
+    Parameters
+    ----------
+    probe_capacity:
+        Size of the probe of past samples used for stability (class-balanced for
+        classification, a reservoir otherwise).
+    eval_every:
+        Evaluate the probe every this many recorded stream batches. With the default
+        probe of 100 samples every 20 batches, the probe's forward pass is about 2.5% of
+        the training FLOPs of a small CNN with stream and replay batches of 32, and 4-5% of
+        its ``observe`` time on a CPU where that CNN's forward is slow relative to its
+        backward (``taste-cl bench overhead``); a larger probe or a shorter interval gives
+        finer stability and forgetting curves at a proportional cost.
+    window:
+        Number of recent stream batches the plasticity estimate averages over.
+    forgetting_threshold:
+        ``forgetting_rising`` fires when average forgetting rises above this.
+    drift_detector:
+        Any object with ``update(value) -> bool`` and ``state_dict``/``load_state_dict``;
+        defaults to :class:`~taste_cl.monitor.drift.PageHinkley` on the batch loss.
+    max_events:
+        Bound on the remembered event history (memory stays flat on long streams).
+    prequential:
+        ``"auto"``, ``"train"`` or ``"eval"``: which forward scores plasticity (see the module doc).
+    regression_threshold:
+        ``update_regressed`` fires when the probe score gets worse by more than this between two evaluations.
+    task:
+        How targets are scored; the learner sets it (default classification).
+    """
+
+    def __init__(
+        self,
+        *,
+        probe_capacity: int = 100,
+        eval_every: int = 20,
+        window: int = 50,
+        forgetting_threshold: float = 0.1,
+        drift_detector: PageHinkley | None = None,
+        max_events: int = 1000,
+        seed: int = 0,
+        prequential: str = "auto",
+        task: Task | None = None,
+        regression_threshold: float = 0.05,
+    ) -> None:
+        for name, value in (("eval_every", eval_every), ("window", window), ("max_events", max_events)):
+            if value < 1:
+                raise ValueError(f"`{name} == {value}`, must be >= 1")
+        if prequential not in PREQUENTIAL_MODES:
+            raise ValueError(f"`prequential == {prequential!r}`, must be one of {', '.join(map(repr, PREQUENTIAL_MODES))}")
+        self.probe_capacity = probe_capacity
+        self.eval_every = eval_every
+        self.window = window
+        self.forgetting_threshold = forgetting_threshold
+        self.drift_detector = drift_detector if drift_detector is not None else PageHinkley()
+        self.max_events = max_events
+        self.seed = seed
+        self.prequential = prequential
+        self.regression_threshold = regression_threshold
+        self.task: Task = Classification()
+        self._probe = self._new_probe()
+        self._forget_unoffered()
+        if task is not None:
+            self.set_task(task)
+        self._subscribers: list[tuple[str | None, Subscriber]] = []
+        self._pending: list[MonitorEvent] = []
+        self._reset_measurements()
+
+    def _reset_measurements(self) -> None:
+        self.steps = 0
+        self.samples_seen = 0
+        self._recent: deque[tuple[tuple[float, ...], float]] = deque(maxlen=self.window)  # (task stats, loss)
+        self._class_accuracy: dict[int, float] = {}
+        self._best_class_accuracy: dict[int, float] = {}
+        self._stability: float | None = None
+        self._forgetting = 0.0
+        self._events: deque[MonitorEvent] = deque(maxlen=self.max_events)
+        self._event_counts: Counter[str] = Counter()
+        self._last_drift_step: int | None = None
+        self._anytime = [0.0, 0]  # sum of probe scores over evaluations, evaluations
+        self._last_correct = (_NO_IDS, _NO_FLAGS)  # probe sample ids and whether each was right at the last evaluation
+        self._flips: tuple[float, float] | None = None  # (negative flip rate, flip impact) at the last evaluation
+
+    def set_task(self, task: Task) -> None:
+        """Score with ``task``; the probe becomes class-balanced or a reservoir to suit it.
+
+        Only before the first measurement (or for the same task): ``ValueError`` otherwise.
+        """
+        task = resolve_task(task)
+        if task == self.task:
+            return
+        if self.steps or len(self._probe) or self._unoffered:
+            raise ValueError(f"monitor already scores {self.task!r}; cannot switch to {task!r} mid-stream")
+        self.task = task
+        self._probe = self._new_probe()
+
+    def _new_probe(self) -> ClassBalancedReplay | ReservoirReplay:
+        probe = ClassBalancedReplay if self.task.balances_classes else ReservoirReplay
+        return probe(self.probe_capacity, seed=self.seed)
+
+    # ----------------------------------------------------------------- events
+    def subscribe(self, callback: Subscriber, event: str | None = None) -> Callable[[], None]:
+        """Call ``callback(event)`` for every event (or only those named ``event``).
+
+        Returns a function that unsubscribes.
+        """
+        if event is not None and event not in EVENT_NAMES:
+            raise ValueError(f"unknown event {event!r}; known events: {', '.join(EVENT_NAMES)}")
+        entry = (event, callback)
+        self._subscribers.append(entry)
+        return lambda: self._subscribers.remove(entry) if entry in self._subscribers else None
+
+    def emit(self, name: str, **details: Any) -> None:
+        """Queue an event; subscribers hear it at the end of the current ``observe``."""
+        self._pending.append(MonitorEvent(name, self.steps, details))
+
+    def dispatch(self) -> list[MonitorEvent]:
+        """Record queued events and call their subscribers; return them."""
+        events, self._pending = self._pending, []
+        for event in events:
+            self._events.append(event)
+            self._event_counts[event.name] += 1
+        for event in events:
+            for wanted, callback in list(self._subscribers):
+                if wanted is None or wanted == event.name:
+                    callback(event)
+        return events
+
+    @property
+    def events(self) -> list[MonitorEvent]:
+        """Recent events, oldest first (at most ``max_events``)."""
+        return list(self._events)
+
+    # ----------------------------------------------------------- measurements
+    def record(self, x: Any, y: torch.Tensor, outputs: torch.Tensor, *, validated: bool = False, store: bool = True) -> tuple[float, ...]:
+        """Score a stream batch with outputs computed *before* training on it, then store it in the probe.
+
+        Returns the task's additive statistics of the batch (for classification
+        ``(correct, n)``). ``validated=True`` (the learner's own calls, on its own copies
+        that nothing changes afterwards) skips the probe's input checks and lets the batch
+        wait to be offered to the probe with the next ones (same result, less time);
+        ``store=False`` scores without storing (a batch whose training loss overflowed).
+        """
+        outputs = outputs.detach() if outputs.requires_grad else outputs  # the learner's are detached already
+        loss = self.task.loss(outputs, y)
+        stats = self.task.batch_stats(outputs, y)
+        self.steps += 1
+        self.samples_seen += y.shape[0]
+        self._recent.append((stats, loss))
+        if math.isfinite(loss) and self.drift_detector.update(loss):
+            self._last_drift_step = self.steps
+            self.emit("drift_detected", loss=loss)
+        if store and validated:  # the learner's own copies: nobody changes them before the offer
+            self._unoffered.append((x, y, self.samples_seen - y.shape[0]))
+            self._unoffered_samples += y.shape[0]
+            self._unoffered_bytes += x.nbytes if isinstance(x, torch.Tensor) else sum(t.nbytes for t in leaves(x))
+            if self._unoffered_samples >= _OFFER_SAMPLES or self._unoffered_bytes >= _OFFER_BYTES:
+                self._offer_to_probe()
+        elif store:
+            self._offer_to_probe()  # keep the order of offers
+            self._probe.add(x, y, sid=self._ids(self.samples_seen - y.shape[0], y.shape[0]))
+        return stats
+
+    @staticmethod
+    def _ids(first: int, n: int) -> torch.Tensor:
+        """Ids of stream samples ``first ..``: they name probe samples across evaluations."""
+        return torch.arange(first, first + n)
+
+    def _offer_to_probe(self) -> None:
+        """Offer the waiting stream batches to the probe, oldest first; small ones in joined
+        runs (:meth:`~taste_cl.replay.ClassBalancedReplay.add_batches`: the same probe, one
+        pass of its bookkeeping)."""
+        batches = [(x, y, {"sid": self._ids(first, y.shape[0])}) for x, y, first in self._unoffered]
+        if self._unoffered_bytes <= _CONCAT_BYTES:
+            self._probe.add_batches(batches)
+        else:  # joining would copy this much once more
+            for x, y, fields in batches:
+                self._probe.add_validated(x, y, **fields)
+        self._forget_unoffered()
+
+    def _forget_unoffered(self) -> None:
+        """Empty the list of validated stream batches not yet offered to the probe.
+
+        They wait as (x, y, id of the first sample), counted in samples and bytes: offering
+        them in a run every few batches is exactly what offering each at once does, for a
+        fraction of the time.
+        """
+        self._unoffered: list[tuple[Any, torch.Tensor, int]] = []
+        self._unoffered_samples = self._unoffered_bytes = 0
+
+    def due(self) -> bool:
+        """Whether the probe should be evaluated after this step."""
+        return self.steps % self.eval_every == 0 and (len(self._probe) > 0 or bool(self._unoffered))
+
+    def evaluate(self, predict: Callable[[Any], torch.Tensor]) -> None:
+        """Evaluate the probe with ``predict`` (inputs -> outputs) and update stability/forgetting."""
+        self._offer_to_probe()
+        x, y, fields = self._probe.contents()
+        previous_score = self._stability
+        with torch.no_grad():
+            outputs = predict(x)
+            self._stability = self.task.metrics(self.task.batch_stats(outputs, y))[self.task.primary]
+            scores = self.task.group_scores(outputs, y)
+            self._count_flips(fields["sid"], sample_correct(self.task, outputs, y))
+        self._anytime = [self._anytime[0] + self._stability, self._anytime[1] + 1]
+        if previous_score is not None and math.isfinite(self._stability):
+            sign = 1.0 if self.task.higher_is_better else -1.0
+            drop = sign * (previous_score - self._stability)
+            if drop > self.regression_threshold:
+                flips = {} if self._flips is None else {"negative_flip_rate": self._flips[0], "flip_impact": self._flips[1]}
+                self.emit("update_regressed", score=self._stability, previous=previous_score, drop=drop, **flips)
+        better = max if self.task.higher_is_better else min
+        for label, score in scores.items():
+            self._class_accuracy[label] = score
+            self._best_class_accuracy[label] = better(self._best_class_accuracy.get(label, score), score)
+        sign = 1.0 if self.task.higher_is_better else -1.0
+        drops = [sign * (self._best_class_accuracy[c] - a) for c, a in self._class_accuracy.items()]
+        previous, self._forgetting = self._forgetting, sum(drops) / len(drops)
+        if previous <= self.forgetting_threshold < self._forgetting:
+            self.emit("forgetting_rising", forgetting=self._forgetting, threshold=self.forgetting_threshold)
+
+    def _count_flips(self, ids: torch.Tensor, correct: torch.Tensor | None) -> None:
+        """Negative flips among probe samples also scored at the previous evaluation."""
+        if correct is None:
+            return
+        last_ids, last_correct = self._last_correct
+        if last_ids.numel():
+            order = torch.argsort(last_ids)
+            sorted_ids = last_ids[order]
+            at = torch.searchsorted(sorted_ids, ids).clamp_(max=sorted_ids.numel() - 1)
+            common = sorted_ids[at] == ids  # probe ids are unique: a match is the same sample
+            n_common = int(common.sum())
+            if n_common:
+                before, now = last_correct[order][at][common], correct[common]
+                negative, errors = int((before & ~now).sum()), int((~now).sum())
+                self._flips = (negative / n_common, negative / errors if errors else 0.0)
+        self._last_correct = (ids.clone(), correct.clone())
+
+    # ---------------------------------------------------------------- reading
+    @property
+    def anytime_score(self) -> float | None:
+        """The probe score (all seen classes) averaged over every evaluation so far (None before one)."""
+        return self._anytime[0] / self._anytime[1] if self._anytime[1] else None
+
+    @property
+    def negative_flip_rate(self) -> float | None:
+        """Share of probe samples right at the previous evaluation and wrong at the last one
+        (None before two evaluations, or for tasks without per-sample right/wrong)."""
+        return None if self._flips is None else self._flips[0]
+
+    @property
+    def flip_impact(self) -> float | None:
+        """Share of the probe errors at the last evaluation that were right at the one before."""
+        return None if self._flips is None else self._flips[1]
+
+    @property
+    def plasticity(self) -> float | None:
+        """Prequential score (the task's primary metric, e.g. accuracy) over the recent
+        window (None before any batch, NaN if nothing in it could be scored)."""
+        metrics = self.plasticity_metrics
+        return None if metrics is None else metrics[self.task.primary]
+
+    @property
+    def plasticity_metrics(self) -> dict[str, float] | None:
+        """All the task's prequential metrics over the recent window (None before any batch)."""
+        if not self._recent:
+            return None
+        return self.task.metrics([sum(column) for column in zip(*(stats for stats, _ in self._recent))])
+
+    @property
+    def stability(self) -> float | None:
+        """The task's primary score on the probe of past samples at the last evaluation (None before one)."""
+        return self._stability
+
+    @property
+    def forgetting(self) -> float:
+        """Average over classes of the drop of the probe score from its best so far."""
+        return self._forgetting
+
+    def report(self) -> MonitorReport:
+        """A dict summary: stability, plasticity, forgetting, drift, per-class scores
+        (``print`` shows it as a few rounded lines)."""
+        losses = [loss for _, loss in self._recent if math.isfinite(loss)]
+        report = {
+            "task": self.task.name,
+            "metric": self.task.primary,
+            "steps": self.steps,
+            "samples_seen": self.samples_seen,
+            "stability": self._stability,
+            "plasticity": self.plasticity,
+            "plasticity_metrics": self.plasticity_metrics,
+            "plasticity_loss": sum(losses) / len(losses) if losses else None,
+            "forgetting": self._forgetting,
+            "anytime_score": self.anytime_score,
+            "negative_flip_rate": self.negative_flip_rate,
+            "flip_impact": self.flip_impact,
+            "drift": {
+                "count": self._event_counts["drift_detected"],
+                "last_step": self._last_drift_step,
+                "recent": self._last_drift_step is not None and self.steps - self._last_drift_step < self.window,
+            },
+            "per_class_accuracy": dict(sorted(self._class_accuracy.items())),
+            "events": dict(self._event_counts),
+        }
+        return MonitorReport(report)
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        self._offer_to_probe()
+        return {
+            "steps": self.steps,
+            "samples_seen": self.samples_seen,
+            "task": self.task.config(),
+            "recent": [[*stats, loss] for stats, loss in self._recent],
+            "class_accuracy": [[c, a] for c, a in self._class_accuracy.items()],
+            "best_class_accuracy": [[c, a] for c, a in self._best_class_accuracy.items()],
+            "stability": self._stability,
+            "forgetting": self._forgetting,
+            "events": [asdict(event) for event in self._events],
+            "event_counts": dict(self._event_counts),
+            "last_drift_step": self._last_drift_step,
+            "anytime": list(self._anytime),
+            "last_correct": [self._last_correct[0].tolist(), self._last_correct[1].tolist()],
+            "flips": None if self._flips is None else list(self._flips),
+            "probe": self._probe.state_dict(),
+            "drift_detector": self.drift_detector.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; validated first, so a bad state raises ValueError and changes nothing."""
+        parsed = _parse_state(state, self)
+        self._forget_unoffered()  # the probe is replaced
+        self._reset_measurements()
+        self.task = parsed["task"]
+        self.steps, self.samples_seen = parsed["steps"], parsed["samples_seen"]
+        self._recent.extend(parsed["recent"])
+        self._class_accuracy, self._best_class_accuracy = parsed["class_accuracy"], parsed["best_class_accuracy"]
+        self._stability, self._forgetting = parsed["stability"], parsed["forgetting"]
+        self._events.extend(parsed["events"])
+        self._event_counts.update(parsed["event_counts"])
+        self._last_drift_step = parsed["last_drift_step"]
+        self._probe, self.drift_detector = parsed["probe"], parsed["drift_detector"]
+        self._anytime, self._last_correct, self._flips = parsed["anytime"], parsed["last_correct"], parsed["flips"]
+
+
+def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, Any]:
+    """Validate a monitor state into plain values and new probe/detector objects (``monitor`` is untouched)."""
+
+    def fail(key: str, rule: str) -> ValueError:
+        value = state.get(key) if isinstance(state, dict) else None
+        return ValueError(f"monitor state `{key}` {rule}; got {str(value)[:80]}")
+
+    def count(key: str, value: Any = None) -> int:
+        value = state.get(key) if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < INT_LIMIT:
+            raise fail(key, "must be an int in [0, 2**62)")
+        return value
+
+    def score(key: str, value: Any) -> float:
+        """A task score: a fraction for accuracy-like tasks, a finite error >= 0 for regression."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise fail(key, "must hold finite numbers >= 0")
+        if task.higher_is_better and value > 1.0:
+            raise fail(key, "must hold numbers in [0, 1]")
+        return float(value)
+
+    def pairs(key: str) -> dict[int, float]:
+        items = state.get(key)
+        if not isinstance(items, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in items):
+            raise fail(key, "must be a list of [class, accuracy] pairs")
+        return {count(key, c): score(key, a) for c, a in items}
+
+    if not isinstance(state, dict):
+        raise ValueError(f"monitor state must be a dict; got {type(state).__name__}")  # noqa: TRY004 (a bad state is a ValueError)
+    try:
+        task = resolve_task(state.get("task", {"name": "classification"}))
+    except ValueError as error:
+        raise fail("task", f"is not a known task ({error})") from error
+    width = len(task.batch_stats(*_empty_batch(task))) + 1
+    recent = state.get("recent")
+    if not isinstance(recent, list) or not all(isinstance(r, (list, tuple)) and len(r) == width for r in recent):
+        raise fail("recent", f"must be a list of [*{task.name} statistics, loss] rows of length {width}")
+    recent_items = []
+    for row in recent:
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in row) or not all(math.isfinite(v) and v >= 0 for v in row[:-1]):
+            raise fail("recent", "needs finite, non-negative statistics and a numeric loss")
+        stats = tuple(float(v) for v in row[:-1])
+        primary = task.metrics(stats)[task.primary]
+        if task.higher_is_better and not (math.isnan(primary) or 0.0 <= primary <= 1.0):
+            raise fail("recent", f"rows must score in [0, 1] (e.g. correct <= n); a row scores {primary}")
+        recent_items.append((stats, float(row[-1])))
+    stability, forgetting = state.get("stability"), state.get("forgetting")
+    if isinstance(forgetting, bool) or not isinstance(forgetting, (int, float)) or not math.isfinite(forgetting):
+        raise fail("forgetting", "must be a finite number")
+    if task.higher_is_better and not -1.0 <= forgetting <= 1.0:
+        raise fail("forgetting", "must be a number in [-1, 1]")
+    events = state.get("events")
+    if not isinstance(events, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("details"), dict) for e in events
+    ):
+        raise fail("events", "must be a list of {name, step, details} dicts")
+    event_counts = state.get("event_counts")
+    if not isinstance(event_counts, dict) or not all(isinstance(k, str) for k in event_counts):
+        raise fail("event_counts", "must map event names to counts")
+    last_drift = state.get("last_drift_step")
+    anytime = state.get("anytime", [0.0, 0])
+    if not isinstance(anytime, list) or len(anytime) != 2:
+        raise fail("anytime", "must be [score sum, count]")
+    anytime_sum, anytime_count = _finite(anytime[0], fail, "anytime"), count("anytime", anytime[1])
+    last_correct = state.get("last_correct", [[], []])
+    if not isinstance(last_correct, list) or len(last_correct) != 2 or not all(isinstance(v, list) for v in last_correct):
+        raise fail("last_correct", "must be [sample ids, correct flags]")
+    ids, flags = last_correct
+    if len(ids) != len(flags) or not all(isinstance(f, bool) for f in flags):
+        raise fail("last_correct", "needs one bool flag per sample id")
+    id_list, seen = [count("last_correct", i) for i in ids], count("samples_seen")
+    if len(set(id_list)) != len(id_list) or any(i >= seen for i in id_list):
+        raise fail("last_correct", "must hold distinct ids of samples seen")
+    flips = state.get("flips")
+    if flips is not None and (not isinstance(flips, list) or len(flips) != 2):
+        raise fail("flips", "must be None or [negative flip rate, flip impact]")
+    probe = (ClassBalancedReplay if task.balances_classes else ReservoirReplay)(monitor.probe_capacity, seed=monitor.seed)
+    probe.load_state_dict(state.get("probe", {}))  # atomic on the new probe
+    detector = copy.deepcopy(monitor.drift_detector)
+    detector.load_state_dict(state.get("drift_detector", {}))
+    return {
+        "task": task,
+        "steps": count("steps"),
+        "samples_seen": count("samples_seen"),
+        "recent": recent_items,
+        "class_accuracy": pairs("class_accuracy"),
+        "best_class_accuracy": pairs("best_class_accuracy"),
+        "stability": None if stability is None else score("stability", stability),
+        "forgetting": float(forgetting),
+        "events": [MonitorEvent(e["name"], count("events", e.get("step")), dict(e["details"])) for e in events],
+        "event_counts": {k: count("event_counts", v) for k, v in event_counts.items()},
+        "last_drift_step": None if last_drift is None else count("last_drift_step"),
+        "probe": probe,
+        "drift_detector": detector,
+        "anytime": [anytime_sum, anytime_count],
+        "last_correct": (torch.tensor(id_list, dtype=torch.long), torch.tensor(flags, dtype=torch.bool)),
+        "flips": None if flips is None else (_finite(flips[0], fail, "flips"), _finite(flips[1], fail, "flips")),
+    }
+
+
+def _finite(value: Any, fail: Callable[[str, str], ValueError], key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise fail(key, "must hold finite numbers")
+    return float(value)
+
+
+def _empty_batch(task: Task) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs and targets of one tiny batch the task accepts (to learn its statistics' width)."""
+    if isinstance(task, TokenClassification):
+        return torch.zeros(1, 2, 1), torch.zeros(1, 1, dtype=torch.long)
+    if isinstance(task, Classification):
+        return torch.zeros(1, 2), torch.zeros(1, dtype=torch.long)
+    return torch.zeros(1, 1), torch.zeros(1, 1)
