@@ -18,11 +18,8 @@ from taste_cl import InvalidBatchError, OnlineLearner, ReservoirReplay
 from taste_cl.adapters.device.artifacts import ArtifactError, ExportError
 from taste_cl.adapters.device.parity import ParityError
 from taste_cl.adapters.device.transforms import FrozenBatchNorm, apply_transforms
-from taste_cl.adapters.executorch.export import (
-    EtOnlineLearner,
-    UnsupportedModelError,
-    export_model,
-)
+from taste_cl.adapters.executorch.export import UnsupportedModelError, export_model
+from taste_cl.adapters.executorch.learner import EtOnlineLearner
 
 STEPS = 20
 

@@ -1,6 +1,7 @@
 """ExecuTorch on-device training: export a model as a ``.pte`` program, keep it learning on the device.
 
 - :mod:`.export`: :func:`export_model` and the learner-level :func:`export`, gated by parity;
+- :mod:`.learner`: :class:`EtOnlineLearner`, the device side (imports nothing from :mod:`.export`);
 - :mod:`.runtime`: the ExecuTorch training runtime behind the parity gate and the device learner;
 - :mod:`.replay`: the exported replay buffer (plain arrays, checked on load).
 """
@@ -19,7 +20,7 @@ __getattr__ = lazy_getattr(
     __name__,
     {
         "BACKEND": "taste_cl.adapters.executorch.export",
-        "EtOnlineLearner": "taste_cl.adapters.executorch.export",
+        "EtOnlineLearner": "taste_cl.adapters.executorch.learner",
         "UnsupportedModelError": "taste_cl.adapters.executorch.export",
         "export": "taste_cl.adapters.executorch.export",
         "export_model": "taste_cl.adapters.executorch.export",

@@ -5,6 +5,8 @@ runs is what was hash-checked), runs the exported ``forward`` method (loss, outp
 gradients) and steps the shipped SGD (``get_sgd_optimizer``: momentum, dampening, weight
 decay, Nesterov). :class:`IOSpec` describes the inputs and targets recorded in the manifest
 and turns user values into the flat list of tensors the program takes.
+The artifact folder's file names and format number live here too: the export writes
+the folder and the device learner reads it, and neither imports the other.
 
 Limits of the shipped runtime (ExecuTorch 1.5), which this module works around or states:
 the parameters are reachable only after a first ``forward_backward`` (done once at load, on
@@ -28,9 +30,12 @@ import torch
 from taste_cl.adapters.device.artifacts import ExportError
 from taste_cl.exceptions import InvalidBatchError, MissingDependencyError
 
-__all__ = ["PARAM_PREFIX", "EtTrainer", "IOSpec", "LeafSpec", "executorch_runtime"]
+__all__ = ["BACKEND", "FORMAT", "PARAM_PREFIX", "EtTrainer", "IOSpec", "LeafSpec", "executorch_runtime"]
 
 PARAM_PREFIX = "model."  # the exported wrapper holds the user's model as ``model``
+BACKEND = "executorch"
+FORMAT = 1  # the artifact folder's format, written by the export and by EtOnlineLearner.save
+PROGRAM, WEIGHTS, PARAMS, REPLAY = "model.pte", "model.ptd", "params.npz", "replay.npz"
 MIN_BATCH = 2
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}
 SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")

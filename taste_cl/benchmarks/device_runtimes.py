@@ -77,7 +77,7 @@ def _samples_per_s(step: Callable[[], Any], steps: int, batch: int) -> float:
 
 def _export_all(learner: OnlineLearner, folder: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Export through each backend; return the loaded device learners and per-backend facts."""
-    from taste_cl.adapters.executorch.export import EtOnlineLearner
+    from taste_cl.adapters.executorch.learner import EtOnlineLearner
     from taste_cl.adapters.onnxruntime.export import OrtOnlineLearner
 
     loaders: dict[str, Callable[[Path], Any]] = {
