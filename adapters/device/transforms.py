@@ -1,12 +1,15 @@
-"""Model transforms that make a PyTorch model trainable by ExecuTorch, applied before export.
+"""Model transforms a device backend needs, applied to a model copy before export.
 
 ExecuTorch 1.5 cannot lower BatchNorm in training mode (``to_executorch()`` stops with
 "Missing out variants: aten::_native_batch_norm_legit_functional"), and a device's dropout
 draws other random numbers than PyTorch, so no parity check can pass through it. Each
-transform returns nothing and edits a model copy in place; parameter names are kept, so
-trained weights map back to the original model by name. The transforms change what training
-does (frozen statistics, no dropout): the parity gate compares the device against eager
-PyTorch on the *transformed* model, and the manifest records which transforms were applied.
+transform edits a model copy in place and returns how many modules it changed; parameter
+and buffer names are kept, so trained weights map back to the original model by name. The
+transforms change what training does (frozen statistics, no dropout): the parity gate
+compares the device against eager PyTorch on the *transformed* model, and the manifest
+records which transforms were applied. ONNX Runtime's export
+(:mod:`taste_cl.adapters.onnxruntime.transforms`) uses the same :class:`FrozenBatchNorm`
+and :func:`disable_dropout`.
 
 >>> import torch
 >>> from torch import nn
@@ -26,39 +29,32 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["TRANSFORMS", "FrozenBatchNorm", "apply_transforms", "needed_transforms"]
+__all__ = ["TRANSFORMS", "FrozenBatchNorm", "apply_transforms", "disable_dropout", "freeze_batchnorm", "needed_transforms"]
 
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
-class FrozenBatchNorm(nn.Module):
-    """BatchNorm with frozen running statistics: an affine layer with trainable ``weight`` and ``bias``.
+class FrozenBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm normalised with its running statistics in training too; only ``weight`` and ``bias`` train.
 
     ``y = (x - running_mean) / sqrt(running_var + eps) * weight + bias`` over channel dim 1,
-    which is what ``BatchNorm`` computes in eval mode; the statistics are buffers and never change.
+    which is what ``BatchNorm`` computes in eval mode; the statistics never change. A
+    BatchNorm with running statistics becomes one by swapping its class
+    (``module.__class__ = FrozenBatchNorm``), which keeps every parameter and buffer.
     """
 
-    running_mean: torch.Tensor
-    running_var: torch.Tensor
-
-    def __init__(self, source: nn.modules.batchnorm._BatchNorm) -> None:
-        super().__init__()
-        channels = source.num_features
-        mean = source.running_mean if source.running_mean is not None else torch.zeros(channels)
-        var = source.running_var if source.running_var is not None else torch.ones(channels)
-        self.register_buffer("running_mean", mean.detach().clone().float())
-        self.register_buffer("running_var", var.detach().clone().float())
-        self.eps = float(source.eps)
-        weight = source.weight.detach().clone() if source.weight is not None else torch.ones(channels)
-        bias = source.bias.detach().clone() if source.bias is not None else torch.zeros(channels)
-        self.weight = nn.Parameter(weight, requires_grad=source.weight is not None and source.weight.requires_grad)
-        self.bias = nn.Parameter(bias, requires_grad=source.bias is not None and source.bias.requires_grad)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.running_mean is None or self.running_var is None:
+            raise ValueError("a FrozenBatchNorm needs running statistics (the BatchNorm had track_running_stats=False)")
+        # per-channel scale and shift first, then reshaped: ExecuTorch cannot emit a view of a buffer
+        scale = torch.rsqrt(self.running_var + self.eps)
+        if self.weight is not None:
+            scale = scale * self.weight
+        shift = -self.running_mean * scale
+        if self.bias is not None:
+            shift = shift + self.bias
         shape = (1, -1) + (1,) * (x.dim() - 2)
-        scale = (self.weight * torch.rsqrt(self.running_var + self.eps)).reshape(shape)
-        shift = (self.bias - self.running_mean * self.weight * torch.rsqrt(self.running_var + self.eps)).reshape(shape)
-        return x * scale + shift
+        return x * scale.reshape(shape) + shift.reshape(shape)
 
 
 def _replace(model: nn.Module, match: Callable[[nn.Module], bool], build: Callable[[nn.Module], nn.Module]) -> int:
@@ -74,12 +70,23 @@ def _replace(model: nn.Module, match: Callable[[nn.Module], bool], build: Callab
 
 
 def _is_trainable_batchnorm(module: nn.Module) -> bool:
-    return isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats
+    """A BatchNorm whose training-mode forward uses batch statistics and updates its running ones."""
+    return (
+        isinstance(module, nn.modules.batchnorm._BatchNorm)
+        and not isinstance(module, FrozenBatchNorm)
+        and module.track_running_stats
+        and module.running_mean is not None
+    )
 
 
 def freeze_batchnorm(model: nn.Module) -> int:
-    """Replace every BatchNorm that tracks running statistics by a :class:`FrozenBatchNorm`."""
-    return _replace(model, _is_trainable_batchnorm, FrozenBatchNorm)  # type: ignore[arg-type]
+    """Make every BatchNorm that tracks running statistics a :class:`FrozenBatchNorm`; return how many."""
+    count = 0
+    for module in model.modules():
+        if _is_trainable_batchnorm(module):
+            module.__class__ = FrozenBatchNorm
+            count += 1
+    return count
 
 
 def disable_dropout(model: nn.Module) -> int:

@@ -5,14 +5,16 @@ one that exports to ops with a gradient in ONNX Runtime 1.19, keeping every para
 and buffer (so names and values are unchanged):
 
 - ``BatchNorm*d`` with ``batchnorm="frozen"`` (the default, common on-device practice):
-  normalised with the running statistics as an affine map, in training too; the running
+  the shared :class:`~taste_cl.adapters.device.transforms.FrozenBatchNorm`, normalised with
+  the running statistics as an affine map, in training too; the running
   statistics are frozen and ``weight``/``bias`` train. With ``batchnorm="batch"`` the
   module is kept (batch statistics in training); the exporter writes the running
   statistics back after each device step.
 - ``Hardswish``/``Hardsigmoid``: ``x * relu6(x + 3) / 6`` and ``relu6(x + 3) / 6`` with
   ``relu6(z) = relu(z) - relu(z - 6)`` (ONNX Runtime has no HardSwish/HardSigmoid gradient).
 - ``LayerNorm``: decomposed into mean/variance/rsqrt (its fused op's gradient does not build).
-- ``Dropout`` is kept as it is.
+- ``Dropout`` is kept as it is; the parity gate's reference turns it off with the shared
+  :func:`~taste_cl.adapters.device.transforms.disable_dropout` (re-exported here).
 
 :func:`check_equivalent` compares the transformed copy's eval outputs (:func:`eval_outputs`) with the original's.
 """
@@ -23,6 +25,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from taste_cl.adapters.device.transforms import FrozenBatchNorm, disable_dropout
 
 __all__ = ["BATCHNORM_MODES", "apply_transforms", "check_equivalent", "disable_dropout", "eval_outputs"]
 
@@ -60,18 +64,6 @@ class _ExportLayerNorm(nn.LayerNorm):
         return out
 
 
-class _FrozenBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm normalised with its running statistics in training too; only the affine part trains."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.running_mean is not None and self.running_var is not None  # checked by apply_transforms
-        view = (1, -1) + (1,) * (x.dim() - 2)
-        out = (x - self.running_mean.view(view)) * torch.rsqrt(self.running_var.view(view) + self.eps)
-        if self.weight is not None:
-            out = out * self.weight.view(view) + self.bias.view(view)
-        return out
-
-
 def apply_transforms(model: nn.Module, *, batchnorm: str = "frozen") -> list[str]:
     """Rewrite ``model`` (a copy: it is changed in place) for export; return ``"path: what"`` lines.
 
@@ -97,20 +89,11 @@ def apply_transforms(model: nn.Module, *, batchnorm: str = "frozen") -> list[str
                     f"module {path!r} is a BatchNorm without running statistics (track_running_stats=False), "
                     "so it cannot be frozen; export with batchnorm='batch'"
                 )
-            module.__class__ = _FrozenBatchNorm
+            module.__class__ = FrozenBatchNorm
         else:
             continue
         done.append(f"{path or '<root>'}: {kind.__name__} -> {type(module).__name__.lstrip('_')}")
     return done
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Set every dropout probability of ``model`` (a copy) to 0, attention dropout included."""
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            module.p = 0.0
-        elif isinstance(module, nn.MultiheadAttention):
-            module.dropout = 0.0
 
 
 def eval_outputs(model: nn.Module, forward: Any, x: Any) -> torch.Tensor:

@@ -107,9 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import onnxruntime
 
+    from taste_cl.adapters.device.transforms import disable_dropout
     from taste_cl.adapters.onnxruntime.export import export_model
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
-    from taste_cl.adapters.onnxruntime.transforms import disable_dropout
 
     threads = torch.get_num_threads()  # --threads applied by parse()
     options = onnxruntime.SessionOptions()
