@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from taste_cl._report import format_table
 from taste_cl.cli.console import plain_text
 
 __all__ = ["main"]
@@ -61,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from taste_cl.adapters.flower.app import FleetConfig
     from taste_cl.adapters.flower.deployment import LoopbackDeployment
+    from taste_cl.benchmarks.federated.tables import accuracy_table, last_evaluation, rounds_table
 
     try:
         config = FleetConfig(
@@ -86,20 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: every process this command started has been stopped", file=sys.stderr)
         return 130
-    final = result["evaluations"][str(args.rounds)]
-    print(
-        format_table(
-            ["device", "accuracy all", "accuracy own"],
-            [[d, m["accuracy-all"], m["accuracy-own"]] for d, m in sorted(final.items(), key=lambda kv: int(kv[0]))],
-        )
-    )
+    print(accuracy_table({"accuracy": last_evaluation(result)})[0])
     print()
-    print(
-        format_table(
-            ["round", "accepted", "dropped", "bytes down", "bytes up", "seconds"],
-            [[r["server_round"], r["accepted"], r["dropped"], r["bytes_down"], r["bytes_up"], r["seconds"]] for r in result["rounds"]],
-        )
-    )
+    print(rounds_table(result["rounds"]))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"result written to {args.out}")

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from taste_cl._report import format_table
 from taste_cl.benchmarks._common import base_parser, parse, save_result
+from taste_cl.benchmarks.federated.tables import accuracy_table, rounds_table
 from taste_cl.cli.demo import build_digits_learner
 from taste_cl.datasets import split_digits
 from taste_cl.learner import OnlineLearner
@@ -166,40 +166,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         verbose=args.verbose,
     )
     final = fed.final
-    rows = [
-        [
-            d,
-            ",".join(map(str, fleet.classes[d])),
-            local[d]["accuracy-all"],
-            final[d]["accuracy-all"],
-            local[d]["accuracy-own"],
-            final[d]["accuracy-own"],
-        ]
-        for d in range(args.devices)
-    ]
-    means = {key: float(np.mean([r[i] for r in rows])) for i, key in enumerate(["local_all", "fed_all", "local_own", "fed_own"], 2)}
-    rows.append(["mean", "", means["local_all"], means["fed_all"], means["local_own"], means["fed_own"]])
-    print(format_table(["device", "classes", "local all", "fed all", "local own", "fed own"], rows))
+    classes = {d: ",".join(map(str, c)) for d, c in enumerate(fleet.classes)}
+    table, by_key = accuracy_table({"local": local, "fed": final}, details={"classes": classes})
+    means = {f"{run}_{key.removeprefix('accuracy-')}": mean for key, runs in by_key.items() for run, mean in runs.items()}
+    print(table)
     print()
-    print(
-        format_table(
-            ["round", "accepted", "dropped", "bytes down", "bytes up", "round s", "client train s", "server RSS MB", "max client RSS MB"],
-            [
-                [
-                    r.server_round,
-                    r.accepted,
-                    r.dropped,
-                    r.bytes_down,
-                    r.bytes_up,
-                    r.seconds,
-                    r.mean_client_train_s,
-                    r.server_rss_mb,
-                    r.max_client_rss_mb,
-                ]
-                for r in fed.rounds
-            ],
-        )
-    )
+    print(rounds_table([asdict(r) for r in fed.rounds]))
     print(f"\nmean per-device accuracy on all classes: local {means['local_all']:.3f}  federated {means['fed_all']:.3f}")
     save_result(
         args.out,

@@ -23,6 +23,7 @@ import numpy as np
 
 from taste_cl._report import format_table
 from taste_cl.benchmarks._common import save_result
+from taste_cl.benchmarks.federated.tables import accuracy_table, last_evaluation
 
 __all__ = ["run_deployment_bench"]
 
@@ -94,21 +95,16 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
             results[name], servers[name], _ = deployment.run(config)
     deployment_s = time.perf_counter() - start
     simulated = None if args.no_simulation else _simulate(base)
-    last = str(args.rounds)
     names = list(variants)
-    header = ["device", "local only", *names] + ([] if simulated is None else ["fedper (simulation)"])
+    final = {n: last_evaluation(r) for n, r in results.items()}
+    if simulated is not None:
+        final["fedper (simulation)"] = last_evaluation(simulated)
     means: dict[str, dict[str, float]] = {}
     for key, label in (("accuracy-all", "all classes"), ("accuracy-own", "the device's own classes")):
-        rows = []
-        for d in range(args.devices):
-            row: list[Any] = [d, local[d][key], *(results[n]["evaluations"][last][str(d)][key] for n in names)]
-            if simulated is not None:
-                row.append(simulated["evaluations"][last][str(d)][key])
-            rows.append(row)
-        rows.append(["mean", *(float(np.mean([r[i] for r in rows])) for i in range(1, len(header)))])
-        means[key] = dict(zip(header[1:], rows[-1][1:]))
+        table, by_key = accuracy_table({"local only": local, **final}, [key])
+        means[key] = by_key[key]
         print(f"per-device accuracy on held-out digits of {label}, after the last round")
-        print(format_table(header, rows))
+        print(table)
         print()
     stats = {n: _per_round(r) for n, r in results.items()}
     if simulated is not None:
@@ -121,9 +117,7 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
     )
     if simulated is not None:
         gap = max(
-            abs(results["fedper"]["evaluations"][last][str(d)][k] - simulated["evaluations"][last][str(d)][k])
-            for d in range(args.devices)
-            for k in ("accuracy-all", "accuracy-own")
+            abs(final["fedper"][d][k] - final["fedper (simulation)"][d][k]) for d in range(args.devices) for k in ("accuracy-all", "accuracy-own")
         )
         print(f"\nlargest per-device accuracy gap, fedper deployment vs simulation (same seeds): {gap:.4f}")
     secagg_gap = None
