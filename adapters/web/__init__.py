@@ -12,15 +12,4 @@ __all__ = [
     "make_web_compatible",
 ]
 
-__getattr__ = lazy_getattr(
-    __name__,
-    {
-        "WEB_FORMAT": "taste_cl.adapters.web.compat",
-        "WEB_MANIFEST": "taste_cl.adapters.web.compat",
-        "WEB_OPTIMIZER_MODEL": "taste_cl.adapters.web.compat",
-        "WebCompatibilityError": "taste_cl.adapters.web.compat",
-        "add_web_artifacts": "taste_cl.adapters.web.compat",
-        "check_strict_shapes": "taste_cl.adapters.web.compat",
-        "make_web_compatible": "taste_cl.adapters.web.compat",
-    },
-)
+__getattr__ = lazy_getattr(__name__, dict.fromkeys(__all__, "taste_cl.adapters.web.compat"))

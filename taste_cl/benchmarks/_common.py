@@ -1,5 +1,5 @@
 """Shared command-line plumbing of the benchmarks: common options, quiet logs,
-progress bars, an output folder and a JSON summary."""
+progress bars, alternating timing rounds, an output folder, figures and a JSON summary."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import argparse
 import datetime
 import os
 import platform
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from taste_cl._report import write_json
 from taste_cl.cli.console import HelpFormatter, plain_text, progress_bar, set_third_party_logging
 
-__all__ = ["base_parser", "environment", "parse", "progress_bar", "save_result"]
+__all__ = ["alternating_rounds", "base_parser", "environment", "parse", "progress_bar", "save_figure", "save_result"]
 
 
 def base_parser(prog: str, description: str, *, threads: int = 1) -> argparse.ArgumentParser:
@@ -69,3 +70,34 @@ def save_result(out: str, name: str, result: dict[str, Any], *, summary: str | N
     path = write_json(Path(out) / f"{name}.json", payload)
     print(f"results written to {path}")
     return path
+
+
+def alternating_rounds(variants: Mapping[str, Callable[[], Any]], *, steps: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each variant, one value per round.
+
+    Every variant is called once first (first-call allocations, graph setup); then each of
+    ``repeats`` rounds times ``steps`` calls of every variant, in reverse order every other
+    round, so a slow drift or a busy neighbour weighs on all variants alike.
+    """
+    for step in variants.values():
+        step()
+    timings: dict[str, list[float]] = {name: [] for name in variants}
+    for round_ in range(repeats):
+        for name in list(variants) if round_ % 2 == 0 else list(reversed(variants)):
+            start = time.perf_counter()
+            for _ in range(steps):
+                variants[name]()
+            timings[name].append((time.perf_counter() - start) / steps)
+    return timings
+
+
+def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int = 100, **options: Any) -> Path:
+    """Lay out a matplotlib ``fig``, write it to ``path`` (its folder created) and close it; ``options`` go to ``savefig``."""
+    import matplotlib.pyplot as plt
+
+    target = Path(path)
+    fig.tight_layout()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=dpi, **options)
+    plt.close(fig)
+    return target

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from taste_cl._report import format_number, format_table
-from taste_cl.benchmarks._common import base_parser, parse, save_result
+from taste_cl.benchmarks._common import base_parser, parse, save_figure, save_result
 from taste_cl.datasets import TextClassifier, make_cnn, make_mlp, make_pattern_images
 from taste_cl.tuning.probe import ProbeRunner, Samples, preserved_rng
 from taste_cl.tuning.tuner import BatchSizeTuner, candidate_batch_sizes
@@ -336,10 +336,7 @@ def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
         ax.plot([tuned], [grid.get(tuned, float("nan")) / peak], "*", markersize=12, color=line.get_color())
     ax.set(xscale="log", xlabel="batch size", ylabel="samples/s / grid peak", title="throughput curves (* = tuned batch)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
     print(f"plot saved to {path}")
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from taste_cl._report import format_table
-from taste_cl.benchmarks._common import base_parser, parse, save_result
+from taste_cl.benchmarks._common import alternating_rounds, base_parser, parse, save_result
 from taste_cl.learner import OnlineLearner
 from taste_cl.replay import ReservoirReplay
 
@@ -66,13 +66,6 @@ ZOO_MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "batchnorm+dropout mlp": (_zoo("batchnorm_mlp"), (64,)),
     "mobilenet_v3_small 32x32": (_zoo("mobilenet_v3_small"), (3, 32, 32)),
 }
-
-
-def _samples_per_s(step: Callable[[], Any], steps: int, batch: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return steps * batch / (time.perf_counter() - start)
 
 
 def _export_all(learner: OnlineLearner, folder: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -140,13 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             learner.observe((x, y))
             devices, facts = _export_all(learner, Path(scratch) / f"m{len(runs)}")
             variants = _variants(learner, devices, x, y)
-            for step in variants.values():  # warm-up
-                step()
-            timings: dict[str, list[float]] = {name: [] for name in variants}
-            for round_ in range(args.repeats):
-                order = list(variants) if round_ % 2 == 0 else list(reversed(variants))
-                for name in order:
-                    timings[name].append(_samples_per_s(variants[name], args.steps, args.batch_size))
+            seconds = alternating_rounds(variants, steps=args.steps, repeats=args.repeats)
+            timings = {name: [args.batch_size / s for s in values] for name, values in seconds.items()}  # samples/s
             medians = {name: statistics.median(values) for name, values in timings.items()}
             for backend in BACKENDS:
                 fact = facts[backend]

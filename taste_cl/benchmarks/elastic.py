@@ -34,7 +34,7 @@ from torch import nn
 
 from taste_cl import ElasticTrainer, OnlineLearner
 from taste_cl._report import format_number, format_table
-from taste_cl.benchmarks._common import base_parser, parse, save_result
+from taste_cl.benchmarks._common import base_parser, parse, save_figure, save_result
 from taste_cl.elastic import measure_training_memory
 from taste_cl.plugins import LearnerPlugin
 
@@ -339,11 +339,7 @@ def _plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> Path:
     ax.set_ylabel("test accuracy (new classes)")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from taste_cl._report import format_table
-from taste_cl.benchmarks._common import base_parser, parse, save_result
+from taste_cl.benchmarks._common import alternating_rounds, base_parser, parse, save_result
 
 ZOO_MODELS = ("resnet18", "mobilenet_v2", "mobilenet_v3_small", "lstm", "text_transformer", "regression_mlp",
               "multilabel_mlp")  # fmt: skip
@@ -90,13 +90,6 @@ def _torch_step(model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Opt
     optimizer.step()
 
 
-def _seconds_per_step(step: Callable[[], Any], steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - start) / steps
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = base_parser("onnx", __doc__.splitlines()[0])
     parser.add_argument("--zoo", action="store_true", help="run the real-model zoo (tests/zoo.py) instead of two small models")
@@ -139,13 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "torch": functools.partial(_torch_step, model, loss_fn, optimizer, x, y),
                 "ort": functools.partial(device.train_step, x_np, y_np),
             }
-            for step in variants.values():  # warm-up: first-call allocations and graph setup
-                step()
-            timings: dict[str, list[float]] = {variant: [] for variant in variants}
-            for round_ in range(args.repeats):
-                order = list(variants) if round_ % 2 == 0 else list(reversed(variants))
-                for variant in order:
-                    timings[variant].append(_seconds_per_step(variants[variant], args.steps))
+            timings = alternating_rounds(variants, steps=args.steps, repeats=args.repeats)
             medians = {variant: statistics.median(values) for variant, values in timings.items()}
             ratio = medians["torch"] / medians["ort"]
             total_kib = sum(sizes.values()) / 1024

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from taste_cl._report import format_number, format_table
-from taste_cl.benchmarks._common import base_parser, parse, save_result
+from taste_cl.benchmarks._common import base_parser, parse, save_figure, save_result
 from taste_cl.datasets import Task, make_mlp, split_digits
 from taste_cl.guards.probe import ProbeGuard
 from taste_cl.learner import OnlineLearner
@@ -323,10 +323,7 @@ def _plot(path: Path, curves: dict[str, dict[str, list[tuple[int, float]]]], gua
     axes[2].axvspan(*harmful, color="red", alpha=0.15, label="mislabelled burst")
     axes[2].set(xlabel="samples seen", ylabel="held-out accuracy", ylim=(0, 1), title="probe guard (seed 0)")
     axes[2].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _summary(runs: list[Run]) -> dict[str, Any]:

@@ -95,12 +95,9 @@ def plot_result(
     right.set(xlabel="samples seen", ylabel="accuracy on all test data", ylim=(0, 1), title="accuracy over the stream")
     right.legend(loc="upper left")
     fig.suptitle(title)
-    fig.tight_layout()
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return target
+    from taste_cl.benchmarks._common import save_figure
+
+    return save_figure(fig, path, bbox_inches="tight")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
