@@ -5,7 +5,8 @@ After ElasticTrainer (Huang, Zhang, Gao; MobiSys 2023, arXiv:2312.14227):
 - :func:`profile_tensors` (``profiling``) times the forward pass and, for every unit (a
   parameter tensor, or a module), its weight-gradient and activation-gradient time, in
   interleaved rounds with outlier rejection and a confidence interval per unit, plus the
-  memory autograd keeps for each; :func:`load_or_profile` (``cache``) caches that as JSON,
+  memory autograd keeps for each: a :class:`TensorProfile` (``tensor_profile``, with its
+  validating parser); :func:`load_or_profile` (``cache``) caches that as JSON,
   validating every field of a cached entry before use;
 - :class:`GradientImportance` (``selection``) scores each unit by ``sum |grad * delta_w|``
   over one full-backward probe step; :func:`select_tensors` picks, by dynamic
@@ -33,8 +34,9 @@ True
 from taste_cl.elastic.cache import CACHE_FILE, load_or_profile
 from taste_cl.elastic.calibration import StepTimeModel
 from taste_cl.elastic.memory import measure_training_memory, optimizer_state_factor
-from taste_cl.elastic.profiling import TensorProfile, profile_tensors, unit_names
+from taste_cl.elastic.profiling import profile_tensors, unit_names
 from taste_cl.elastic.selection import GradientImportance, select_tensors
+from taste_cl.elastic.tensor_profile import TensorProfile
 from taste_cl.elastic.trainer import ElasticTrainer
 
 __all__ = [

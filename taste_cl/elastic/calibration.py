@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from taste_cl.elastic.profiling import TensorProfile
+from taste_cl.elastic.tensor_profile import TensorProfile
 
 __all__ = ["StepTimeModel"]
 

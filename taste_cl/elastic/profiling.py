@@ -24,45 +24,32 @@ from __future__ import annotations
 import math
 import random
 import statistics
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from taste_cl._batch import call_model
+from taste_cl._checks import check_int, check_positive
+from taste_cl.elastic.tensor_profile import CLOCKS, Clock, Granularity, TensorProfile, check_clock, check_granularity
 
 __all__ = ["Clock", "Granularity", "TensorProfile", "profile_tensors", "unit_names"]
 
-Granularity = Literal["tensor", "module"]
-GRANULARITIES = ("tensor", "module")
-Clock = Literal["wall", "cpu"]
-CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 _Z95 = 1.96
 
 
-def check_int(name: str, value: int, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name} == {value!r}`, must be an int >= {minimum}")
-
-
-def check_positive(name: str, value: float, *, upper: float | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (upper is not None and value > upper):
-        rule = "a number > 0" + ("" if upper is None else f" and <= {upper}")
-        raise ValueError(f"`{name} == {value!r}`, must be {rule}")
-
-
-def check_granularity(granularity: str) -> None:
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"`granularity == {granularity!r}`, must be one of {GRANULARITIES}")
-
-
-def check_clock(clock: str) -> None:
-    if clock not in CLOCKS:
-        raise ValueError(f"`clock == {clock!r}`, must be one of {tuple(CLOCKS)}")
+def check_profile_options(granularity: str, clock: str, warmup: int, repeats: int, max_rounds: int, tolerance: float) -> None:
+    """Check :func:`profile_tensors`' options (``ValueError`` naming the first bad one): shared
+    with :class:`~taste_cl.elastic.trainer.ElasticTrainer`, which checks them when built."""
+    check_granularity(granularity)
+    check_clock(clock)
+    check_int("warmup", warmup, 0)
+    check_int("repeats", repeats, 2)
+    check_int("max_rounds", max_rounds, repeats)
+    check_positive("tolerance", tolerance)
 
 
 # ------------------------------------------------------------------ structured inputs
@@ -91,80 +78,6 @@ def _device(x: Any) -> torch.device:
 
 def _float_leaves(value: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if torch.is_tensor(t) and t.is_floating_point()]
-
-
-# ------------------------------------------------------------------ the profile
-@dataclass(frozen=True)
-class TensorProfile:
-    """Measured times (seconds) and memory (bytes) of one training step, per unit in execution order.
-
-    ``act_grad_s[i]`` is the time to pass the gradient back through unit ``i``'s module and
-    the parameter-free modules between the previous unit's module and it; it is spent
-    only when some unit before ``i`` trains (0 for the second tensor of a module).
-    ``*_ci`` are 95% confidence half-widths. ``param_bytes[i]`` is the unit's size (its
-    gradient has the same size); ``input_bytes[i]`` what autograd keeps to compute its
-    weight gradient; ``act_bytes[i]`` what it keeps to pass the gradient back through
-    ``i``'s segment. ``backward_s`` is the measured full backward, for comparison with the
-    model's ``full_step_s - forward_s``. ``noisy`` is True when ``max_rounds`` did not
-    bring the confidence intervals under the tolerance.
-    """
-
-    units: list[str]
-    weight_grad_s: list[float]
-    act_grad_s: list[float]
-    forward_s: float
-    backward_s: float
-    weight_grad_ci: list[float]
-    act_grad_ci: list[float]
-    forward_ci: float
-    param_bytes: list[int]
-    input_bytes: list[int]
-    act_bytes: list[int]
-    granularity: str = "tensor"
-    rounds: int = 0
-    noisy: bool = False
-    clock: str = "wall"
-
-    def step_s(self, selected: Sequence[int]) -> float:
-        """Predicted forward + backward time when only the units at ``selected`` train."""
-        if not selected:
-            return self.forward_s
-        earliest = min(selected)
-        return self.forward_s + sum(self.weight_grad_s[i] for i in selected) + sum(self.act_grad_s[earliest + 1 :])
-
-    @property
-    def full_step_s(self) -> float:
-        """Predicted step time with every unit trainable."""
-        return self.step_s(range(len(self.units)))
-
-    def memory_bytes(self, selected: Sequence[int], state_factor: float) -> int:
-        """Estimated training memory of ``selected``: kept activations + gradients + optimizer state.
-
-        ``state_factor`` is the optimizer state per parameter byte (SGD with momentum 1, Adam 2).
-        """
-        if not selected:
-            return 0
-        earliest = min(selected)
-        own = sum(self.input_bytes[i] + self.param_bytes[i] * (1 + state_factor) for i in selected)
-        return int(own + sum(self.act_bytes[earliest + 1 :]))
-
-    def relative_noise(self, *, min_share: float = 0.05) -> float:
-        """Largest CI half-width over estimate among components worth ``min_share`` of a full step."""
-        full = self.full_step_s
-        pairs = [(self.forward_s, self.forward_ci)]
-        pairs += list(zip(self.weight_grad_s, self.weight_grad_ci)) + list(zip(self.act_grad_s, self.act_grad_ci))
-        worst = [ci / t for t, ci in pairs if t > 0 and t >= min_share * full]
-        return max(worst, default=0.0)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, state: Any) -> TensorProfile:
-        """Parse and validate a :meth:`to_dict` value; raise ``ValueError`` naming the bad field."""
-        from taste_cl.elastic.cache import parse_profile
-
-        return parse_profile(state)
 
 
 # ------------------------------------------------------------------ units
@@ -391,12 +304,7 @@ def profile_tensors(
     parameters, buffers (BatchNorm statistics), trainability and the torch RNG are left
     as they were. ``clock``: ``"wall"`` or ``"cpu"`` (see the module doc).
     """
-    check_granularity(granularity)
-    check_clock(clock)
-    check_int("warmup", warmup, 0)
-    check_int("repeats", repeats, 2)
-    check_int("max_rounds", max_rounds, repeats)
-    check_positive("tolerance", tolerance)
+    check_profile_options(granularity, clock, warmup, repeats, max_rounds, tolerance)
     device = _device(example)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     flags = {p: p.requires_grad for p in model.parameters()}

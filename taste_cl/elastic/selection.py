@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from taste_cl.elastic.profiling import check_int, check_positive
+from taste_cl._checks import check_int, check_positive
 
 __all__ = ["GradientImportance", "select_tensors"]
 
@@ -114,7 +114,7 @@ def select_tensors(
             raise ValueError("`budget_bytes` needs `weight_bytes` and `act_bytes`")
         _check_costs("weight_bytes", weight_bytes, n)
         _check_costs("act_bytes", act_bytes, n)
-        check_positive("budget_bytes", budget_bytes)  # type: ignore[arg-type]
+        check_positive("budget_bytes", budget_bytes)
         check_int("memory_resolution", memory_resolution, 1)
     t_cap = resolution
     m_cap = memory_resolution if with_memory else 0

@@ -14,24 +14,13 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from taste_cl.elastic.cache import load_or_profile, parse_profile
+from taste_cl._checks import check_int, check_positive
+from taste_cl.elastic.cache import load_or_profile
 from taste_cl.elastic.calibration import StepTimeModel
 from taste_cl.elastic.memory import optimizer_state_factor
-from taste_cl.elastic.profiling import (
-    CLOCKS,
-    Clock,
-    Granularity,
-    TensorProfile,
-    check_clock,
-    check_granularity,
-    check_int,
-    check_positive,
-    first_rows,
-    profile_tensors,
-    repeat_rows,
-    unit_parameters,
-)
+from taste_cl.elastic.profiling import check_profile_options, first_rows, profile_tensors, repeat_rows, unit_parameters
 from taste_cl.elastic.selection import GradientImportance, select_tensors
+from taste_cl.elastic.tensor_profile import CLOCKS, Clock, Granularity, TensorProfile, parse_profile
 from taste_cl.monitor.monitor import MonitorEvent
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.tuning.fingerprint import default_cache_dir
@@ -120,16 +109,11 @@ class ElasticTrainer(LearnerPlugin):
             if drift_rho < rho:
                 raise ValueError(f"`drift_rho == {drift_rho!r}`, must be >= rho ({rho!r})")
         check_int("drift_steps", drift_steps, 1)
-        check_granularity(granularity)
         if memory_budget_bytes is not None:
             check_int("memory_budget_bytes", memory_budget_bytes, 1)
-        check_int("warmup", warmup, 0)
-        check_int("repeats", repeats, 2)
-        check_int("max_rounds", max_rounds, repeats)
-        check_positive("tolerance", tolerance)
         check_int("check_steps", check_steps, 1)
         check_int("resolution", resolution, 1)
-        check_clock(clock)
+        check_profile_options(granularity, clock, warmup, repeats, max_rounds, tolerance)
         self.rho = rho
         self.reselect_every = reselect_every
         self.drift_rho = drift_rho
