@@ -14,9 +14,10 @@ After ElasticTrainer (Huang, Zhang, Gao; MobiSys 2023, arXiv:2312.14227):
   optional memory budget;
 - :class:`~taste_cl.elastic.calibration.StepTimeModel` closes the loop: measured step
   times correct the profile online;
-- :class:`ElasticTrainer` (``trainer``) is the :class:`~taste_cl.plugins.LearnerPlugin`
-  that ties them together; :func:`measure_training_memory` (``memory``) checks the memory
-  estimate on a real step.
+- :class:`~taste_cl.elastic.cycle.SelectionCycle` (``cycle``) runs them in a loop: probe,
+  select, measure, correct; :class:`ElasticTrainer` (``trainer``) is that cycle as a
+  :class:`~taste_cl.plugins.LearnerPlugin` (hooks, events, profile, checkpoints);
+  :func:`measure_training_memory` (``memory``) checks the memory estimate on a real step.
 
 >>> import torch
 >>> from torch import nn

@@ -1,25 +1,28 @@
-"""The :class:`ElasticTrainer` plugin: profile, probe importance, select, measure, correct."""
+"""The :class:`ElasticTrainer` plugin: the selection cycle wired into a learner.
+
+The cycle itself (probe importance, select under the budgets, measure, correct the time
+model) is :class:`~taste_cl.elastic.cycle.SelectionCycle`; this module adds what makes it
+a :class:`~taste_cl.plugins.LearnerPlugin`: the learner hooks that run it and time its
+steps, the monitor events that steer it, the profile it runs on (measured or cached) and
+its state in learner checkpoints.
+"""
 
 from __future__ import annotations
 
 import math
 import os
-import statistics
 import time
 import warnings
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from taste_cl._checks import check_int, check_positive
+from taste_cl._checks import check_int
 from taste_cl.elastic.cache import load_or_profile
-from taste_cl.elastic.calibration import StepTimeModel
-from taste_cl.elastic.memory import optimizer_state_factor
-from taste_cl.elastic.profiling import check_profile_options, first_rows, profile_tensors, repeat_rows, unit_parameters
-from taste_cl.elastic.selection import GradientImportance, select_tensors
+from taste_cl.elastic.cycle import SelectionCycle
+from taste_cl.elastic.profiling import check_profile_options, first_rows, profile_tensors, repeat_rows
 from taste_cl.elastic.tensor_profile import CLOCKS, Clock, Granularity, TensorProfile, parse_profile
 from taste_cl.monitor.monitor import MonitorEvent
 from taste_cl.plugins import LearnerPlugin
@@ -31,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["ElasticTrainer"]
 
 
-class ElasticTrainer(LearnerPlugin):
+class ElasticTrainer(SelectionCycle, LearnerPlugin):
     """Train, at each step, only the units worth their backward time (ElasticTrainer).
 
     Every ``reselect_every`` training steps one probe step trains every unit and measures
@@ -102,54 +105,21 @@ class ElasticTrainer(LearnerPlugin):
         resolution: int = 1000,
         clock: Clock = "wall",
     ) -> None:
-        check_positive("rho", rho, upper=1.0)
-        check_int("reselect_every", reselect_every, 1)
-        if drift_rho is not None:
-            check_positive("drift_rho", drift_rho, upper=1.0)
-            if drift_rho < rho:
-                raise ValueError(f"`drift_rho == {drift_rho!r}`, must be >= rho ({rho!r})")
-        check_int("drift_steps", drift_steps, 1)
-        if memory_budget_bytes is not None:
-            check_int("memory_budget_bytes", memory_budget_bytes, 1)
-        check_int("check_steps", check_steps, 1)
-        check_int("resolution", resolution, 1)
+        super().__init__(
+            rho=rho, reselect_every=reselect_every, drift_rho=drift_rho, drift_steps=drift_steps,
+            memory_budget_bytes=memory_budget_bytes, check_steps=check_steps, resolution=resolution, clock=clock,
+        )  # fmt: skip
         check_profile_options(granularity, clock, warmup, repeats, max_rounds, tolerance)
-        self.rho = rho
-        self.reselect_every = reselect_every
-        self.drift_rho = drift_rho
-        self.drift_steps = drift_steps
         self.granularity = granularity
-        self.memory_budget_bytes = memory_budget_bytes
         self.cache_dir = cache_dir
         self.warmup = warmup
         self.repeats = repeats
         self.max_rounds = max_rounds
         self.tolerance = tolerance
-        self.check_steps = check_steps
-        self.resolution = resolution
-        self.clock = clock
-        self.profile_: TensorProfile | None = None
-        self.timing_: StepTimeModel | None = None
-        self.importance_: list[float] | None = None
-        self.selected: list[str] = []
-        self.predictions_: list[dict[str, Any]] = []
-        self.steps_ = 0
-        self.probes_ = 0
-        self._since_probe = 0
-        self._drift_left = 0
-        self._probe_now = True
-        self._learner: OnlineLearner | None = None
         self._example: Any = None
-        self._estimator: GradientImportance | None = None
-        self._unit_params: list[list[nn.Parameter]] = []
-        self._probe_step = False
-        self._arm_s = 0.0
         self._cpu_start: float | None = None
         self._forward_start = 0.0
         self._forward_hook: Any = None
-        self._probe_times: list[float] = []
-        self._window: list[float] = []
-        self._window_prediction: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------- hooks
     def on_attach(self, learner: OnlineLearner, **kwargs: Any) -> None:
@@ -167,16 +137,9 @@ class ElasticTrainer(LearnerPlugin):
         if self.clock == "cpu" and self._cpu_start is None:
             self._cpu_start = time.process_time()  # the first step of this observe
         self._finish_probe()
-        self._probe_step = False
+        self._begin_step()
         if self.profile_ is None:
             return
-        if self._probe_now or self._since_probe >= self.reselect_every:
-            self._start_probe()
-        self.steps_ += 1
-        self._since_probe += 1
-        if self._drift_left:
-            self._drift_left -= 1
-            self._probe_now = self._drift_left == 0
         # time this step's forward pass on its own (the hook lives only until it fires)
         self._remove_forward_hook()
         self._forward_hook = learner.model.register_forward_hook(self._forward_done)
@@ -208,17 +171,9 @@ class ElasticTrainer(LearnerPlugin):
             self.reprofile(int(event.details["batch_size"]))
 
     def _on_drift(self, event: MonitorEvent) -> None:
-        self._drift_left = self.drift_steps
-        self._probe_now = True
+        self._start_drift_window()
 
-    # ----------------------------------------------------------- public API
-    @property
-    def current_rho(self) -> float:
-        """The budget in force: ``drift_rho`` during a drift window, else ``rho``."""
-        if not self._drift_left:
-            return self.rho
-        return self.drift_rho if self.drift_rho is not None else (1.0 + self.rho) / 2
-
+    # ----------------------------------------------------------- profile
     def reprofile(self, batch_size: int | None = None, *, refresh: bool = False) -> TensorProfile:
         """(Re)measure the profile for training batches of ``batch_size`` and reselect.
 
@@ -253,162 +208,6 @@ class ElasticTrainer(LearnerPlugin):
         self._set_profile(profile)
         self.reselect()
         return profile
-
-    def reselect(self) -> None:
-        """Make the next training step a probe that re-measures importance and reselects."""
-        self._probe_now = True
-
-    def predicted_speedup(self) -> float | None:
-        """Predicted (corrected) full step time over the current selection's (None before a selection)."""
-        if self.timing_ is None or not self.selected:
-            return None
-        return self.timing_.predict(range(len(self.profile_.units))) / self.timing_.predict(self._indices())  # type: ignore[union-attr]
-
-    def memory_estimate(self, selected: Sequence[str] | None = None) -> int | None:
-        """Estimated training memory (bytes) of ``selected`` (default: the current selection)."""
-        if self.profile_ is None:
-            return None
-        names = self.selected if selected is None else selected
-        factor = optimizer_state_factor(self._attached().optimizer)
-        return self.profile_.memory_bytes(self._indices(names), factor)
-
-    def prediction_errors(self) -> dict[str, float | int | None]:
-        """Mean absolute relative error of the raw profile and of the corrected model over the
-        checked windows (each the median of ``check_steps`` measured steps after a selection)."""
-        rows = self.predictions_
-
-        def mean_error(key: str) -> float | None:
-            return statistics.fmean(abs(r[key] - r["measured_s"]) / r["measured_s"] for r in rows) if rows else None
-
-        later = rows[1:]
-        return {
-            "windows": len(rows),
-            "raw": mean_error("raw_s"),
-            "corrected": mean_error("predicted_s"),
-            "corrected_after_first": (statistics.fmean(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in later) if later else None),
-        }
-
-    def apply_selection(self, selected: Sequence[str]) -> None:
-        """Train only the units named in ``selected`` until the next probe.
-
-        Frozen units' gradients are set to None, so the optimizer skips them and keeps their
-        state (momentum, Adam moments) for when they rejoin.
-        """
-        if self.profile_ is None:
-            raise RuntimeError("ElasticTrainer has no profile yet: call learner.observe first")
-        chosen = set(selected)
-        unknown = sorted(chosen - set(self.profile_.units))
-        if unknown:
-            raise ValueError(f"unknown units {unknown}; the units are {self.profile_.units}")
-        self.selected = [name for name in self.profile_.units if name in chosen]
-        for name, params in zip(self.profile_.units, self._unit_params):
-            for p in params:
-                p.requires_grad_(name in chosen)
-                if name not in chosen:
-                    p.grad = None  # optimizers skip params without a gradient: their state is kept
-
-    # ------------------------------------------------------------ internals
-    def _attached(self) -> OnlineLearner:
-        if self._learner is None:
-            raise RuntimeError("ElasticTrainer is not attached: pass it in OnlineLearner(plugins=[...])")
-        return self._learner
-
-    def _set_profile(self, profile: TensorProfile) -> None:
-        try:
-            params = unit_parameters(self._attached().model, profile.units, profile.granularity)
-        except KeyError as error:
-            raise ValueError(f"the profile does not fit the model: {error.args[0]}") from None
-        self.profile_, self._unit_params = profile, params
-        self.timing_ = StepTimeModel(profile)
-        self._probe_times, self._window, self._window_prediction = [], [], None
-
-    def _indices(self, names: Sequence[str] | None = None) -> list[int]:
-        assert self.profile_ is not None
-        index = {name: i for i, name in enumerate(self.profile_.units)}
-        return [index[n] for n in (self.selected if names is None else names)]
-
-    def _record_time(self, seconds: float) -> None:
-        """Feed one measured step time to the closed loop."""
-        if self.timing_ is None:
-            return
-        if self._probe_step:
-            self._probe_times = [*self._probe_times[-4:], max(seconds - self._arm_s, 1e-9)]
-            self.timing_.observe_full(statistics.median(self._probe_times))
-            return
-        if self._window_prediction is None:
-            return
-        self._window.append(seconds)
-        if len(self._window) >= self.check_steps:
-            measured = statistics.median(self._window)
-            selected = self._indices()
-            self.predictions_.append({**self._window_prediction, "measured_s": measured, "step": self.steps_})
-            self.timing_.observe(selected, measured)
-            self._window, self._window_prediction = [], None
-
-    def _start_probe(self) -> None:
-        assert self.profile_ is not None
-        self.apply_selection(self.profile_.units)
-        self._estimator = GradientImportance(self._unit_params)
-        now = CLOCKS[self.clock]
-        start = now()
-        self._estimator.arm()
-        self._arm_s = now() - start  # inside the measured step: not training time
-        self._since_probe = 0
-        self._probe_now = False
-        self._probe_step = True
-        self._window, self._window_prediction = [], None
-        self.probes_ += 1
-
-    def _finish_probe(self) -> None:
-        if self._estimator is None:
-            return
-        scores, self._estimator = self._estimator.collect(), None
-        if scores is not None and any(scores):  # a skipped step moves no weight: keep the old scores
-            self.importance_ = scores
-        self._select()
-
-    def _select(self) -> None:
-        profile, timing = self.profile_, self.timing_
-        assert profile is not None and timing is not None
-        everything = list(range(len(profile.units)))
-        if self.importance_ is None or (self.current_rho >= 1.0 and self.memory_budget_bytes is None):
-            self.apply_selection(profile.units)
-            return
-        overhead, forward, weight_s, act_s = timing.corrected_costs()
-        # rho bounds forward + backward (the part the selection changes), as in ElasticTrainer;
-        # the optimizer/bookkeeping overhead is predicted and reported, not budgeted
-        budget = self.current_rho * (timing.predict(everything) - overhead) - forward
-        memory: dict[str, Any] = {}
-        if self.memory_budget_bytes is not None:
-            factor = optimizer_state_factor(self._attached().optimizer)
-            memory = {
-                "weight_bytes": [i + p * (1 + factor) for i, p in zip(profile.input_bytes, profile.param_bytes)],
-                "act_bytes": [float(b) for b in profile.act_bytes],
-                "budget_bytes": float(self.memory_budget_bytes),
-            }
-        chosen = select_tensors(self.importance_, weight_s, act_s, budget, resolution=self.resolution, **memory) if budget > 0 else []
-        if not chosen:
-            chosen = [min(everything, key=lambda k: (self._over_memory([k]), timing.predict([k])))]
-            warnings.warn(
-                f"ElasticTrainer: no unit fits rho={self.current_rho}"
-                + ("" if self.memory_budget_bytes is None else f" and memory_budget_bytes={self.memory_budget_bytes}")
-                + f" (the forward pass alone takes {forward / (timing.predict(everything) - overhead):.0%} of a full step); "
-                f"training only {profile.units[chosen[0]]!r}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        self.apply_selection([profile.units[i] for i in chosen])
-        self._window = []
-        self._window_prediction = {
-            "units": len(chosen),
-            "raw_s": timing.raw_prediction(chosen),
-            "predicted_s": timing.predict(chosen),
-        }
-
-    def _over_memory(self, selected: list[int]) -> bool:
-        if self.memory_budget_bytes is None:
-            return False
-        return (self.memory_estimate([self.profile_.units[i] for i in selected]) or 0) > self.memory_budget_bytes  # type: ignore[union-attr]
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,278 @@
+"""The selection cycle of :class:`~taste_cl.elastic.trainer.ElasticTrainer`, without the plugin wiring.
+
+Over one timing profile, repeatedly: a probe step trains every unit and measures each
+one's importance (:class:`~taste_cl.elastic.selection.GradientImportance`); the units of
+maximal importance that fit the time budget (and the memory budget) are selected
+(:func:`~taste_cl.elastic.selection.select_tensors`) and trained until the next probe;
+the step times measured meanwhile refit the time model
+(:class:`~taste_cl.elastic.calibration.StepTimeModel`) that the next selection budgets with.
+
+:class:`SelectionCycle` holds that loop's settings, state and steps; the plugin
+(:mod:`taste_cl.elastic.trainer`) decides when they run (learner hooks, monitor events),
+where the profile comes from, and how the state is checkpointed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from taste_cl._checks import check_int, check_positive
+from taste_cl.elastic.calibration import StepTimeModel
+from taste_cl.elastic.memory import optimizer_state_factor
+from taste_cl.elastic.profiling import unit_parameters
+from taste_cl.elastic.selection import GradientImportance, select_tensors
+from taste_cl.elastic.tensor_profile import CLOCKS, Clock, TensorProfile, check_clock
+
+if TYPE_CHECKING:
+    from taste_cl.learner import OnlineLearner
+
+__all__ = ["SelectionCycle"]
+
+
+class SelectionCycle:
+    """Probe importance, select within the budgets, measure, correct the time model.
+
+    Parameters are those of :class:`~taste_cl.elastic.trainer.ElasticTrainer` that shape
+    the cycle (``rho``, ``reselect_every``, ``drift_rho``, ``drift_steps``,
+    ``memory_budget_bytes``, ``check_steps``, ``resolution``, ``clock``), checked here.
+    The learner (its model's units, its optimizer's state size) is set on attach.
+    """
+
+    def __init__(
+        self,
+        *,
+        rho: float,
+        reselect_every: int,
+        drift_rho: float | None,
+        drift_steps: int,
+        memory_budget_bytes: int | None,
+        check_steps: int,
+        resolution: int,
+        clock: Clock,
+    ) -> None:
+        check_positive("rho", rho, upper=1.0)
+        check_int("reselect_every", reselect_every, 1)
+        if drift_rho is not None:
+            check_positive("drift_rho", drift_rho, upper=1.0)
+            if drift_rho < rho:
+                raise ValueError(f"`drift_rho == {drift_rho!r}`, must be >= rho ({rho!r})")
+        check_int("drift_steps", drift_steps, 1)
+        if memory_budget_bytes is not None:
+            check_int("memory_budget_bytes", memory_budget_bytes, 1)
+        check_int("check_steps", check_steps, 1)
+        check_int("resolution", resolution, 1)
+        check_clock(clock)
+        self.rho = rho
+        self.reselect_every = reselect_every
+        self.drift_rho = drift_rho
+        self.drift_steps = drift_steps
+        self.memory_budget_bytes = memory_budget_bytes
+        self.check_steps = check_steps
+        self.resolution = resolution
+        self.clock = clock
+        self.profile_: TensorProfile | None = None
+        self.timing_: StepTimeModel | None = None
+        self.importance_: list[float] | None = None
+        self.selected: list[str] = []
+        self.predictions_: list[dict[str, Any]] = []
+        self.steps_ = 0
+        self.probes_ = 0
+        self._since_probe = 0
+        self._drift_left = 0
+        self._probe_now = True
+        self._learner: OnlineLearner | None = None
+        self._estimator: GradientImportance | None = None
+        self._unit_params: list[list[nn.Parameter]] = []
+        self._probe_step = False
+        self._arm_s = 0.0
+        self._probe_times: list[float] = []
+        self._window: list[float] = []
+        self._window_prediction: dict[str, Any] | None = None
+
+    # ----------------------------------------------------------- public API
+    @property
+    def current_rho(self) -> float:
+        """The budget in force: ``drift_rho`` during a drift window, else ``rho``."""
+        if not self._drift_left:
+            return self.rho
+        return self.drift_rho if self.drift_rho is not None else (1.0 + self.rho) / 2
+
+    def reselect(self) -> None:
+        """Make the next training step a probe that re-measures importance and reselects."""
+        self._probe_now = True
+
+    def predicted_speedup(self) -> float | None:
+        """Predicted (corrected) full step time over the current selection's (None before a selection)."""
+        if self.timing_ is None or not self.selected:
+            return None
+        return self.timing_.predict(range(len(self.profile_.units))) / self.timing_.predict(self._indices())  # type: ignore[union-attr]
+
+    def memory_estimate(self, selected: Sequence[str] | None = None) -> int | None:
+        """Estimated training memory (bytes) of ``selected`` (default: the current selection)."""
+        if self.profile_ is None:
+            return None
+        names = self.selected if selected is None else selected
+        factor = optimizer_state_factor(self._attached().optimizer)
+        return self.profile_.memory_bytes(self._indices(names), factor)
+
+    def prediction_errors(self) -> dict[str, float | int | None]:
+        """Mean absolute relative error of the raw profile and of the corrected model over the
+        checked windows (each the median of ``check_steps`` measured steps after a selection)."""
+        rows = self.predictions_
+
+        def mean_error(key: str) -> float | None:
+            return statistics.fmean(abs(r[key] - r["measured_s"]) / r["measured_s"] for r in rows) if rows else None
+
+        later = rows[1:]
+        return {
+            "windows": len(rows),
+            "raw": mean_error("raw_s"),
+            "corrected": mean_error("predicted_s"),
+            "corrected_after_first": (statistics.fmean(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in later) if later else None),
+        }
+
+    def apply_selection(self, selected: Sequence[str]) -> None:
+        """Train only the units named in ``selected`` until the next probe.
+
+        Frozen units' gradients are set to None, so the optimizer skips them and keeps their
+        state (momentum, Adam moments) for when they rejoin.
+        """
+        if self.profile_ is None:
+            raise RuntimeError("ElasticTrainer has no profile yet: call learner.observe first")
+        chosen = set(selected)
+        unknown = sorted(chosen - set(self.profile_.units))
+        if unknown:
+            raise ValueError(f"unknown units {unknown}; the units are {self.profile_.units}")
+        self.selected = [name for name in self.profile_.units if name in chosen]
+        for name, params in zip(self.profile_.units, self._unit_params):
+            for p in params:
+                p.requires_grad_(name in chosen)
+                if name not in chosen:
+                    p.grad = None  # optimizers skip params without a gradient: their state is kept
+
+    # ------------------------------------------------------------ the cycle
+    def _attached(self) -> OnlineLearner:
+        if self._learner is None:
+            raise RuntimeError("ElasticTrainer is not attached: pass it in OnlineLearner(plugins=[...])")
+        return self._learner
+
+    def _set_profile(self, profile: TensorProfile) -> None:
+        """Use ``profile`` from now on (``ValueError`` if its units are not the model's; nothing changes then)."""
+        try:
+            params = unit_parameters(self._attached().model, profile.units, profile.granularity)
+        except KeyError as error:
+            raise ValueError(f"the profile does not fit the model: {error.args[0]}") from None
+        self.profile_, self._unit_params = profile, params
+        self.timing_ = StepTimeModel(profile)
+        self._probe_times, self._window, self._window_prediction = [], [], None
+
+    def _start_drift_window(self) -> None:
+        """Raise the budget to ``drift_rho`` for ``drift_steps`` steps, probing now and when it ends."""
+        self._drift_left = self.drift_steps
+        self._probe_now = True
+
+    def _begin_step(self) -> None:
+        """A training step begins (after :meth:`_finish_probe`): start a probe when due, count the step."""
+        self._probe_step = False
+        if self.profile_ is None:
+            return
+        if self._probe_now or self._since_probe >= self.reselect_every:
+            self._start_probe()
+        self.steps_ += 1
+        self._since_probe += 1
+        if self._drift_left:
+            self._drift_left -= 1
+            self._probe_now = self._drift_left == 0
+
+    def _indices(self, names: Sequence[str] | None = None) -> list[int]:
+        assert self.profile_ is not None
+        index = {name: i for i, name in enumerate(self.profile_.units)}
+        return [index[n] for n in (self.selected if names is None else names)]
+
+    def _record_time(self, seconds: float) -> None:
+        """Feed one measured step time to the closed loop."""
+        if self.timing_ is None:
+            return
+        if self._probe_step:
+            self._probe_times = [*self._probe_times[-4:], max(seconds - self._arm_s, 1e-9)]
+            self.timing_.observe_full(statistics.median(self._probe_times))
+            return
+        if self._window_prediction is None:
+            return
+        self._window.append(seconds)
+        if len(self._window) >= self.check_steps:
+            measured = statistics.median(self._window)
+            selected = self._indices()
+            self.predictions_.append({**self._window_prediction, "measured_s": measured, "step": self.steps_})
+            self.timing_.observe(selected, measured)
+            self._window, self._window_prediction = [], None
+
+    def _start_probe(self) -> None:
+        assert self.profile_ is not None
+        self.apply_selection(self.profile_.units)
+        self._estimator = GradientImportance(self._unit_params)
+        now = CLOCKS[self.clock]
+        start = now()
+        self._estimator.arm()
+        self._arm_s = now() - start  # inside the measured step: not training time
+        self._since_probe = 0
+        self._probe_now = False
+        self._probe_step = True
+        self._window, self._window_prediction = [], None
+        self.probes_ += 1
+
+    def _finish_probe(self) -> None:
+        if self._estimator is None:
+            return
+        scores, self._estimator = self._estimator.collect(), None
+        if scores is not None and any(scores):  # a skipped step moves no weight: keep the old scores
+            self.importance_ = scores
+        self._select()
+
+    def _select(self) -> None:
+        profile, timing = self.profile_, self.timing_
+        assert profile is not None and timing is not None
+        everything = list(range(len(profile.units)))
+        if self.importance_ is None or (self.current_rho >= 1.0 and self.memory_budget_bytes is None):
+            self.apply_selection(profile.units)
+            return
+        overhead, forward, weight_s, act_s = timing.corrected_costs()
+        # rho bounds forward + backward (the part the selection changes), as in ElasticTrainer;
+        # the optimizer/bookkeeping overhead is predicted and reported, not budgeted
+        budget = self.current_rho * (timing.predict(everything) - overhead) - forward
+        memory: dict[str, Any] = {}
+        if self.memory_budget_bytes is not None:
+            factor = optimizer_state_factor(self._attached().optimizer)
+            memory = {
+                "weight_bytes": [i + p * (1 + factor) for i, p in zip(profile.input_bytes, profile.param_bytes)],
+                "act_bytes": [float(b) for b in profile.act_bytes],
+                "budget_bytes": float(self.memory_budget_bytes),
+            }
+        chosen = select_tensors(self.importance_, weight_s, act_s, budget, resolution=self.resolution, **memory) if budget > 0 else []
+        if not chosen:
+            chosen = [min(everything, key=lambda k: (self._over_memory([k]), timing.predict([k])))]
+            warnings.warn(
+                f"ElasticTrainer: no unit fits rho={self.current_rho}"
+                + ("" if self.memory_budget_bytes is None else f" and memory_budget_bytes={self.memory_budget_bytes}")
+                + f" (the forward pass alone takes {forward / (timing.predict(everything) - overhead):.0%} of a full step); "
+                f"training only {profile.units[chosen[0]]!r}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.apply_selection([profile.units[i] for i in chosen])
+        self._window = []
+        self._window_prediction = {
+            "units": len(chosen),
+            "raw_s": timing.raw_prediction(chosen),
+            "predicted_s": timing.predict(chosen),
+        }
+
+    def _over_memory(self, selected: list[int]) -> bool:
+        if self.memory_budget_bytes is None:
+            return False
+        return (self.memory_estimate([self.profile_.units[i] for i in selected]) or 0) > self.memory_budget_bytes  # type: ignore[union-attr]
