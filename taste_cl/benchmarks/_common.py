@@ -81,9 +81,10 @@ def alternating_rounds(variants: Mapping[str, Callable[[], Any]], *, steps: int,
     """
     for step in variants.values():
         step()
-    timings: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    timings: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(repeats):
-        for name in list(variants) if round_ % 2 == 0 else list(reversed(variants)):
+        for name in names if round_ % 2 == 0 else names[::-1]:
             start = time.perf_counter()
             for _ in range(steps):
                 variants[name]()
