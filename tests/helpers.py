@@ -1,7 +1,8 @@
-"""Shared test helpers: snapshots that compare learner state bit for bit."""
+"""Shared test helpers: snapshots that compare learner state bit for bit, and edits of decoded checkpoint states."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,55 @@ class Snapshot:
 def snapshot(learner: OnlineLearner) -> Snapshot:
     # Through the checkpoint codec: a deep copy that shares no memory with the learner.
     return Snapshot(decode_state(encode_state(learner.state_dict())))
+
+
+Edit = Callable[[dict[str, Any]], None]
+
+
+def state_copy(obj: Any) -> Any:
+    """``obj.state_dict()`` through the checkpoint codec: a copy sharing no memory with ``obj``."""
+    return decode_state(encode_state({"s": obj.state_dict()}))["s"]
+
+
+def _key(node: Any, key: str) -> Any:
+    """``key`` as ``node`` indexes it: list positions and the optimizer's int state keys are ints."""
+    return int(key) if isinstance(node, list) or (key.isdigit() and int(key) in node) else key
+
+
+def _parent(state: dict[str, Any], path: str | tuple[str, ...]) -> tuple[Any, Any]:
+    keys = path.split(".") if isinstance(path, str) else path
+    node: Any = state
+    for key in keys[:-1]:
+        node = node[_key(node, key)]
+    return node, _key(node, keys[-1])
+
+
+def set_at(path: str | tuple[str, ...], value: Any) -> Edit:
+    """An edit that sets ``state[a][b]...`` (path ``"a.b"``, or a tuple when keys hold dots) to
+    ``value``, or to ``value(old)`` when it is callable."""
+
+    def edit(state: dict[str, Any]) -> None:
+        node, key = _parent(state, path)
+        node[key] = value(node[key]) if callable(value) else value
+
+    return edit
+
+
+def delete_at(path: str | tuple[str, ...]) -> Edit:
+    """An edit that deletes ``state[a][b]...`` (path as for :func:`set_at`)."""
+
+    def edit(state: dict[str, Any]) -> None:
+        node, key = _parent(state, path)
+        del node[key]
+
+    return edit
+
+
+def nan_first(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its first entry NaN."""
+    t = t.clone()
+    t.view(-1)[0] = math.nan
+    return t
 
 
 def fake_hardware(monkeypatch: Any, curve: Callable[[int], float]) -> list[int]:

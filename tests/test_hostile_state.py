@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from helpers import batch, snapshot, tiny_learner
+from helpers import Edit, batch, snapshot, tiny_learner
+from helpers import delete_at as _delete
+from helpers import nan_first as _nan_first
+from helpers import set_at as _set
+from helpers import state_copy as _copy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -31,8 +34,6 @@ from taste_cl import (
 )
 from taste_cl.state.checkpoint import CHECKPOINT_FILE, CheckpointLimits, decode_state, encode_state, read_checkpoint
 from taste_cl.testing import states_equal
-
-Edit = Callable[[dict[str, Any]], None]
 
 
 def _trained(replay: str = "reservoir") -> OnlineLearner:
@@ -49,44 +50,6 @@ def _trained(replay: str = "reservoir") -> OnlineLearner:
 
 def _state(replay: str = "reservoir") -> dict[str, Any]:
     return decode_state(encode_state(_trained(replay).state_dict()))
-
-
-def _key(node: Any, key: str) -> Any:
-    """``key`` as ``node`` indexes it: list positions and the optimizer's int state keys are ints."""
-    return int(key) if isinstance(node, list) or (key.isdigit() and int(key) in node) else key
-
-
-def _parent(state: dict[str, Any], path: str | tuple[str, ...]) -> tuple[Any, Any]:
-    keys = path.split(".") if isinstance(path, str) else path
-    node: Any = state
-    for key in keys[:-1]:
-        node = node[_key(node, key)]
-    return node, _key(node, keys[-1])
-
-
-def _set(path: str | tuple[str, ...], value: Any) -> Edit:
-    """An edit that sets ``state[a][b]...`` (path ``"a.b"``, or a tuple when keys hold dots) to
-    ``value``, or to ``value(old)`` when it is callable."""
-
-    def edit(state: dict[str, Any]) -> None:
-        node, key = _parent(state, path)
-        node[key] = value(node[key]) if callable(value) else value
-
-    return edit
-
-
-def _delete(path: str | tuple[str, ...]) -> Edit:
-    def edit(state: dict[str, Any]) -> None:
-        node, key = _parent(state, path)
-        del node[key]
-
-    return edit
-
-
-def _nan_first(t: torch.Tensor) -> torch.Tensor:
-    t = t.clone()
-    t.view(-1)[0] = math.nan
-    return t
 
 
 # (id, edit, message) — every edit keeps the file well-formed and correctly signed.
@@ -172,10 +135,6 @@ def _fresh() -> tuple[nn.Module, torch.optim.Optimizer, ReservoirReplay, Stabili
     replay, monitor = ReservoirReplay(20), StabilityPlasticityMonitor()
     replay.add(torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))  # not empty: a half-load would show
     return model, optimizer, replay, monitor
-
-
-def _copy(obj: Any) -> Any:
-    return decode_state(encode_state({"s": obj.state_dict()}))["s"]
 
 
 @pytest.mark.parametrize(("name", "edit", "message"), CASES, ids=[c[0] for c in CASES])
