@@ -15,8 +15,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from taste_cl.state.checkpoint import atomic_write_bytes
-
 __all__ = ["MonitorReport", "format_fields", "format_number", "format_table", "write_json"]
 
 # a cell that reads as a number (maybe with a unit or a ratio sign): right-aligned
@@ -104,6 +102,8 @@ class MonitorReport(dict[str, Any]):
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     """Atomically write ``payload`` as indented JSON; return the path."""
+    from taste_cl.state.checkpoint import atomic_write_bytes  # lazy: it imports torch, and print(stats) runs on torch-free devices
+
     target = Path(path)
     atomic_write_bytes(target, (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode())
     return target

@@ -446,10 +446,10 @@ def test_freshness_bound_in_samples_forces_a_step_weighted_by_its_share():
 
 
 def test_freshness_bound_in_seconds(monkeypatch):
-    from taste_cl import learner as learner_module
+    from taste_cl.learner import batching
 
     now = [100.0]
-    monkeypatch.setattr(learner_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(batching.time, "monotonic", lambda: now[0])
     learner = _learner()
     learner.set_batch_plan(100, max_wait_s=5.0)
     assert learner.observe(batch(10, seed=0)).steps == 0

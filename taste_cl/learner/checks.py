@@ -1,0 +1,181 @@
+"""What a learner checks before it trains, and what it learns from its first batch.
+
+At construction: the arguments' types and ranges, that the optimizer trains the model,
+and that the replay buffer fits the task. On the first batch, :func:`settle_first_batch`
+checks that the model takes the inputs and returns one tensor, settles the task (given,
+implied by the loss, or classification for integer targets), validates the targets,
+checks that the loss is a scalar and decides whether the prequential score needs an
+eval-mode forward. It changes nothing: the learner commits the returned
+:class:`FirstBatch` only when all of it passed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from taste_cl._batch import Inputs, Spec, as_tensor, batch_len, call_model, index_batch, leaves
+from taste_cl._checks import check_int
+from taste_cl.exceptions import InvalidBatchError
+from taste_cl.replay import ClassBalancedReplay, ReplayStrategy
+from taste_cl.tasks import Classification, Task, infer_task
+
+if TYPE_CHECKING:
+    from taste_cl.learner.learner import OnlineLearner
+    from taste_cl.plugins import LearnerPlugin
+
+__all__ = ["FirstBatch", "check_arguments", "check_optimizer_covers", "check_replay_fits", "settle_first_batch"]
+
+
+@dataclass(frozen=True)
+class FirstBatch:
+    """What the first batch settled, and its targets as the task wants them."""
+
+    task: Task
+    spec: Spec
+    output_shape: tuple[int, ...]
+    num_classes: int | None
+    score_eval: bool  # the prequential score comes from an eval-mode forward
+    targets: torch.Tensor
+
+
+def settle_first_batch(learner: OnlineLearner, x: Inputs, spec: Spec, raw_y: Any) -> FirstBatch:
+    """Check the first batch ``(x, raw_y)`` (``x`` already placed, described by ``spec``) against ``learner``.
+
+    Raises :class:`~taste_cl.exceptions.InvalidBatchError` for inputs or targets the
+    model, task or loss cannot take, ``ValueError`` for a learner set up against them
+    (``num_classes``, replay buffer, strategy, the monitor's task).
+    """
+    device, dtype = learner._placement()
+    n = batch_len(x)
+    try:
+        out = learner._logits(index_batch(x, slice(0, 1)))
+    except Exception as error:
+        raise InvalidBatchError(f"model cannot take x of {_shapes(x)}: {error}{_integer_hint(x)}") from error
+    if not isinstance(out, torch.Tensor) or out.dim() < 1 or out.shape[0] != 1:
+        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise InvalidBatchError(f"model must return one tensor of shape (batch, ...); got {got} for a batch of 1")
+    output_shape = tuple(out.shape[1:])
+    task = learner.task if learner._task_given else infer_task(learner.loss_fn, output_shape)
+    if task is None:
+        task = _task_from_targets(raw_y, learner.loss_fn)
+    task.check_outputs(output_shape)
+    num_classes = task.num_classes(output_shape)
+    if learner.num_classes is not None and num_classes != learner.num_classes:
+        raise ValueError(f"model outputs {num_classes} logits but num_classes={learner.num_classes}")
+    y = task.to_targets(raw_y, n=n, output_shape=output_shape, dtype=dtype, device=device)
+    check_replay_fits(learner.replay, task)
+    learner.strategy.check(task, learner.replay)
+    _check_scalar_loss(learner.loss_fn, out, y[:1])
+    monitor = learner.monitor
+    if task != monitor.task and (monitor.steps or monitor.samples_seen):
+        raise ValueError(f"the monitor already scored {monitor.task!r}; this learner's task is {task!r}")
+    mode = monitor.prequential
+    score_eval = mode == "eval" or (mode == "auto" and _output_depends_on_mode(learner.model, x))
+    return FirstBatch(task, spec, output_shape, num_classes, score_eval, y)
+
+
+def check_arguments(
+    model: nn.Module,
+    replay: ReplayStrategy | None,
+    replay_batch_size: int,
+    train_iterations: int,
+    num_classes: int | None,
+    plugins: Sequence[LearnerPlugin],
+) -> None:
+    """The constructor's arguments that are checked on their own: types, ranges, unique plugin names."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    if replay is not None and not isinstance(replay, ReplayStrategy):
+        raise TypeError(f"replay must be a taste_cl.ReplayStrategy or None; got {type(replay).__name__}")
+    check_int("replay_batch_size", replay_batch_size, 0)
+    check_int("train_iterations", train_iterations, 1)
+    if num_classes is not None and num_classes < 1:
+        raise ValueError(f"`num_classes == {num_classes}`, must be >= 1")
+    names = [plugin.name for plugin in plugins]
+    if len(set(names)) != len(names):
+        raise ValueError(f"plugin names must be unique (they key checkpoint state); got {names}")
+
+
+def check_optimizer_covers(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer must train the model: hold some of its parameters and every trainable one."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    named = list(model.named_parameters())
+    if named and not any(id(p) in held for _, p in named):
+        raise ValueError(
+            "optimizer holds none of the model's parameters (was it built for another model or a copy?); build it from model.parameters()"
+        )
+    missing = [name for name, p in named if p.requires_grad and id(p) not in held]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(
+            f"{len(missing)} trainable parameter(s) are in no optimizer group: {shown}; add them to the optimizer or set requires_grad=False"
+        )
+
+
+def check_replay_fits(replay: ReplayStrategy | None, task: Task | None) -> None:
+    """A class-balanced buffer needs one class label per sample."""
+    if isinstance(replay, ClassBalancedReplay) and task is not None and not task.balances_classes:
+        raise ValueError(f"ClassBalancedReplay balances on one class label per sample; the {task.name} task has none. Use ReservoirReplay")
+
+
+def _shapes(x: Inputs) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"shape {tuple(x.shape)}"
+    return "leaf shapes " + ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in leaves(x))
+
+
+def _integer_hint(x: Inputs) -> str:
+    if any(not t.is_floating_point() for t in leaves(x)):
+        return " (integer and bool inputs are passed to the model unchanged, for embeddings; convert float features with .float())"
+    return ""
+
+
+def _task_from_targets(raw_y: Any, loss_fn: Any) -> Task:
+    """The task for a loss taste_cl does not know: classification for integer targets only."""
+    y = as_tensor(raw_y, "y")
+    if y.is_floating_point() or y.dtype == torch.bool or y.dim() != 1:
+        raise InvalidBatchError(
+            f"cannot infer the task from loss_fn={type(loss_fn).__name__} and targets of dtype {y.dtype}, shape "
+            f"{tuple(y.shape)}: pass task='regression', 'multilabel', 'classification' or 'token_classification' "
+            "(or a taste_cl.tasks.Task) to OnlineLearner(task=...)"
+        )
+    return Classification()
+
+
+def _check_scalar_loss(loss_fn: Callable[..., Any], outputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """The loss of one sample must be a scalar tensor (a mean or a sum), or the step would fail mid-way."""
+    try:
+        with torch.no_grad():
+            loss = loss_fn(outputs, targets)
+    except Exception as error:
+        raise InvalidBatchError(
+            f"loss_fn cannot take model outputs of shape {tuple(outputs.shape)} and targets of shape "
+            f"{tuple(targets.shape)}, dtype {targets.dtype}: {error}"
+        ) from error
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise InvalidBatchError(f"loss_fn must return a scalar tensor (use reduction='mean' or 'sum'); got {got}")
+
+
+def _output_depends_on_mode(model: nn.Module, x: Inputs) -> bool:
+    """Whether train mode changes the model's output on ``x`` (batch statistics, dropout, ...).
+
+    Checked on a copy, with the RNG restored afterwards, so neither the model's buffers nor
+    the random stream change. Any failure counts as mode-dependent (scoring in eval mode is
+    always right, only slower).
+    """
+    try:
+        twin = copy.deepcopy(model)
+        devices = sorted({t.device.index or 0 for t in leaves(x) if t.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            eval_out = call_model(twin.eval(), x)
+            train_out = call_model(twin.train(), x)
+        return not torch.allclose(train_out.float(), eval_out.float(), rtol=1e-4, atol=1e-5)
+    except Exception:  # noqa: BLE001 - any failure (copy, train-mode forward) means: score in eval mode
+        return True

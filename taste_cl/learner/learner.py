@@ -1,0 +1,494 @@
+"""OnlineLearner: keep a PyTorch model learning from a stream without forgetting.
+
+>>> import torch
+>>> from torch import nn
+>>> from taste_cl import OnlineLearner, ReservoirReplay
+>>> _ = torch.manual_seed(0)
+>>> model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+>>> learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+...                         replay=ReservoirReplay(capacity=50), replay_batch_size=5)
+>>> stats = learner.observe((torch.randn(8, 4), torch.randint(0, 3, (8,))))
+>>> stats.samples, stats.replay_samples, stats.batch_size
+(8, 0, 8)
+>>> stats = learner.observe((torch.randn(8, 4), torch.randint(0, 3, (8,))))
+>>> stats.replay_samples, tuple(learner.predict(torch.randn(2, 4)).shape)
+(5, (2, 3))
+
+:class:`OnlineLearner` orchestrates validate -> plan -> step -> store; its parts live
+beside it: :mod:`.batching` plans the micro-batches and counts the accumulation window,
+:mod:`.checks` checks the arguments and settles the task and shapes on the first batch,
+:mod:`.stats` holds what ``observe`` returns, and :mod:`taste_cl.state.learner_state`
+gathers and rebuilds its checkpoint state. The class runs past 350 lines only through
+the documentation of its public methods (about 130 lines); its code is about 250.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from taste_cl._batch import BatchLike, Inputs, Spec, batch_len, call_model, cat_batches, map_leaves, split_batch, to_inputs, to_like
+from taste_cl.guards.update import UpdateGuard
+from taste_cl.learner.batching import BatchPlan, MicroBatcher, OnBatcher, plan_from, rescale_lr
+from taste_cl.learner.checks import check_arguments, check_optimizer_covers, check_replay_fits, settle_first_batch
+from taste_cl.learner.stats import ObserveStats, Totals
+from taste_cl.monitor.monitor import StabilityPlasticityMonitor
+from taste_cl.plugins import LearnerPlugin
+from taste_cl.replay import ReplayStrategy
+from taste_cl.state.checkpoint import CheckpointLimits, write_checkpoint
+from taste_cl.state.learner_state import learner_state, load_learner
+from taste_cl.state.restore import restore_state
+from taste_cl.strategies import Strategy, resolve_strategy
+from taste_cl.tasks import Task, infer_task, resolve_task
+
+__all__ = ["OnlineLearner"]
+
+_FEW_TENSORS = 16  # gradient tensors up to which _total_norm reads each norm
+
+
+class OnlineLearner:
+    """Wrap a model so it keeps adapting to a stream of labelled batches.
+
+    Inputs ``x`` are a tensor or a dict / tuple / list of tensors, passed as ``model(x)``,
+    ``model(**x)`` or ``model(*x)``; floating leaves follow the model's dtype and device,
+    integer and bool leaves keep their dtype. Targets follow the ``task``: class labels,
+    0/1 multi-label targets, real values or per-token tags (see :mod:`taste_cl.tasks`).
+
+    Each :meth:`observe` scores the incoming batch (test-then-train), trains one step on
+    it mixed with ``replay_batch_size`` samples from the replay buffer, and offers the
+    batch to the buffer. Calls are serialised by a lock: ``observe``, ``predict`` and
+    ``save`` may be called from several threads.
+
+    Parameters
+    ----------
+    model:
+        A module mapping inputs to one output tensor ``(n, ...)``: ``(n, num_classes)``
+        logits for classification.
+    loss_fn:
+        Training loss taking ``(outputs, targets)`` and returning a scalar; default cross-entropy.
+    optimizer:
+        Optimizer over ``model``'s parameters; default SGD with lr 0.01. It must hold every
+        trainable parameter of the model (``ValueError`` naming those it misses).
+    task:
+        A :class:`~taste_cl.tasks.Task` or its name; default inferred from ``loss_fn``
+        (:func:`~taste_cl.tasks.infer_task`): cross-entropy/NLL -> classification (token
+        classification for ``(n, C, t)`` outputs), MSE/L1/SmoothL1/Huber -> regression,
+        BCE -> multi-label. For another loss, integer targets mean classification and
+        float targets need ``task=``.
+    replay:
+        A :class:`~taste_cl.replay.ReplayStrategy`, or None to train on the stream only.
+    replay_batch_size:
+        Replayed samples added to every training step.
+    train_iterations:
+        Optimizer steps per stream batch, each with a fresh replay sample (repeated
+        rehearsal; 2-3 help a lot when the stream is short).
+    num_classes, input_shape:
+        Inferred from the first batch and the model's output when not given
+        (``input_shape`` is for a single-tensor ``x``; a structured ``x`` is described by ``input_spec``).
+    monitor:
+        The :class:`~taste_cl.monitor.monitor.StabilityPlasticityMonitor`; a default one if None.
+    plugins:
+        :class:`~taste_cl.plugins.LearnerPlugin` instances (batch-size tuner, elastic training).
+    strategy:
+        How a micro-batch's loss is formed from its stream and replay parts: a
+        :class:`~taste_cl.strategies.Strategy` or ``"er"`` (default), ``"er_ace"``,
+        ``"der++"``, ``"lwf"`` (see :mod:`taste_cl.strategies`).
+    guard_updates:
+        An :class:`~taste_cl.guards.update.UpdateGuard`, or its mode: ``"auto"`` (default)
+        skips steps with a non-finite loss or gradient or a NaN/negative/absurd learning
+        rate, and copy-protects a step whose size bound (largest learning rate times
+        ``max(1, gradient norm)``) exceeds 1e4, undoing it if a parameter becomes
+        non-finite; ordinary steps pay nothing. ``"always"`` copy-protects every step,
+        ``"never"`` none. Pass ``UpdateGuard(rollback=True, ...)`` to roll back to the
+        last good snapshot when updates get stuck.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        replay: ReplayStrategy | None = None,
+        replay_batch_size: int = 10,
+        train_iterations: int = 1,
+        num_classes: int | None = None,
+        input_shape: Sequence[int] | None = None,
+        monitor: StabilityPlasticityMonitor | None = None,
+        plugins: Sequence[LearnerPlugin] = (),
+        guard_updates: str | UpdateGuard = "auto",
+        task: Task | str | None = None,
+        strategy: Strategy | str | None = None,
+    ) -> None:
+        check_arguments(model, replay, replay_batch_size, train_iterations, num_classes, plugins)
+        self.model = model
+        self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
+        self.optimizer = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=0.01)
+        check_optimizer_covers(model, self.optimizer)
+        self.task: Task | None = resolve_task(task) if task is not None else infer_task(self.loss_fn)
+        check_replay_fits(replay, self.task)
+        self.strategy = resolve_strategy(strategy)
+        self.strategy.check(self.task, replay)
+        self.replay = replay
+        self.replay_batch_size = replay_batch_size
+        self.train_iterations = train_iterations
+        self.num_classes = num_classes
+        self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
+        self.input_spec: Spec | None = None if self.input_shape is None else Spec("tensor", "float", "", self.input_shape)
+        self.output_shape: tuple[int, ...] | None = None
+        self._task_given = task is not None
+        self._score_eval = False  # prequential score from an eval-mode forward (decided on the first batch)
+        self.monitor = monitor if monitor is not None else StabilityPlasticityMonitor()
+        self.plugins = list(plugins)
+        self.guard = guard_updates if isinstance(guard_updates, UpdateGuard) else UpdateGuard(guard_updates)
+        self.samples_seen = 0
+        self.steps = 0
+        self._batcher = MicroBatcher()  # the batch plan, waiting stream samples, the accumulation window
+        self._lock = threading.RLock()
+        self.strategy.attach(self)
+        for plugin in self.plugins:
+            plugin.on_attach(self)
+
+    # The batcher's state under the names the checkpoint restore and the probe guard set.
+    _stream_batch_size: OnBatcher[int | None] = OnBatcher("stream_batch_size")
+    _pending: OnBatcher[tuple[Inputs, torch.Tensor] | None] = OnBatcher("pending")
+    _arrivals: OnBatcher[deque[list[float]]] = OnBatcher("arrivals")
+    _window_stream: OnBatcher[int] = OnBatcher("window_stream")
+    _accumulated: OnBatcher[int] = OnBatcher("accumulated")
+    _window_finite: OnBatcher[bool] = OnBatcher("window_finite")
+
+    @property
+    def batch_plan(self) -> BatchPlan | None:
+        """The plan set by :meth:`set_batch_plan` (None: one step per ``observe``)."""
+        return self._batcher.plan
+
+    @batch_plan.setter
+    def batch_plan(self, plan: BatchPlan | None) -> None:
+        self._batcher.plan = plan
+
+    @property
+    def device(self) -> torch.device:
+        return self._placement()[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._placement()[1]
+
+    def _placement(self) -> tuple[torch.device, torch.dtype]:
+        """Device and dtype of the parameters the optimizer trains (where inputs must go).
+
+        Read from the optimizer: walking ``model.parameters()`` costs more than a small
+        model's forward pass of one layer.
+        """
+        first = self.optimizer.param_groups[0]["params"][0]
+        return first.device, first.dtype
+
+    # -------------------------------------------------------------- learning
+    def set_batch_plan(
+        self,
+        micro_batch_size: int | None,
+        *,
+        accumulation_steps: int = 1,
+        lr_scale: float = 1.0,
+        max_wait_samples: int | None = None,
+        max_wait_s: float | None = None,
+    ) -> None:
+        """Train in micro-batches of ``micro_batch_size`` samples (stream plus replay share),
+        ``accumulation_steps`` micro-batches per optimizer step.
+
+        ``lr_scale`` is the plan's learning-rate factor relative to the optimizer's own
+        configuration: the *live* learning rates (whatever a scheduler has set) are
+        multiplied by ``lr_scale / previous lr_scale``, so scheduler decay is kept and
+        ``None`` (back to one step per ``observe``) divides the previous factor out.
+        Stream samples are buffered until a micro-batch is full; ``max_wait_samples``
+        (waiting stream samples) and ``max_wait_s`` (age of the oldest) force a step on
+        what is there, weighted by its share of stream samples. An accumulation window in
+        progress is applied first. The batch-size tuner calls this.
+        """
+        with self._lock:
+            plan = plan_from(micro_batch_size, accumulation_steps, lr_scale, max_wait_samples, max_wait_s)
+            self._apply_accumulated()
+            rescale_lr(self.optimizer, self._batcher.plan, plan)
+            self._batcher.set_plan(plan)
+
+    def observe(self, batch: BatchLike) -> ObserveStats:
+        """Test-then-train on one stream batch ``(x, y)`` or ``{"x": x, "y": y}``.
+
+        ``x`` is a tensor or array, or a dict / tuple / list of them (see the class doc).
+
+        Raises :class:`~taste_cl.exceptions.InvalidBatchError` (a ``ValueError``) on a
+        malformed batch, before anything is changed.
+        """
+        with self._lock:
+            x, y = self._validate(batch)
+            n = y.shape[0]
+            batcher = self._batcher
+            if batcher.stream_batch_size is None:
+                batcher.stream_batch_size = n
+                for plugin in self.plugins:
+                    plugin.on_first_batch(self, x, y=y)
+            start = time.perf_counter()
+            totals = Totals()
+            batcher.arrive(n)
+            for chunk_x, chunk_y, n_replay in batcher.chunks(x, y, self.replay_batch_size, self._stored()):
+                self._learn_chunk(chunk_x, chunk_y, n_replay, totals)
+            if batcher.waited_too_long():
+                self._flush(totals)
+            elapsed = time.perf_counter() - start
+            self.samples_seen += n
+            self.steps += 1
+            stats = totals.stats(self.task, samples=n, step_time_s=elapsed, pending=batcher.pending_count())
+            for plugin in self.plugins:
+                plugin.after_observe(self, stats, batch=(x, y))
+            self.monitor.dispatch()
+            return stats
+
+    def _stored(self) -> int:
+        return len(self.replay) if self.replay is not None else 0
+
+    def _flush(self, totals: Totals) -> None:
+        """Train the pending stream samples as one smaller micro-batch and apply the window."""
+        chunk = self._batcher.take_pending(self.replay_batch_size, self._stored())
+        if chunk is not None:
+            self._learn_chunk(*chunk, totals)
+        totals.add_step(self._apply_accumulated())
+
+    def _learn_chunk(self, x: Inputs, y: torch.Tensor, n_replay: int, totals: Totals) -> None:
+        """Score ``x`` (test), train ``train_iterations`` micro-batches on it with replay, then store it.
+
+        The score comes from an eval-mode forward (what :meth:`predict` returns) when the
+        model's output depends on the train/eval mode, else from the first training forward.
+        A chunk whose loss overflowed is scored but never stored: it would poison later steps.
+        With a plan, each micro-batch's loss is weighted by the batcher (see :meth:`MicroBatcher.enter`).
+        """
+        n = y.shape[0]
+        batcher = self._batcher
+        weight = 1.0 if batcher.plan is None else batcher.enter(n, self.replay_batch_size, self._stored())
+        finite = True
+        stream_outputs = self._logits(x) if self._score_eval else None
+        for _ in range(self.train_iterations):
+            train_x, train_y, fields = self._with_replay(x, y, n_replay)
+            outputs, loss = self._micro_step(train_x, train_y, n, fields, weight)
+            outputs = outputs[:n]  # the stream rows
+            finite &= math.isfinite(loss)
+            if stream_outputs is None:
+                stream_outputs = outputs  # scored before any update on this chunk
+            totals.add_micro(loss, train_y.shape[0], n_replay)
+            if batcher.window_full():
+                totals.add_step(self._apply_accumulated())
+        assert stream_outputs is not None
+        totals.add_scored(self.monitor.record(x, y, stream_outputs, validated=True, store=finite))
+        if self.replay is not None and finite:
+            self.replay.add_validated(x, y, **self.strategy.fields(x, y, outputs))
+        if self.monitor.due():
+            self.monitor.evaluate(lambda probe_x: self._logits(self._place(probe_x)))
+        self.strategy.after_chunk(self)
+
+    def _with_replay(self, x: Inputs, y: torch.Tensor, n_replay: int) -> tuple[Inputs, torch.Tensor, dict[str, torch.Tensor]]:
+        """The micro-batch ``[stream | replayed]`` and the replayed samples' stored fields (those the strategy uses)."""
+        if not n_replay:
+            return x, y, {}
+        assert self.replay is not None
+        fields: dict[str, torch.Tensor] = {}
+        if self.strategy.stored_fields:
+            replay_x, replay_y, fields = self.replay.sample(n_replay, with_fields=True)  # type: ignore[call-arg, misc]
+        else:
+            replay_x, replay_y = self.replay.sample(n_replay)
+        replay_y = to_like(replay_y, y)
+        if isinstance(x, torch.Tensor):  # the common case, without the pytree walk
+            return torch.cat([x, to_like(replay_x, x)]), torch.cat([y, replay_y]), fields
+        return cat_batches([x, self._place(replay_x)]), torch.cat([y, replay_y]), fields
+
+    def _place(self, x: Inputs) -> Inputs:
+        """Stored samples moved to the model: floating leaves to its dtype, all to its device."""
+        device, dtype = self._placement()
+        return map_leaves(lambda t: t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device), x)
+
+    def _micro_step(
+        self,
+        x: Inputs,
+        y: torch.Tensor,
+        n_stream: int | None = None,
+        fields: dict[str, torch.Tensor] | None = None,
+        weight: float = 1.0,
+    ) -> tuple[torch.Tensor, float]:
+        """Forward and backward one micro-batch (its first ``n_stream`` rows from the stream,
+        default all), adding ``weight`` times its loss's gradient to the window; the strategy
+        forms the loss."""
+        if self._batcher.accumulated == 0:
+            for plugin in self.plugins:
+                plugin.before_step(self)
+        if not self.model.training:  # train() walks every module: only when needed
+            self.model.train()
+        logits = call_model(self.model, x)
+        n_stream = y.shape[0] if n_stream is None else n_stream
+        loss = self.strategy.loss(self.loss_fn, logits, y, x=x, n_stream=n_stream, fields=fields or {})
+        loss_value = loss.item()
+        self.guard.record_loss(loss_value)
+        finite = math.isfinite(loss_value)
+        if finite:
+            (loss if weight == 1.0 else loss * weight).backward()
+        self._batcher.add_micro(finite)
+        return logits.detach(), loss_value
+
+    def _apply_accumulated(self) -> bool | None:
+        """Apply the accumulated gradient; return True if applied, False if skipped, None if nothing was pending.
+
+        The :class:`~taste_cl.guards.update.UpdateGuard` decides: a non-finite loss or gradient or
+        an unsafe hyperparameter skips the update, a step that leaves a parameter
+        non-finite is undone; both emit ``numerical_fault``.
+        """
+        batcher = self._batcher
+        if batcher.accumulated == 0:
+            return None
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        batcher.release_arrivals()
+        applied = self.guard.step(self, params, _total_norm(grads), batcher.window_finite)
+        self.optimizer.zero_grad(set_to_none=True)
+        batcher.reset_window()
+        return applied
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
+        """One optimizer step on validated tensors, outside the stream bookkeeping.
+
+        Returns (detached logits, loss, skipped). Any accumulation window in progress is
+        applied first.
+        """
+        with self._lock:
+            self._apply_accumulated()
+            batcher = self._batcher
+            saved_plan, batcher.plan = batcher.plan, None
+            try:
+                logits, loss = self._micro_step(x, y)
+                applied = self._apply_accumulated()
+            finally:
+                batcher.plan = saved_plan
+            return logits, loss, not applied
+
+    def predict(self, x: Any) -> torch.Tensor:
+        """Model outputs (logits for classification) for ``x`` in eval mode without gradients;
+        changes no state. ``x`` is validated like :meth:`observe`'s."""
+        with self._lock:
+            device, dtype = self._placement()
+            inputs, _ = to_inputs(x, spec=self.input_spec, dtype=dtype, device=device)
+            return self._logits(inputs)
+
+    def _logits(self, x: Inputs) -> torch.Tensor:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                return call_model(self.model, x)
+        finally:
+            self.model.train(was_training)
+
+    def _validate(self, batch: BatchLike) -> tuple[Inputs, torch.Tensor]:
+        raw_x, raw_y = split_batch(batch)
+        device, dtype = self._placement()
+        x, spec = to_inputs(raw_x, spec=self.input_spec, dtype=dtype, device=device)
+        if self.output_shape is None:
+            return x, self._first_batch(x, spec, raw_y)
+        assert self.task is not None
+        return x, self.task.to_targets(raw_y, n=batch_len(x), output_shape=self.output_shape, dtype=dtype, device=device)
+
+    def _first_batch(self, x: Inputs, spec: Spec, raw_y: Any) -> torch.Tensor:
+        """Settle the task, input spec and output shape on the first batch (see
+        :func:`~taste_cl.learner.checks.settle_first_batch`); commit them only if every check passes."""
+        first = settle_first_batch(self, x, spec, raw_y)
+        self.monitor.set_task(first.task)
+        self.task, self.input_spec, self.output_shape = first.task, first.spec, first.output_shape
+        self.input_shape = first.spec.shape if first.spec.is_tensor else None
+        self.num_classes = first.num_classes
+        self._score_eval = first.score_eval
+        return first.targets
+
+    # ----------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs: model, optimizer, buffer, monitor, plugins, RNG."""
+        with self._lock:
+            return learner_state(self)
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Atomically write a checkpoint into ``directory`` (created if needed); no pickle, see :mod:`taste_cl.state.checkpoint`."""
+        write_checkpoint(directory, self.state_dict, lock=self._lock)  # a consistent snapshot, written unlocked
+
+    def export_onnx(self, directory: str | os.PathLike[str], **kwargs: Any) -> Path:
+        """Write ONNX Runtime on-device training artifacts; see :func:`taste_cl.adapters.onnxruntime.export.export`."""
+        from taste_cl.adapters.onnxruntime.export import export  # lazy: the [onnx] extra is optional
+
+        return export(self, directory, **kwargs)
+
+    def export(self, directory: str | os.PathLike[str], *, backend: str = "auto", **kwargs: Any) -> Path:
+        """Write parity-checked on-device training artifacts with ``backend`` (``"onnxruntime"``,
+        ``"executorch"`` or ``"auto"``); see :func:`taste_cl.adapters.device.export.export`."""
+        from taste_cl.adapters.device.export import export  # lazy: optional extras
+
+        return export(self, directory, backend=backend, **kwargs)
+
+    @classmethod
+    def load(
+        cls,
+        directory: str | os.PathLike[str],
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        replay: ReplayStrategy | None = None,
+        monitor: StabilityPlasticityMonitor | None = None,
+        plugins: Sequence[LearnerPlugin] = (),
+        max_bytes: int = CheckpointLimits.max_bytes,
+        strategy: Strategy | None = None,
+    ) -> OnlineLearner:
+        """Rebuild a learner from :meth:`save` output around a freshly built ``model``.
+
+        Built-in replay buffers and strategies are rebuilt from the checkpoint; pass
+        ``replay`` / ``strategy`` for a custom one. The task, input structure and output shape come from the checkpoint.
+        Files over ``max_bytes`` are refused before being read. The whole checkpoint is
+        validated before anything is applied: on any error
+        :class:`~taste_cl.exceptions.CheckpointError` is raised (its subclass
+        ``CheckpointNotFoundError`` for a missing file) and ``model``, ``optimizer``,
+        ``replay``, ``monitor`` and ``plugins`` are left exactly as they were.
+        """
+        return load_learner(
+            cls, directory, model=model, optimizer=optimizer, loss_fn=loss_fn, replay=replay,
+            monitor=monitor, plugins=plugins, max_bytes=max_bytes, strategy=strategy,
+        )  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output, all or nothing.
+
+        Every section is validated against this learner first (shapes and dtypes of the
+        model, optimizer groups and state, gradients, batch plan, pending samples,
+        counters, replay and monitor contents, RNG and guard state); only then is
+        anything changed. On any error :class:`~taste_cl.exceptions.CheckpointError` is
+        raised and the learner, its replay, monitor and plugins are exactly as before.
+        """
+        with self._lock:
+            restore_state(self, state)
+
+
+def _total_norm(tensors: list[torch.Tensor]) -> float:
+    """L2 norm of all ``tensors`` together (NaN or inf if any entry is)."""
+    if not tensors:
+        return 0.0
+    first = tensors[0]
+    if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
+        # The fused kernel torch's own get_total_norm ends in, without its per-call
+        # regrouping by device and dtype (half the cost of a small model's step). For a
+        # few tensors, reading each norm costs less than stacking them for one more
+        # reduction (math.hypot gives inf for an inf entry and NaN for a NaN one).
+        norms = torch._foreach_norm(tensors)
+        if len(norms) <= _FEW_TENSORS:
+            return math.hypot(*[norm.item() for norm in norms])
+        return float(torch.linalg.vector_norm(torch.stack(norms)))
+    return float(torch.nn.utils.get_total_norm(tensors))
