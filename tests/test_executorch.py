@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -153,6 +155,16 @@ def test_batchnorm_needs_the_freeze_transform_and_then_trains_with_parity(tmp_pa
     with torch.no_grad():
         expected = model.eval()(x)  # frozen BatchNorm without dropout == the model in eval mode
     np.testing.assert_allclose(EtOnlineLearner.from_artifacts(folder).predict(x.numpy()), expected.numpy(), atol=1e-5)
+
+
+def test_the_device_side_imports_nothing_from_the_export_side():
+    code = (
+        "import sys; import taste_cl.adapters.executorch.learner, taste_cl.adapters.executorch.replay; "
+        "from taste_cl.adapters.executorch import EtOnlineLearner; "
+        "assert 'taste_cl.adapters.executorch.export' not in sys.modules, sorted(sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_transforms_keep_parameter_names_and_eval_outputs():
