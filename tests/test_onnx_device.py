@@ -84,6 +84,8 @@ def test_device_runtime_runs_with_torch_unimportable(artifacts: Path, tmp_path: 
         x, y = rng.standard_normal((5, 6)).astype(np.float32), rng.integers(0, 3, 5)
         stats = device.observe((x, y))
         assert stats.replay_samples == 4 and not stats.skipped, stats
+        from taste_cl import ObserveStats  # the PyTorch learner's stats type, importable (and printable) without torch
+        assert type(stats) is ObserveStats and str(stats).startswith("observe: loss "), stats
         device.save({str(tmp_path / "saved")!r})
         resumed = OrtOnlineLearner.from_artifacts({str(tmp_path / "saved")!r})
         assert np.array_equal(resumed.predict(x), device.predict(x))
@@ -97,6 +99,15 @@ def test_device_runtime_runs_with_torch_unimportable(artifacts: Path, tmp_path: 
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "OK 25"
     assert "[I:onnxruntime" not in result.stderr  # INFO logs silenced
+
+
+def test_device_and_torch_learners_return_one_stats_type() -> None:
+    from taste_cl.adapters.onnx_device import DeviceObserveStats as old_path
+    from taste_cl.adapters.onnxruntime import DeviceObserveStats as package_path
+    from taste_cl.adapters.onnxruntime.runtime import DeviceObserveStats
+    from taste_cl.learner import ObserveStats
+
+    assert DeviceObserveStats is old_path is package_path is ObserveStats
 
 
 def test_replay_rows_are_exported_in_the_graph_dtype(artifacts: Path) -> None:

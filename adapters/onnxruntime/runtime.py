@@ -45,6 +45,7 @@ from taste_cl.adapters.device.artifacts import (
 from taste_cl.adapters.onnxruntime.proto import check_no_external_data
 from taste_cl.adapters.web.compat import REPLAY_BINARY, WEB_MANIFEST, WEB_OPTIMIZER_MODEL, add_web_artifacts
 from taste_cl.exceptions import InvalidBatchError, MissingDependencyError
+from taste_cl.learner.stats import ObserveStats
 
 __all__ = [
     "ARTIFACT_FORMAT",
@@ -613,23 +614,8 @@ def _load_sgd_state(data: bytes, spec: DeviceSpec, manifest: Mapping[str, Any], 
 
 
 # -------------------------------------------------------------------- learner
-@dataclass(frozen=True)
-class DeviceObserveStats:
-    """What one device ``observe`` did (the fields of :class:`taste_cl.ObserveStats`).
-
-    ``accuracy`` is the stream batch's accuracy in the first training pass for class
-    labels, NaN for other targets.
-    """
-
-    loss: float
-    accuracy: float
-    samples: int
-    replay_samples: int
-    batch_size: int
-    steps: int
-    step_time_s: float
-    skipped: bool = False
-    micro_batches: int = 1
+DeviceObserveStats = ObserveStats
+"""What one device ``observe`` did: the PyTorch learner's :class:`~taste_cl.learner.stats.ObserveStats` (this name is kept)."""
 
 
 @dataclass
@@ -718,7 +704,7 @@ class OrtOnlineLearner:
         with self._lock:
             return self.session.parameters()
 
-    def observe(self, batch: Any) -> DeviceObserveStats:
+    def observe(self, batch: Any) -> ObserveStats:
         """Train on one batch ``(x, y)`` (or ``{"x": x, "y": y}``) mixed with replay, then buffer it."""
         with self._lock:
             raw_x, raw_y = _split(batch)
@@ -747,7 +733,7 @@ class OrtOnlineLearner:
             accuracy = math.nan
             if self.num_classes is not None and stream_outputs is not None and not self.spec.labels.shape:
                 accuracy = float((stream_outputs.argmax(axis=1) == y).mean())
-            return DeviceObserveStats(
+            return ObserveStats(
                 loss=sum(losses) / len(losses),
                 accuracy=accuracy,
                 samples=n,
