@@ -64,16 +64,14 @@ def test_without_the_guard_the_same_spike_destroys_the_model():
     assert not all(torch.isfinite(p).all() for p in learner.model.parameters())
 
 
-def test_auto_mode_does_not_copy_on_healthy_steps(monkeypatch):
+def test_auto_mode_does_not_copy_on_healthy_steps():
     learner = tiny_learner()
-    calls = []
-    monkeypatch.setattr(UpdateGuard, "_protected_step", staticmethod(lambda optimizer, params: calls.append(1) or True))
     for seed in range(10):
         learner.observe(batch(seed=seed))
-    assert calls == []
+    assert learner.guard.protected_steps == 1  # the first step, measured to learn the typical step size
     _spike(learner, 1e5)
     learner.observe(batch(seed=10))
-    assert calls == [1]
+    assert learner.guard.protected_steps == 2
 
 
 def test_guarded_healthy_steps_equal_unguarded_ones():
@@ -218,9 +216,11 @@ def test_without_rollback_a_stuck_learner_reports_once_and_stays_stuck():
 
 
 def test_a_diverging_adam_emits_diverging_once():
+    """Divergence is watched whatever the mode; ``never`` lets the spiked steps through
+    (the default guard refuses them for their size, see test_update_size.py)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    learner = OnlineLearner(model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
+    learner = OnlineLearner(model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2), guard_updates="never")
     events = []
     learner.monitor.subscribe(events.append, event="diverging")
     for seed in range(8):

@@ -79,6 +79,7 @@ def test_zoo_case_learns_predicts_round_trips_and_refuses_bad_batches(name, tmp_
     assert statistics.median(losses[-10:]) < statistics.median(losses[:10]), f"{name} did not learn: {losses}"
     report = learner.monitor.report()
     assert report["metric"] == learner.task.primary and report["stability"] is not None
+    assert "numerical_fault" not in report["events"]  # the default update guard refused no step
 
     x_new, _ = case.batch(5, seed=999)
     out = learner.predict(x_new)

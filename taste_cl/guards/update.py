@@ -3,9 +3,22 @@
 Before every step the :class:`UpdateGuard` checks the optimizer's hyperparameters (a NaN,
 infinite or negative learning rate, one above ``max_lr``, or any non-finite float
 hyperparameter skips the step with the reason), the window's loss and the gradient norm
-(non-finite skips). A step whose size bound, largest LR times ``max(1, gradient norm)``,
-exceeds ``update_bound`` is made on a copy-protected path: parameters and optimizer state
-are restored if it leaves a parameter non-finite.
+(non-finite skips). A step that may be unusual is made on a copy-protected path:
+parameters and optimizer state are restored bit for bit if it leaves a parameter
+non-finite, or if it changes the parameters by far more than is sane (see *Update size*).
+
+Update size. A protected step measures its relative size
+``r = ||Δθ|| / max(||θ||, 0.1 sqrt(n))`` (θ: the ``n`` parameters that have a gradient;
+the floor keeps a zero-initialized model from dividing by 0) and refuses it when
+``r > update_jump`` (no step is sanely 1000x the parameters' own norm) or, once earlier
+steps were measured, when ``r > max(1, update_jump * typical)`` (orders of magnitude
+beyond the geometric running mean of measured healthy ``r``, and more than the parameters'
+own norm: so the large steps of early training or of a new task are never refused).
+In ``"auto"`` mode a step is protected only when it may be unusual: its size bound, largest
+LR times ``max(1, gradient norm)``, exceeds ``update_bound``; LR times gradient norm is
+over 10x its running geometric mean; a hyperparameter other than the LR changed; it is
+the first step; or 50 steps passed since the last measured one (to keep ``typical``
+current). Healthy steps of a steady run are thus measured 1 in 50.
 
 Two conditions are reported as monitor events:
 
@@ -44,6 +57,11 @@ GUARD_MODES = ("auto", "always", "never")
 _EMA_ALPHA = 0.2  # weight of the newest window loss in the smoothed loss
 _EMA_WARMUP = 5  # windows before ``diverging`` may fire (the first losses are noisy)
 _LOSS_FLOOR = 1e-2  # the best smoothed loss is floored here, so a loss near 0 is not a hair trigger
+_NORM_FLOOR = 0.1  # parameter RMS below which a step's size is judged against this RMS instead
+_LOG_SANE_STEP = 0.0  # log of the relative step size that the relative test never refuses (1: the own norm)
+_LOG_PROXY_JUMP = math.log(10.0)  # LR x gradient norm this far above its running mean protects the step
+_MEASURE_EVERY = 50  # applied steps between measurements that keep the typical size current
+_LOG_ALPHA = 0.2  # weight of the newest value in the running means of log step size and log LR x gradient norm
 HYPERPARAMETER_RANGES: dict[str, tuple[float, float]] = {
     "momentum": (0.0, 1.0),
     "dampening": (0.0, 1.0),
@@ -74,6 +92,7 @@ class _GuardConfig:
     rollback: bool
     snapshot_every: int
     divergence_factor: float
+    update_jump: float = 1e3  # a default: checkpoints written before it existed lack it
 
 
 def _positive_number(name: str, value: Any) -> float:
@@ -88,13 +107,17 @@ class UpdateGuard:
     Parameters
     ----------
     mode:
-        ``"auto"``: copy-protect only steps whose size bound exceeds ``update_bound``;
+        ``"auto"``: copy-protect only steps that may be unusual (see the module doc);
         ``"always"``: every step; ``"never"``: none (the hyperparameter and finiteness
-        checks still run).
+        checks still run, the update size is not measured).
     max_lr:
         Learning rates above this are absurd: the step is skipped with the reason.
     update_bound:
         Size bound (largest LR x max(1, gradient norm)) above which a step is copy-protected.
+    update_jump:
+        A protected step that changes the parameters by more than this times their norm,
+        or (once there is history) by more than their norm and this times the typical
+        relative step, is undone with the reason.
     stuck_after:
         Emit ``updates_stuck`` after this many skipped steps in a row.
     rollback:
@@ -116,6 +139,7 @@ class UpdateGuard:
         rollback: bool = False,
         snapshot_every: int = 50,
         divergence_factor: float = 1e3,
+        update_jump: float = 1e3,
     ) -> None:
         if mode not in GUARD_MODES:
             raise ValueError(f"`guard_updates == {mode!r}`, must be one of {', '.join(map(repr, GUARD_MODES))}")
@@ -129,7 +153,9 @@ class UpdateGuard:
             rollback=rollback,
             snapshot_every=check_int("snapshot_every", snapshot_every, 1),
             divergence_factor=_positive_number("divergence_factor", divergence_factor),
+            update_jump=_positive_number("update_jump", update_jump),
         )
+        self.protected_steps = 0  # copy-protected steps since construction (not saved): what "auto" costs
         self._reset()
 
     def _reset(self) -> None:
@@ -142,6 +168,10 @@ class UpdateGuard:
         self._diverging = False
         self._snapshot: tuple[dict[str, Any], dict[str, Any]] | None = None
         self._sane_settings: list[tuple[tuple[str, Any], ...] | None] | None = None  # see check_hyperparameters
+        self._stepped_settings: object = None  # ``_sane_settings`` at the last applied step
+        self._log_proxy: float | None = None  # running mean of log(largest LR x gradient norm), applied steps
+        self._log_size: float | None = None  # running mean of log relative step size, measured applied steps
+        self._since_measure = 0  # applied steps since the last measured one
 
     @property
     def mode(self) -> str:
@@ -195,44 +225,84 @@ class UpdateGuard:
         ``numerical_fault`` with the cause for a skipped or undone step, then checks
         for ``updates_stuck`` and ``diverging``.
         """
-        emit = learner.monitor.emit
         losses, self._window_losses = self._window_losses, []
         cause = None
         if not (window_finite and math.isfinite(grad_norm)):
             cause = "non-finite loss or gradient"
         else:
             cause = self.check_hyperparameters(learner.optimizer.param_groups)
-        if cause is not None:
-            emit("numerical_fault", micro_batches=len(losses), cause=cause)
-            applied = False
-        else:
+        if cause is None:
             largest_lr = max(float(group["lr"]) for group in learner.optimizer.param_groups)
             ordinary = largest_lr * max(1.0, grad_norm) <= self.config.update_bound
-            if ordinary:
-                self._maybe_snapshot(learner)
-            if self.config.mode == "always" or (self.config.mode == "auto" and not ordinary):
-                applied = self._protected_step(learner.optimizer, params)
-                if not applied:
-                    emit("numerical_fault", micro_batches=len(losses), cause="non-finite parameters after the step (rolled back)")
+            snapshot = self._snapshot_due(learner) if ordinary else None
+            log_proxy = _log(largest_lr * grad_norm)
+            if self.config.mode == "always" or (self.config.mode == "auto" and not (ordinary and self._usual(log_proxy))):
+                cause = self._protected_step(learner.optimizer, params)
             else:
                 learner.optimizer.step()
-                applied = True
+                self._since_measure += 1
+            if cause is None:
+                self._log_proxy = log_proxy if self._log_proxy is None else _mean(self._log_proxy, log_proxy)
+                self._stepped_settings = self._sane_settings
+                if snapshot is not None:
+                    self._snapshot, self._since_snapshot = snapshot, 0
+        if cause is not None:
+            learner.monitor.emit("numerical_fault", micro_batches=len(losses), cause=cause)
+        applied = cause is None
         self._track_skips(learner, applied)
         if applied and losses:
             self._track_divergence(learner, sum(losses) / len(losses))
         return applied
 
-    @staticmethod
-    def _protected_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
-        """Step; undo it on ``params`` and their optimizer state if a parameter became non-finite."""
+    def _usual(self, log_proxy: float) -> bool:
+        """Whether an ordinary-size step may skip the copy protection: LR x gradient norm not
+        10x above its running mean, the same hyperparameters as the last applied step (the
+        check keeps one settings object while they are unchanged), a typical size known and
+        measured within ``_MEASURE_EVERY`` steps."""
+        return (
+            self._log_proxy is not None
+            and self._log_size is not None
+            and log_proxy <= self._log_proxy + _LOG_PROXY_JUMP
+            and self._sane_settings is self._stepped_settings
+            and self._since_measure < _MEASURE_EVERY
+        )
+
+    def _size_limit(self) -> float:
+        """Log of the largest relative step size applied now (see the module doc)."""
+        log_jump = math.log(self.config.update_jump)
+        if self._log_size is None:
+            return log_jump
+        return min(log_jump, max(_LOG_SANE_STEP, log_jump + self._log_size))
+
+    def _protected_step(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> str | None:
+        """Step and measure it; undo it on ``params`` and their optimizer state (bit for bit)
+        if a parameter became non-finite or the step is too large. Returns why it was undone, or None."""
+        self.protected_steps += 1
+        if not params:
+            optimizer.step()
+            return None
         with torch.no_grad():
             saved_params = torch._foreach_mul(params, 1.0)  # one fused copy
         saved_state = {
             p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[p].items()} for p in params if p in optimizer.state
         }
         optimizer.step()
-        if math.isfinite(float(torch.nn.utils.get_total_norm(params, norm_type=math.inf))):  # max |p|: no overflow
-            return True
+        with torch.no_grad():
+            largest = _total_norm(params, math.inf)  # max |p|: no overflow, non-finite iff a parameter is
+            change = _total_norm(torch._foreach_sub(params, saved_params), 2.0)
+            size = _total_norm(saved_params, 2.0)
+            largest_value, change_value, size_value = torch.stack([largest, change, size]).tolist()  # one sync
+        floor = _NORM_FLOOR * math.sqrt(sum(p.numel() for p in params))
+        ratio = change_value / max(size_value, floor)
+        limit = self._size_limit()
+        if not math.isfinite(largest_value):
+            cause = "non-finite parameters after the step (rolled back)"
+        elif not _log(ratio) <= limit:  # NaN fails
+            cause = f"update {ratio:.3g}x the parameter norm, over the limit {math.exp(limit):.3g}x (rolled back)"
+        else:
+            self._log_size = _log(ratio) if self._log_size is None else _mean(self._log_size, _log(ratio))
+            self._since_measure = 0
+            return None
         with torch.no_grad():
             torch._foreach_copy_(params, saved_params)
         for p in params:
@@ -240,20 +310,22 @@ class UpdateGuard:
                 optimizer.state[p] = saved_state[p]
             else:
                 optimizer.state.pop(p, None)
-        return False
+        return cause
 
     # ------------------------------------------------------ stuck / rollback
-    def _maybe_snapshot(self, learner: OnlineLearner) -> None:
-        """Before an ordinary-size step with a finite loss, keep a copy every ``snapshot_every``.
+    def _snapshot_due(self, learner: OnlineLearner) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """Before an ordinary-size step with a finite loss, every ``snapshot_every`` such steps,
+        a copy of the model and optimizer state, kept only if the step is then applied.
 
-        The copied parameters just gave a finite loss, and the copied learning rates
-        passed the hyperparameter check, so rolling back to them is safe."""
+        The copied parameters just gave a finite loss, and the copied learning rates passed
+        the hyperparameter check and then made an applied step, so rolling back to them is
+        safe (a refused step's learning rate may be the spike that got the learner stuck)."""
         if not self.config.rollback:
-            return
+            return None
         self._since_snapshot += 1
-        if self._since_snapshot >= self.config.snapshot_every:
-            self._snapshot = (copy.deepcopy(learner.model.state_dict()), copy.deepcopy(learner.optimizer.state_dict()))
-            self._since_snapshot = 0
+        if self._since_snapshot < self.config.snapshot_every:
+            return None
+        return copy.deepcopy(learner.model.state_dict()), copy.deepcopy(learner.optimizer.state_dict())
 
     def _track_skips(self, learner: OnlineLearner, applied: bool) -> None:
         if applied:
@@ -297,19 +369,28 @@ class UpdateGuard:
             "windows": self._windows,
             "diverging": self._diverging,
             "window_losses": list(self._window_losses),
+            **self._size_state(),
         }
+
+    def _size_state(self) -> dict[str, Any]:
+        """The update-size history (absent from checkpoints written before it existed)."""
+        return {"log_proxy": self._log_proxy, "log_size": self._log_size, "since_measure": self._since_measure}
 
     @classmethod
     def parse_state(cls, state: Any) -> tuple[UpdateGuard, dict[str, Any]]:
         """Validate ``state`` into a new guard plus its counters; raises ValueError/TypeError naming the field."""
-        if not isinstance(state, dict) or set(state) != set(cls().state_dict()):
-            raise ValueError(f"guard state must be a dict with keys {sorted(cls().state_dict())}")
+        fresh = cls()
+        keys, optional = set(fresh.state_dict()), set(fresh._size_state())
+        if not isinstance(state, dict) or not keys - optional <= set(state) <= keys:
+            raise ValueError(f"guard state must be a dict with keys {sorted(keys)} ({', '.join(sorted(optional))} optional)")
+        state = {**fresh._size_state(), **state}
         config = state["config"]
-        if not isinstance(config, dict) or set(config) != set(_GuardConfig.__dataclass_fields__):
-            raise ValueError(f"guard config must have keys {sorted(_GuardConfig.__dataclass_fields__)}")
+        fields = set(_GuardConfig.__dataclass_fields__)
+        if not isinstance(config, dict) or not fields - {"update_jump"} <= set(config) <= fields:
+            raise ValueError(f"guard config must have keys {sorted(fields)} (update_jump optional)")
         guard = cls(config["mode"], **{k: v for k, v in config.items() if k != "mode"})
         counters: dict[str, Any] = {}
-        for key in ("skipped_in_row", "since_snapshot", "windows"):
+        for key in ("skipped_in_row", "since_snapshot", "windows", "since_measure"):
             value = state[key]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"guard `{key} == {value!r}`, must be an int >= 0")
@@ -318,6 +399,11 @@ class UpdateGuard:
             value = state[key]
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0):
                 raise ValueError(f"guard `{key} == {value!r}`, must be None or a finite number >= 0")
+            counters[key] = None if value is None else float(value)
+        for key in ("log_proxy", "log_size"):
+            value = state[key]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= 1e3):
+                raise ValueError(f"guard `{key} == {value!r}`, must be None or a number in [-1e3, 1e3] (a log)")
             counters[key] = None if value is None else float(value)
         if (counters["ema"] is None) != (counters["best"] is None):
             raise ValueError("guard `ema` and `best` must both be None or both be numbers")
@@ -340,6 +426,7 @@ class UpdateGuard:
         self._ema, self._best, self._windows = counters["ema"], counters["best"], counters["windows"]
         self._diverging = counters["diverging"]
         self._window_losses = counters["window_losses"]
+        self._log_proxy, self._log_size, self._since_measure = counters["log_proxy"], counters["log_size"], counters["since_measure"]
 
 
 def _settings(group: dict[str, Any]) -> tuple[tuple[str, Any], ...] | None:
@@ -355,6 +442,31 @@ def _settings(group: dict[str, Any]) -> tuple[tuple[str, Any], ...] | None:
             if isinstance(member, torch.Tensor):
                 return None
     return items
+
+
+def _log(value: float) -> float:
+    """``log(value)`` with ``value`` clamped to [1e-30, 1e300]: finite for 0 and inf (NaN stays NaN)."""
+    return math.log(min(max(value, 1e-30), 1e300)) if not math.isnan(value) else math.nan
+
+
+def _mean(mean: float, value: float) -> float:
+    """The running mean ``mean`` moved towards ``value`` (weight ``_LOG_ALPHA``)."""
+    return (1 - _LOG_ALPHA) * mean + _LOG_ALPHA * value
+
+
+def _total_norm(tensors: list[torch.Tensor], order: float) -> torch.Tensor:
+    """The ``order``-norm of all ``tensors`` together as a 0-d tensor on the first one's device,
+    without a sync: one ``_foreach_norm`` per device and dtype, half precision accumulated in float32."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    result_dtype = torch.float64 if any(dtype == torch.float64 for _, dtype in groups) else torch.float32
+    norms = [
+        norm.to(tensors[0].device, result_dtype)
+        for (_, dtype), group in groups.items()
+        for norm in torch._foreach_norm(group, order, dtype=torch.promote_types(dtype, torch.float32))
+    ]
+    return torch.linalg.vector_norm(torch.stack(norms), order)
 
 
 def _as_float(value: Any) -> float | None:
