@@ -269,19 +269,29 @@ class BufferStorage:
         try:
             spec = Spec.from_json(state["x_spec"]) if "x_spec" in state else None
             x = state.get("x") if spec is None else unflatten(spec, list(state["x"]))
-            tensors = [*leaves(x), state.get("y"), *fields.values()]
+            x_leaves = leaves(x)
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"storage state must hold tensors for x: {error}") from error
-        if not all(isinstance(t, torch.Tensor) for t in tensors):
-            raise ValueError("storage state must hold tensors for x, y and fields")
-        if any(t.dim() < 1 or t.shape[0] != size for t in tensors):
-            lengths = [t.shape[0] if t.dim() else 0 for t in tensors]
-            raise ValueError(f"storage state claims {size} samples but holds tensors of lengths {lengths}")
-        if any(t.is_complex() or count_nonfinite(t) for t in tensors):
-            raise ValueError("storage state holds complex or non-finite values")
+        named = [*((f"x[{i}]" if spec else "x", t) for i, t in enumerate(x_leaves)), ("y", state.get("y"))]
+        for name, t in [*named, *((f"fields.{k}", v) for k, v in fields.items())]:
+            _check_stored(name, t, size)
         fresh = BufferStorage(self.capacity)
         fresh.append(x, state["y"], **fields)
         self.__dict__.update(fresh.__dict__)
+
+
+def _check_stored(name: str, value: Any, size: int) -> None:
+    """A tensor of a storage state: ``size`` rows of finite, real values (ValueError naming it otherwise)."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"storage `{name}` must be a tensor; got {type(value).__name__}")  # noqa: TRY004
+    rows = value.shape[0] if value.dim() else 0
+    if rows != size:
+        raise ValueError(f"storage `{name}` holds {rows} rows; the storage state claims {size} samples")
+    if value.is_complex():
+        raise ValueError(f"storage `{name}` holds complex values")
+    bad = count_nonfinite(value)
+    if bad:
+        raise ValueError(f"storage `{name}` holds {bad} non-finite values")
 
 
 def _kind(t: torch.Tensor) -> str:

@@ -55,6 +55,8 @@ if TYPE_CHECKING:
 __all__ = ["ERACE", "DERPlusPlus", "ExperienceReplay", "LwF", "Strategy", "resolve_strategy"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+FieldSpec = tuple[tuple[int, ...], torch.dtype]
+"""Per-sample shape and dtype of a stored field."""
 _ALL_TASKS = ("classification", "token_classification", "regression", "multilabel")
 
 
@@ -64,8 +66,8 @@ def _forward(model: nn.Module, x: Inputs) -> torch.Tensor:
 
 
 def _check_weight(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"`{name} == {value!r}`, must be a number >= 0")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"`{name} == {value!r}`, must be a finite number >= 0")
     return float(value)
 
 
@@ -74,10 +76,13 @@ class Strategy:
 
     Override :meth:`loss` (default: ``loss_fn`` on the whole micro-batch); override
     :meth:`fields` to store extra per-sample tensors with each sample the buffer keeps
-    (list their names in ``stored_fields``). ``tasks`` names the tasks the strategy
-    makes sense for; :meth:`check` refuses the others when the learner is built (or when
-    its first batch settles the task). Keep constructor arguments in ``config()`` so a
-    checkpoint can rebuild the strategy.
+    (list their names in ``stored_fields``, and their shapes in :meth:`field_specs`).
+    ``tasks`` names the tasks the strategy makes sense for; :meth:`check` refuses the
+    others when the learner is built (or when its first batch settles the task). Keep
+    constructor arguments in ``config()`` (the same keys for every instance) so a
+    checkpoint can rebuild the strategy; ``name`` identifies it in checkpoints, so give a
+    custom strategy a name of its own. A checkpoint's strategy fields are checked against
+    all of these before it is restored (see :mod:`taste_cl.state.restore`).
     """
 
     name: ClassVar[str] = "strategy"
@@ -88,21 +93,28 @@ class Strategy:
         self.task: Task | None = None
 
     def check(self, task: Task | None, replay: ReplayStrategy | None) -> None:
-        """Refuse a task or a buffer this strategy cannot work with (``ValueError``)."""
+        """Refuse a task or a buffer this strategy cannot work with (``ValueError``); else adopt ``task``."""
+        problem = self.problem(task, replay)
+        if problem is not None:
+            raise ValueError(problem)
+        self.task = task
+
+    def problem(self, task: Task | None, replay: ReplayStrategy | None) -> str | None:
+        """Why this strategy cannot work with ``task`` and ``replay``, or None; changes nothing."""
         if task is not None and task.name not in self.tasks:
-            raise ValueError(
+            return (
                 f"{type(self).__name__} supports the {', '.join(self.tasks)} task(s); this learner's task is "
                 f"{task.name}. Use ExperienceReplay, DERPlusPlus or LwF"
             )
         if self.stored_fields:
             if replay is None:
-                raise ValueError(f"{type(self).__name__} rehearses stored {', '.join(self.stored_fields)}: pass replay=ReservoirReplay(...)")
+                return f"{type(self).__name__} rehearses stored {', '.join(self.stored_fields)}: pass replay=ReservoirReplay(...)"
             if "with_fields" not in inspect.signature(replay.sample).parameters:
-                raise ValueError(
+                return (
                     f"{type(self).__name__} needs a buffer that keeps extra per-sample fields "
                     f"(sample(n, with_fields=True)); {type(replay).__name__} does not. Use ReservoirReplay or ClassBalancedReplay"
                 )
-        self.task = task
+        return None
 
     def attach(self, learner: OnlineLearner) -> None:
         """Called once when the learner is built with this strategy."""
@@ -118,6 +130,12 @@ class Strategy:
         """Extra per-sample tensors to store with stream samples ``x`` (``outputs``: the
         model's training outputs on them)."""
         return {}
+
+    def field_specs(self, output_shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, FieldSpec | None]:
+        """Per-sample shape and dtype of each of ``stored_fields`` for a model whose outputs are
+        ``(n, *output_shape)`` and whose parameters are ``dtype`` (None: not known, then only
+        the row count and finiteness are checked). A checkpoint's buffer is checked against it."""
+        return dict.fromkeys(self.stored_fields)
 
     def after_chunk(self, learner: OnlineLearner) -> None:
         """Called after each stream chunk has been trained on and stored."""
@@ -208,6 +226,9 @@ class DERPlusPlus(Strategy):
     def fields(self, x: Inputs, y: torch.Tensor, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"logits": outputs.detach()}
 
+    def field_specs(self, output_shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, FieldSpec | None]:
+        return {"logits": (output_shape, dtype)}  # the model's outputs, in the dtype it computes in
+
     def config(self) -> dict[str, Any]:
         return {"alpha": self.alpha, "beta": self.beta}
 
@@ -229,15 +250,17 @@ class LwF(Strategy):
     def __init__(self, alpha: float = 1.0, *, temperature: float = 2.0, every: int | None = None, on_drift: bool = True) -> None:
         super().__init__()
         self.alpha = _check_weight("alpha", alpha)
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise ValueError(f"`temperature == {temperature!r}`, must be a number > 0")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
+            raise ValueError(f"`temperature == {temperature!r}`, must be a finite number > 0")
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"`every == {every!r}`, must be an int >= 1 or None")
+        if not isinstance(on_drift, bool):
+            raise ValueError(f"`on_drift == {on_drift!r}`, must be a bool")  # noqa: TRY004 - like the other refusals
         if every is None and not on_drift:
             raise ValueError("LwF needs a moment to take its snapshot: set every=N or on_drift=True")
         self.temperature = float(temperature)
         self.every = every
-        self.on_drift = bool(on_drift)
+        self.on_drift = on_drift
         self.teacher: nn.Module | None = None
         self.chunks = 0
         self._model: nn.Module | None = None

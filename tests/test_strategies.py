@@ -170,6 +170,10 @@ class _NoFields(ReplayStrategy):
         (lambda: LwF(every=0), "`every == 0`"),
         (lambda: LwF(temperature=0), "`temperature == 0`"),
         (lambda: DERPlusPlus(alpha=-1), "`alpha == -1`"),
+        (lambda: DERPlusPlus(beta=math.inf), "`beta == inf`, must be a finite number >= 0"),
+        (lambda: LwF(alpha=math.nan), "`alpha == nan`"),
+        (lambda: LwF(temperature=math.inf), "`temperature == inf`, must be a finite number > 0"),
+        (lambda: LwF(on_drift="no"), "`on_drift == 'no'`, must be a bool"),
     ],
 )
 def test_refusals(build: Any, message: str) -> None:

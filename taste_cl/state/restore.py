@@ -29,6 +29,7 @@ from taste_cl.guards.update import UpdateGuard, hyperparameter_problem
 from taste_cl.monitor.monitor import PREQUENTIAL_MODES, StabilityPlasticityMonitor
 from taste_cl.monitor.monitor import _parse_state as parse_monitor_state
 from taste_cl.replay import ClassBalancedReplay, ReplayStrategy, ReservoirReplay
+from taste_cl.strategies import BUILTIN_STRATEGIES, ExperienceReplay, FieldSpec, LwF, Strategy
 from taste_cl.tasks import Task, resolve_task
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ _BUILTIN_REPLAY: dict[str, type[ReservoirReplay | ClassBalancedReplay]] = {
     "ClassBalancedReplay": ClassBalancedReplay,
 }
 _TOP_LEVEL_EXTRA = ("format", "replay_type")
+PROBE_FIELDS: dict[str, FieldSpec | None] = {"sid": ((), torch.int64)}
+"""Per-sample fields of the monitor's probe: each sample's stream id (it names the sample across evaluations)."""
 
 Apply = Callable[[], None]
 
@@ -146,10 +149,11 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _keys(where: str, value: dict[str, Any], expected: set[str]) -> None:
+def _keys(where: str, value: dict[str, Any], expected: set[str], whose: str = "") -> None:
+    """``value`` must have exactly the keys ``expected`` (``whose``: what they are expected from, for the message)."""
     if set(value) != expected:
         missing, extra = sorted(expected - set(value)), sorted(map(str, set(value) - expected))
-        raise _Invalid(f"`{where}` keys differ: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise _Invalid(f"`{where}` keys differ{whose}: missing {missing[:5]}, unexpected {extra[:5]}")
 
 
 def check_samples(ctx: _Context, where: str, x: Inputs, y: Any) -> None:
@@ -248,12 +252,15 @@ def _config(ctx: _Context) -> Apply:
             raise _Invalid(f"`config.{name}` is {getattr(ctx, name)}; this learner has {live}")
     if learner._task_given and learner.task is not None and ctx.task is not None and learner.task != ctx.task:
         raise _Invalid(f"checkpoint holds the task {ctx.task!r}; this learner was built with {learner.task!r}")
+    _check_strategy(ctx, config["strategy"])
     score_eval = config["score_eval"]
+    strategy = learner.strategy
 
     def apply() -> None:
         learner.input_spec, learner.output_shape, learner.num_classes = ctx.input_spec, ctx.output_shape, ctx.num_classes
         learner.input_shape = shape
         learner.task = ctx.task if ctx.task is not None else learner.task
+        strategy.task = learner.task  # as the learner's check() on the first batch would
         learner._score_eval = score_eval
 
     return apply
@@ -278,6 +285,41 @@ def parse_strategy(value: Any) -> dict[str, Any] | None:
     if not isinstance(value, dict) or set(value) != {"name", "config"} or not isinstance(value["name"], str) or not isinstance(value["config"], dict):
         raise _Invalid(f"`config.strategy == {_short(value)}`, must be {{'name': str, 'config': dict}}")
     return value
+
+
+def rebuilt_strategy(described: dict[str, Any]) -> Strategy | None:
+    """The built-in strategy a parsed description names, rebuilt from its config, which must
+    hold exactly the constructor's keys with values it accepts; None for a custom name."""
+    builtin = BUILTIN_STRATEGIES.get(described["name"])
+    if builtin is None:
+        return None
+    _keys("config.strategy.config", described["config"], set(builtin().config()), f" from {builtin.__name__}'s")
+    try:
+        return builtin(**described["config"])
+    except (ValueError, TypeError) as error:
+        raise _Invalid(f"`config.strategy.config`: {error}") from error
+
+
+def _strategy_fits(strategy: Strategy, task: Task | None, replay: ReplayStrategy | None) -> None:
+    """The strategy must support the checkpoint's task and the buffer (DER++ needs one that keeps fields)."""
+    problem = strategy.problem(task, replay)
+    if problem is not None:
+        raise _Invalid(f"`config.strategy`: {problem}")
+
+
+def _check_strategy(ctx: _Context, value: Any) -> None:
+    """``config.strategy`` must describe the learner's strategy: the same name (None, in older
+    states: plain ER), the hyperparameter keys of the live strategy with valid values (a
+    built-in is rebuilt from them), and a task and buffer it works with."""
+    described = parse_strategy(value) or {"name": ExperienceReplay.name, "config": {}}
+    strategy = ctx.learner.strategy
+    if described["name"] != strategy.name:
+        raise _Invalid(f"checkpoint was trained with strategy {_short(described['name'])}; this learner uses {strategy.name!r}")
+    if type(strategy) is BUILTIN_STRATEGIES.get(strategy.name):
+        rebuilt_strategy(described)
+    else:
+        _keys("config.strategy.config", described["config"], set(strategy.config()), f" from {type(strategy).__name__}'s")
+    _strategy_fits(strategy, ctx.task, ctx.learner.replay)
 
 
 def _shape(where: str, value: Any) -> tuple[int, ...]:
@@ -497,29 +539,80 @@ def _replay(ctx: _Context) -> Apply:
         stored = _stored_samples(trial)
         if stored is not None:
             check_samples(ctx, "replay.storage", *stored)
+    _check_strategy_fields(ctx, trial)
     return lambda: replay.load_state_dict(saved)  # type: ignore[arg-type]
+
+
+def _held_fields(replay: ReplayStrategy, strategy: Strategy) -> tuple[str, int, dict[str, Any]] | None:
+    """Where a buffer's extra per-sample fields are in the state, how many samples it holds,
+    and the fields; None when they cannot be read (a custom buffer whose strategy stores none)."""
+    if isinstance(replay, (ReservoirReplay, ClassBalancedReplay)):
+        return ("replay.storage.fields", *_storage_fields(replay))
+    if not strategy.stored_fields or not len(replay):
+        return None
+    with torch.random.fork_rng(devices=[]):  # a custom buffer may draw from the global generator
+        _, y, fields = replay.sample(len(replay), with_fields=True)  # type: ignore[call-arg, misc]  # strategy.check() saw the keyword
+    return "replay.fields", y.shape[0], fields
+
+
+def _storage_fields(replay: ReservoirReplay | ClassBalancedReplay) -> tuple[int, dict[str, torch.Tensor]]:
+    """How many samples a built-in buffer holds, and its extra per-sample fields."""
+    storage = replay._storage
+    return len(storage), storage.contents()[2] if len(storage) else {}
+
+
+def _check_fields(where: str, rows: int, fields: dict[str, Any], specs: dict[str, FieldSpec | None], whose: str) -> None:
+    """The extra per-sample fields of a buffer holding ``rows`` samples must be exactly those
+    ``specs`` names (what ``whose`` stores): one finite row per stored sample, of the declared
+    per-sample shape and dtype where one is declared."""
+    if rows == 0:
+        return
+    _keys(where, fields, set(specs), f" from what {whose} stores")
+    for name, spec in specs.items():
+        tensor = _tensor(f"{where}.{name}", fields[name], dtype=None if spec is None else spec[1])
+        per_sample = tuple(tensor.shape[1:]) if spec is None else spec[0]
+        if tensor.dim() == 0 or tuple(tensor.shape) != (rows, *per_sample):
+            raise _Invalid(f"`{where}.{name}` must have shape {(rows, *per_sample)}: a {per_sample} row per stored sample; got {tuple(tensor.shape)}")
+
+
+def _check_strategy_fields(ctx: _Context, replay: ReplayStrategy) -> None:
+    """A (trial) buffer's extra fields must be those the learner's strategy stores, of the
+    shape and dtype it declares for this model's outputs (DER++: the logits,
+    ``(n, *output_shape)`` in the model's dtype)."""
+    strategy = ctx.learner.strategy
+    held = _held_fields(replay, strategy)
+    if held is not None:
+        specs = dict.fromkeys(strategy.stored_fields) if ctx.output_shape is None else strategy.field_specs(ctx.output_shape, ctx.learner.dtype)
+        _check_fields(*held, specs, f"strategy {strategy.name!r}")
 
 
 @section("strategy")
 def _strategy(ctx: _Context) -> Apply:
+    """The strategy's own state (its description was checked with the config): the keys of
+    the live strategy's state; LwF's chunk count and snapshot (a state of this model); a
+    custom strategy's state is tried on a copy first."""
     saved = ctx.get("strategy")
-    strategy = ctx.learner.strategy
-    described = parse_strategy(ctx.state["config"].get("strategy"))
-    if described is not None and described["name"] != strategy.name:
-        raise _Invalid(f"checkpoint was trained with strategy {described['name']!r}; this learner uses {strategy.name!r}")
-    live = strategy.state_dict()
-    if set(saved) != set(live):
-        raise _Invalid(f"`strategy` keys differ: saved {sorted(map(str, saved))[:5]}, expected {sorted(live)[:5]}")
-    if "chunks" in live:
+    learner = ctx.learner
+    strategy = learner.strategy
+    _keys("strategy", saved, set(strategy.state_dict()), f" from what strategy {strategy.name!r} keeps")
+    if isinstance(strategy, LwF):
         _int("strategy.chunks", saved["chunks"])
-    teacher = saved.get("teacher")
-    if teacher is not None:  # LwF's snapshot: a state of this model
-        model = ctx.learner.model.state_dict()
-        if not isinstance(teacher, dict):
-            raise _Invalid("`strategy.teacher` must be None or a model state")
-        _keys("strategy.teacher", teacher, set(model))
-        for name, tensor in model.items():
-            _tensor(f"strategy.teacher.{name}", teacher[name], shape=tuple(tensor.shape), dtype=tensor.dtype)
+        teacher = saved["teacher"]
+        if teacher is not None:
+            model = learner.model.state_dict()
+            if not isinstance(teacher, dict):
+                raise _Invalid(f"`strategy.teacher` must be None or a model state; got {type(teacher).__name__}")
+            _keys("strategy.teacher", teacher, set(model), " from the model's state")
+            for name, tensor in model.items():
+                _tensor(f"strategy.teacher.{name}", teacher[name], shape=tuple(tensor.shape), dtype=tensor.dtype)
+    if type(strategy) not in BUILTIN_STRATEGIES.values():
+        # the copy shares what the strategy may refer to (the learner and its parts), never copies them
+        shared = {id(part): part for part in (learner, learner.model, learner.optimizer, learner.monitor, learner.replay)}
+        try:
+            with torch.random.fork_rng(devices=[]):
+                copy.deepcopy(strategy, shared).load_state_dict(saved)
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as error:
+            raise _Invalid(f"strategy state: {error}") from error
     return lambda: strategy.load_state_dict(saved)
 
 
@@ -534,6 +627,7 @@ def _monitor(ctx: _Context) -> Apply:
     stored = _stored_samples(parsed["probe"])
     if stored is not None:
         check_samples(ctx, "monitor.probe", *stored)
+    _check_fields("monitor.probe.storage.fields", *_storage_fields(parsed["probe"]), PROBE_FIELDS, "the monitor's probe")
     return lambda: monitor.load_state_dict(saved)
 
 
@@ -612,7 +706,9 @@ def build_parts(
     """What :meth:`OnlineLearner.load` builds the learner from: validated config, replay and monitor.
 
     Built-in replay strategies are rebuilt from the checkpoint with a capacity bounded
-    so their preallocated store fits ``max_bytes``; nothing passed in is modified.
+    so their preallocated store fits ``max_bytes``; a built-in strategy named by the
+    checkpoint must rebuild from its config and work with the task and buffer. Nothing
+    passed in is modified.
     """
     try:
         if not isinstance(state, dict) or not _same(state.get("format"), CHECKPOINT_FORMAT):
@@ -634,7 +730,11 @@ def build_parts(
         kwargs = monitor_kwargs(config["monitor"])
         _int("config.monitor.probe_capacity", kwargs["probe_capacity"], 1, largest)
         built_monitor = monitor if monitor is not None else StabilityPlasticityMonitor(**kwargs)
-        return config, _rebuild_replay(state, replay, largest), built_monitor
+        built_replay = _rebuild_replay(state, replay, largest)
+        strategy = None if config["strategy"] is None else rebuilt_strategy(config["strategy"])
+        if strategy is not None:  # the learner is built with it: it must work with the task and buffer
+            _strategy_fits(strategy, config["task"], built_replay)
+        return config, built_replay, built_monitor
     except (ValueError, TypeError, KeyError) as error:
         if isinstance(error, CheckpointError):
             raise
