@@ -27,7 +27,7 @@ from taste_cl.guards.update import UpdateGuard
 from taste_cl.state.checkpoint import decode_state, encode_state
 from taste_cl.testing import states_equal
 
-SIZE_CAUSE = r"update (\S+)x the parameter norm, over the limit (\S+)x \(rolled back\)"
+SIZE_CAUSE = r"step changed the parameters by (\S+) times their norm, over the limit of (\S+) \(rolled back\)"
 IMAGE_CASES = {"resnet18", "mobilenet_v2", "mobilenet_v3_small"}
 
 

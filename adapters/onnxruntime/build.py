@@ -4,9 +4,11 @@
 included), applies the export transforms (:mod:`.transforms`), traces model + loss
 into one ONNX graph (outputs ``loss`` and ``logits``; inputs named after the example's
 structure, dtypes kept), builds the training/eval/optimizer graphs with ONNX Runtime,
-writes the optimizer state (AdamW moments and step into the ORT checkpoint, SGD momentum
-buffers beside it), the replay rows converted to the exported dtypes, and a manifest.
-Before the staged folder is published, the parity gate trains a few steps in torch and
+refuses a training graph holding a gradient kernel known to kill the process
+(:data:`CRASHING_GRADIENTS`), tries the graphs first in a child process (:mod:`.trial`:
+a crash there is a refusal, not the end of this process), writes the optimizer state
+(AdamW moments and step into the ORT checkpoint, SGD momentum buffers beside it), the
+replay rows converted to the exported dtypes, and a manifest. Before the staged folder is published, the parity gate trains a few steps in torch and
 in the device runtime from identical weights and refuses to publish if they differ.
 """
 
@@ -46,14 +48,24 @@ from taste_cl.adapters.onnxruntime.transforms import (
     disable_dropout,
     eval_outputs,
 )
+from taste_cl.adapters.onnxruntime.trial import TrialFailure, trial_run
 from taste_cl.adapters.web.compat import add_web_artifacts
 from taste_cl.exceptions import MissingDependencyError
 from taste_cl.tasks import Task, infer_task, resolve_task
 
-__all__ = ["NON_DIFFERENTIABLE_OPS", "ReplayRows", "UnsupportedOperatorError", "export_model"]
+__all__ = ["CRASHING_GRADIENTS", "NON_DIFFERENTIABLE_OPS", "ReplayRows", "UnsupportedOperatorError", "export_model"]
 
 # ops ONNX Runtime 1.19 has no gradient for, as the exporter may emit them (checked on this release)
 NON_DIFFERENTIABLE_OPS = frozenset({"HardSwish", "HardSigmoid", "Einsum", "LayerNormalization"})
+# gradient kernels of ONNX Runtime 1.19 that kill the process (no exception) on these graphs: kernel -> (op, why)
+CRASHING_GRADIENTS = {
+    "AveragePoolGrad": (
+        "AveragePool",
+        "ONNX Runtime 1.19's AveragePoolGrad takes its output shape from the graph, where the batch axis is dynamic, "
+        "and kills the process (SIGFPE) on the first training step; nn.AvgPool*d and nn.AdaptiveAvgPool*d modules "
+        "are rewritten into a trainable form, so pool with a module instead of F.avg_pool*d",
+    ),
+}
 _PREFIX = "model."  # the traced wrapper holds the model as its `model` attribute
 _INFO_LINE = re.compile(rb"\[[IV]:onnxruntime:")
 
@@ -277,11 +289,15 @@ def _module_path(node_name: str, modules: Sequence[str] = ()) -> str:
     return matches[0] if len(matches) == 1 else path
 
 
+def _module_names(model: nn.Module) -> list[str]:
+    return [name for name, _ in model.named_modules() if name]
+
+
 def _trace(graph_module: _Graph, tensors: list[torch.Tensor], names: list[str], opset: int) -> Any:
     """Trace model + loss in training mode with every batch axis dynamic; refuse ops without a gradient."""
     import onnx
 
-    modules = [name for name, _ in graph_module.model.named_modules() if name]
+    modules = _module_names(graph_module.model)
     buffer = io.BytesIO()
     axes = {name: {0: "batch"} for name in [*names, device.LABEL_NAME, device.OUTPUT_NAME]}
     with warnings.catch_warnings():  # the legacy exporter (what ORT 1.19 training takes) warns on every call
@@ -352,6 +368,31 @@ def _gradient_failure(error: Exception, graph: Any) -> ExportError:
         if (node.name and node.name in str(error)) or f"'{node.op_type}'" in message or f"{node.op_type}Grad" in message:
             return UnsupportedOperatorError(node.op_type, _module_path(node.name), message)
     return ExportError(f"ONNX Runtime could not build the training graph: {message}")
+
+
+def _refuse_crashing_gradients(path: Path, graph: Any, modules: Sequence[str]) -> None:
+    """Refuse a training graph holding a gradient kernel of :data:`CRASHING_GRADIENTS`, naming the op and its module."""
+    import onnx
+
+    producers = {output: node for node in graph.graph.node for output in node.output}
+    for node in onnx.load(str(path)).graph.node:
+        if node.op_type in CRASHING_GRADIENTS:
+            op, why = CRASHING_GRADIENTS[node.op_type]
+            source = producers.get(node.input[0].removesuffix("_grad"))  # the gradient of the forward op's output
+            raise UnsupportedOperatorError(op, _module_path(node.name if source is None else source.name, modules), why)
+
+
+def _trial_failure(failure: TrialFailure, graph: Any, modules: Sequence[str]) -> ExportError:
+    """Name the op and module when ONNX Runtime's message names the node that failed (``Name:'/model/fc/Gemm_Grad/...'``)."""
+    reported = re.search(r"Name:'([^']+)'", failure.detail)
+    if reported is None:
+        return failure
+    name = reported.group(1)
+    matches = [node for node in graph.graph.node if node.name and (name == node.name or name.startswith(node.name + "_Grad/"))]
+    if not matches:
+        return failure
+    node = max(matches, key=lambda node: len(node.name))
+    return UnsupportedOperatorError(node.op_type, _module_path(node.name, modules), str(failure))
 
 
 def _fix_eval_graph(path: Path) -> None:
@@ -631,6 +672,12 @@ def export_model(
         _fix_eval_graph(stage / device.EVAL_MODEL)
         if adamw:
             _torch_mode_adamw(stage / device.OPTIMIZER_MODEL)
+        modules = _module_names(work)
+        _refuse_crashing_gradients(stage / device.TRAINING_MODEL, graph, modules)
+        try:  # the first run of these graphs happens where a crash cannot take this process with it
+            trial_run(stage, {**manifest, "files": {}}, *feed)
+        except TrialFailure as failure:
+            raise _trial_failure(failure, graph, modules) from failure
         spec = device.parse_manifest({**manifest, "files": {}})
         if adamw and work_optimizer.state:
             state = {name: work_optimizer.state[p] for name, p in work.named_parameters() if p in work_optimizer.state}

@@ -298,7 +298,7 @@ class UpdateGuard:
         if not math.isfinite(largest_value):
             cause = "non-finite parameters after the step (rolled back)"
         elif not _log(ratio) <= limit:  # NaN fails
-            cause = f"update {ratio:.3g}x the parameter norm, over the limit {math.exp(limit):.3g}x (rolled back)"
+            cause = f"step changed the parameters by {ratio:.3g} times their norm, over the limit of {math.exp(limit):.3g} (rolled back)"
         else:
             self._log_size = _log(ratio) if self._log_size is None else _mean(self._log_size, _log(ratio))
             self._since_measure = 0
