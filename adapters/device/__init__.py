@@ -2,6 +2,7 @@
 transforms, the learner's data, and the choice of backend.
 
 - :mod:`.export`: ``export(learner, folder, backend="auto" | "onnxruntime" | "executorch")``;
+- :mod:`.loader`: ``load_learner(folder)``, the device learner the folder's manifest names;
 - :mod:`.artifacts`: staged, hashed artifact folders and their manifest;
 - :mod:`.parity`: train in torch and in the backend from identical weights, compare;
 - :mod:`.transforms`: model rewrites a device backend needs (frozen BatchNorm, no dropout);
@@ -19,6 +20,7 @@ __all__ = [
     "ParityError",
     "ParityReport",
     "export",
+    "load_learner",
     "read_manifest",
 ]
 
@@ -28,6 +30,7 @@ __getattr__ = lazy_getattr(
         "AUTO_ORDER": "taste_cl.adapters.device.export",
         "BACKENDS": "taste_cl.adapters.device.export",
         "export": "taste_cl.adapters.device.export",
+        "load_learner": "taste_cl.adapters.device.loader",
         "MANIFEST_FILE": "taste_cl.adapters.device.artifacts",
         "ArtifactError": "taste_cl.adapters.device.artifacts",
         "ExportError": "taste_cl.adapters.device.artifacts",

@@ -11,7 +11,7 @@ inputs), so the buffer's random stream is not advanced.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,7 +20,10 @@ from taste_cl.adapters.device.artifacts import ExportError
 from taste_cl.replay import ReplayStrategy
 from taste_cl.tasks import Task
 
-__all__ = ["BufferedRows", "buffered_rows", "task_targets"]
+if TYPE_CHECKING:
+    from taste_cl.learner import OnlineLearner
+
+__all__ = ["BufferedRows", "buffered_rows", "synthetic_example", "task_targets"]
 
 
 @dataclass(frozen=True)
@@ -64,3 +67,14 @@ def task_targets(task: Task | None, x: Any, y: Any, output_shape: tuple[int, ...
     if task is None:
         return torch.as_tensor(y).detach().cpu()
     return task.to_targets(y, n=batch_len(x), output_shape=output_shape, dtype=torch.float32, device=torch.device("cpu"))
+
+
+def synthetic_example(learner: OnlineLearner, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``rows`` seeded rows in [0, 1) of the learner's ``input_shape`` with labels below its
+    ``num_classes``: the shape-fixing, parity-checking batch of a learner exported before it
+    observed anything. None when it was built without both (then the caller asks for ``example``)."""
+    if learner.input_shape is None or learner.num_classes is None:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    x = torch.rand((rows, *learner.input_shape), generator=generator)
+    return x, torch.randint(0, learner.num_classes, (rows,), generator=generator)
