@@ -34,7 +34,7 @@ from taste_cl.adapters.device.artifacts import (
     ExportError,
     read_manifest,
 )
-from taste_cl.adapters.device.learner_data import buffered_rows
+from taste_cl.adapters.device.learner_data import buffered_rows, synthetic_example
 from taste_cl.adapters.device.parity import ParityError, ParityReport
 from taste_cl.adapters.onnxruntime.build import (
     ReplayRows,
@@ -84,8 +84,9 @@ def export(
 ) -> Path:
     """Export an :class:`~taste_cl.OnlineLearner` (model, loss, optimizer, counters, buffer).
 
-    ``example`` defaults to up to 8 buffered rows (the learner must have a non-empty
-    buffer or be given one); the parity gate trains on buffered rows. ``optimizer``
+    ``example`` defaults to up to 8 buffered rows; a learner with fewer (one that has not
+    observed yet) gets 8 seeded rows built from its ``input_shape`` and ``num_classes``.
+    The parity gate trains on buffered rows. ``optimizer``
     (``"sgd"``/``"adamw"``) trains on the device with a fresh optimizer of that kind instead
     of the learner's (state not carried); ``batch_size`` (default: the tuned micro-batch)
     is recorded in the manifest for the app. Every other keyword
@@ -107,10 +108,15 @@ def export(
         lr = options.pop("lr", None) or torch_optimizer.param_groups[0]["lr"]
         kind = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
         torch_optimizer = kind([p for p in model.parameters() if p.requires_grad], lr=lr)
-    if example is None:
-        if rows is None or len(rows) < 2:
-            raise ValueError("the learner's buffer holds fewer than 2 rows; pass example=(x, y) with at least 2 rows")
+    if example is None and rows is not None and len(rows) >= 2:
         example = (index_batch(rows.x, slice(0, _EXAMPLE_ROWS)), rows.y[:_EXAMPLE_ROWS])
+    elif example is None:
+        example = synthetic_example(learner, _EXAMPLE_ROWS)
+        if example is None:
+            raise ValueError(
+                "the learner's buffer holds fewer than 2 rows and the learner was built without input_shape= and num_classes=: "
+                "pass example=(x, y) with at least 2 rows"
+            )
     batches = None
     if rows is not None and len(rows) >= 2:
         steps = options.get("parity_steps", 3)
