@@ -111,6 +111,19 @@ def _lower(model: nn.Module, loss_fn: Callable[..., torch.Tensor], x: Any, y: to
         raise UnsupportedModelError(f"ExecuTorch cannot train this model: {stage} failed: {first_line}") from error
 
 
+def _check_kernels(lowered: Any) -> None:
+    """Refuse a program calling an operator the runtime has no kernel for (1.5: AvgPool2d's backward), naming it."""
+    registered = set(executorch_runtime()._get_operator_names())
+    used = {f"{op.name}.{op.overload}" if op.overload else op.name
+            for plan in lowered.executorch_program.execution_plan for op in plan.operators}  # fmt: skip
+    missing = sorted(used - registered)
+    if missing:
+        raise UnsupportedModelError(
+            f"ExecuTorch cannot train this model: its runtime has no kernel for {', '.join(missing)}, which the training "
+            "program calls; replace the layer that needs it or use backend='onnxruntime'"
+        )
+
+
 def _write_program(lowered: Any, folder: Path) -> None:
     """Write ``model.pte`` and the single external weight file as ``model.ptd``."""
     (folder / PROGRAM).write_bytes(lowered.buffer)
@@ -208,6 +221,7 @@ def export_model(
     spec = IOSpec.of(x, y, num_classes)
     start = time.perf_counter()
     lowered = _lower(prepared, loss_fn, x, y, max_batch_size)
+    _check_kernels(lowered)
     export_s = time.perf_counter() - start
     reference_sgd = torch.optim.SGD(prepared.parameters(), **sgd)
     batches = _parity_batches(example, parity_steps)
