@@ -454,7 +454,7 @@ def _mean(mean: float, value: float) -> float:
     return (1 - _LOG_ALPHA) * mean + _LOG_ALPHA * value
 
 
-def _total_norm(tensors: list[torch.Tensor], order: float) -> torch.Tensor:
+def _total_norm(tensors: Sequence[torch.Tensor], order: float) -> torch.Tensor:
     """The ``order``-norm of all ``tensors`` together as a 0-d tensor on the first one's device,
     without a sync: one ``_foreach_norm`` per device and dtype, half precision accumulated in float32."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
