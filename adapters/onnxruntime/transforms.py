@@ -13,6 +13,13 @@ and buffer (so names and values are unchanged):
 - ``Hardswish``/``Hardsigmoid``: ``x * relu6(x + 3) / 6`` and ``relu6(x + 3) / 6`` with
   ``relu6(z) = relu(z) - relu(z - 6)`` (ONNX Runtime has no HardSwish/HardSigmoid gradient).
 - ``LayerNorm``: decomposed into mean/variance/rsqrt (its fused op's gradient does not build).
+- ``AvgPool1d/2d/3d`` and ``AdaptiveAvgPool1d/2d/3d`` with an output larger than 1 and
+  evenly divided windows: a depthwise convolution with a kernel of ones, times the
+  reciprocal of each window's divisor (PyTorch's rules: padding, ``ceil_mode``,
+  ``count_include_pad``, ``divisor_override``). ONNX Runtime 1.19's ``AveragePoolGrad``
+  takes its output shape from the graph, where the batch axis is dynamic, and kills the
+  process (SIGFPE) on the first training step; global pooling (``GlobalAveragePool``)
+  trains and is kept.
 - ``Dropout`` is kept as it is; the parity gate's reference turns it off with the shared
   :func:`~taste_cl.adapters.device.transforms.disable_dropout` (re-exported here).
 
@@ -21,9 +28,11 @@ and buffer (so names and values are unchanged):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from taste_cl.adapters.device.transforms import FrozenBatchNorm, disable_dropout
@@ -64,6 +73,103 @@ class _ExportLayerNorm(nn.LayerNorm):
         return out
 
 
+def _window_divisors(size: int, kernel: int, stride: int, pad: int, ceil_mode: bool, include_pad: bool) -> tuple[list[int], int]:
+    """One axis of PyTorch's average pooling: each output's divisor, and the zeros its last window needs beyond the padding."""
+    out = (size + 2 * pad - kernel + (stride - 1 if ceil_mode else 0)) // stride + 1
+    if ceil_mode and (out - 1) * stride >= size + pad:  # a last window starting in the right padding is dropped
+        out -= 1
+    divisors = []
+    for o in range(out):
+        start = o * stride - pad
+        end = min(start + kernel, size + pad)
+        divisors.append(end - start if include_pad else min(end, size) - max(start, 0))
+    return divisors, max(0, (out - 1) * stride + kernel - size - 2 * pad)
+
+
+def _avg_pool(
+    x: torch.Tensor,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    *,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> torch.Tensor:
+    """``avg_pool{1,2,3}d`` as a depthwise convolution with a kernel of ones times reciprocal divisors.
+
+    The spatial sizes are fixed at export (only the batch axis is dynamic), so the divisors
+    are constants of the graph; the ones kernel depends on no parameter, so no gradient flows to it.
+    """
+    dims = len(kernel)
+    axes = [_window_divisors(int(n), k, s, p, ceil_mode, count_include_pad)
+            for n, k, s, p in zip(x.shape[2:], kernel, stride, padding)]  # fmt: skip
+    extra = [e for _, e in reversed(axes)]
+    if any(extra):  # ceil_mode's partial last window: zeros on the right add nothing to its sum
+        x = F.pad(x, [v for e in extra for v in (0, e)])
+    channels = int(x.shape[1])
+    convolution = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+    summed = convolution(x, x.new_ones((channels, 1, *kernel)), stride=tuple(stride), padding=tuple(padding), groups=channels)
+    if divisor_override is not None:
+        return summed / divisor_override
+    scale = torch.ones((), dtype=torch.float64)
+    for axis, (divisors, _) in enumerate(axes):
+        shape = [1] * dims
+        shape[axis] = len(divisors)
+        scale = scale * (1.0 / torch.tensor(divisors, dtype=torch.float64)).reshape(shape)
+    return summed * scale.to(dtype=x.dtype, device=x.device)
+
+
+def _tuple(value: int | Sequence[int], dims: int) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, Sequence) else (value,) * dims
+
+
+class _ExportAvgPool(nn.Module):
+    """``AvgPool{1,2,3}d`` through :func:`_avg_pool`; mixed into a copy of each class (see :data:`_POOLS`)."""
+
+    dims: int
+    kernel_size: Any
+    stride: Any
+    padding: Any
+    ceil_mode: bool
+    count_include_pad: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != self.dims + 2:  # unbatched: PyTorch's own op (the graph check refuses it if it needs a gradient)
+            return super().forward(x)
+        return _avg_pool(x, _tuple(self.kernel_size, self.dims), _tuple(self.stride, self.dims), _tuple(self.padding, self.dims),
+                         ceil_mode=self.ceil_mode, count_include_pad=self.count_include_pad,
+                         divisor_override=getattr(self, "divisor_override", None))  # fmt: skip
+
+
+class _ExportAdaptiveAvgPool(nn.Module):
+    """``AdaptiveAvgPool{1,2,3}d`` with evenly dividing windows as :func:`_avg_pool`.
+
+    Global pooling stays as it is (``GlobalAveragePool`` trains); uneven windows too (the
+    ONNX exporter refuses them with a clear error).
+    """
+
+    dims: int
+    output_size: Any
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sizes = [int(n) for n in x.shape[2:]]
+        wanted = [size if out is None else out for size, out in zip(sizes, _tuple(self.output_size, self.dims))]
+        if x.dim() != self.dims + 2 or all(out == 1 for out in wanted) or any(size % out for size, out in zip(sizes, wanted)):
+            return super().forward(x)
+        kernel = [size // out for size, out in zip(sizes, wanted)]
+        return _avg_pool(x, kernel, kernel, [0] * self.dims)
+
+
+# each pooling class -> a subclass whose forward is the mixin's (its attributes are kept when swapped in)
+_POOLS: dict[type[nn.Module], type[nn.Module]] = {
+    kind: type(f"_Export{kind.__name__}", (mixin, kind), {"dims": dims})
+    for mixin, kinds in ((_ExportAvgPool, (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)),
+                         (_ExportAdaptiveAvgPool, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)))
+    for dims, kind in enumerate(kinds, start=1)
+}  # fmt: skip
+
+
 def apply_transforms(model: nn.Module, *, batchnorm: str = "frozen") -> list[str]:
     """Rewrite ``model`` (a copy: it is changed in place) for export; return ``"path: what"`` lines.
 
@@ -83,6 +189,8 @@ def apply_transforms(model: nn.Module, *, batchnorm: str = "frozen") -> list[str
             module.__class__ = _ExportReLU6
         elif kind is nn.LayerNorm:
             module.__class__ = _ExportLayerNorm
+        elif kind in _POOLS:
+            module.__class__ = _POOLS[kind]
         elif kind in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d) and batchnorm == "frozen":
             if module.running_mean is None:
                 raise ValueError(
