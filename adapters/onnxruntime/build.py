@@ -8,8 +8,9 @@ refuses a training graph holding a gradient kernel known to kill the process
 (:data:`CRASHING_GRADIENTS`), tries the graphs first in a child process (:mod:`.trial`:
 a crash there is a refusal, not the end of this process), writes the optimizer state
 (AdamW moments and step into the ORT checkpoint, SGD momentum buffers beside it), the
-replay rows converted to the exported dtypes, and a manifest. Before the staged folder is published, the parity gate trains a few steps in torch and
-in the device runtime from identical weights and refuses to publish if they differ.
+replay rows converted to the exported dtypes, and a manifest. Before the staged folder is
+published, the parity gate trains a few steps in torch and in the device runtime from
+identical weights and refuses to publish if they differ.
 """
 
 from __future__ import annotations
