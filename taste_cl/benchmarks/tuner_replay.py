@@ -55,8 +55,9 @@ SYNTHETIC: dict[str, tuple[Curve, int, int]] = {  # name -> (samples/s at a batc
 
 
 class SimulatedRunner:
-    """Stands in for :class:`~taste_cl.tuning.probe.ProbeRunner`: probes a curve, advancing a clock by
-    the seconds the probe's steps would take."""
+    """Stands in for :class:`~taste_cl.tuning.probe.ProbeRunner` in the search
+    (:class:`~taste_cl.tuning.searcher.ProbeSearch`): probes a curve, advancing a clock by the
+    seconds the probe's steps would take."""
 
     def __init__(self, curve: Curve, *, min_batch: int, noise: float, rng: np.random.Generator) -> None:
         self.curve, self.min_batch, self.noise, self.rng = curve, min_batch, noise, rng
@@ -108,14 +109,15 @@ def replay(curve: Curve, *, min_batch: int, max_batch: int, seed: int, noise: fl
     grid = SimulatedRunner(curve, min_batch=min_batch, noise=noise, rng=rng)
     for batch in candidates:
         grid.measure(batch, min_time=tuner.min_probe_time)
+    probes = tuner.probe_search()
     cold = SimulatedRunner(curve, min_batch=min_batch, noise=noise, rng=rng)
-    minimum = tuner._smallest_trainable(cold, max_batch, [])  # type: ignore[arg-type]  # duck-typed runner
-    search, _, _ = tuner._search(cold, candidates, [1], [], anchored=False)  # type: ignore[arg-type]
+    minimum = probes.smallest_trainable(cold, max_batch, 1, [])  # type: ignore[arg-type]  # no fixed-work windows: no threads tuned
+    search, _, _ = probes.search(cold, candidates, [1], [], anchored=False)  # type: ignore[arg-type]
     best = search.best()
     assert best is not None and minimum == min_batch
     known = [(b, t, r) for (b, t), rates in search.rates.items() for r in rates]
     warm = SimulatedRunner(curve, min_batch=min_batch, noise=noise, rng=rng)
-    tuner._search(warm, candidates, [1], known, anchored=False)  # type: ignore[arg-type]
+    probes.search(warm, candidates, [1], known, anchored=False)  # type: ignore[arg-type]
     return Replay(best[0], curve(best[0]) / oracle, cold.clock, grid.clock, warm.clock, len(known))
 
 

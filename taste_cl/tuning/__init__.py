@@ -1,10 +1,11 @@
 """Throughput-aware batch-size tuning (TASTE): the tuner plugin and what it is built from.
 
 - :mod:`.tuner`: :class:`BatchSizeTuner`, the learner plugin (plan, retune on shifts, state);
+- :mod:`.searcher`: its search side: which probes a tune runs and what they decide;
 - :mod:`.probe`: timed training steps on a private copy of the user's setup;
-- :mod:`.search`: the Gaussian-process search over (batch size, threads);
+- :mod:`.search`: the Gaussian-process surrogate over (batch size, threads);
 - :mod:`.cache`: measurements cached per model and hardware, validated on read;
-- :mod:`.load`: how busy the machine is with other work;
+- :mod:`.load`: how busy the machine is with other work, and whether that shifted;
 - :mod:`.fingerprint`: stable keys for the caches (model, hardware, load).
 """
 
@@ -31,10 +32,10 @@ __getattr__ = lazy_getattr(
         "BatchSizeTuner": "taste_cl.tuning.tuner",
         "SurrogateCache": "taste_cl.tuning.tuner",
         "TunerCacheWarning": "taste_cl.tuning.tuner",
-        "TuningError": "taste_cl.tuning.tuner",
-        "TuningResult": "taste_cl.tuning.tuner",
+        "TuningError": "taste_cl.tuning.searcher",
+        "TuningResult": "taste_cl.tuning.searcher",
         "TuningWarning": "taste_cl.tuning.tuner",
-        "candidate_batch_sizes": "taste_cl.tuning.tuner",
+        "candidate_batch_sizes": "taste_cl.tuning.searcher",
         "lr_scale_for": "taste_cl.tuning.tuner",
         "max_batch_for_memory": "taste_cl.tuning.tuner",
         "measure_throughput": "taste_cl.tuning.tuner",

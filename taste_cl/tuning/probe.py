@@ -102,11 +102,21 @@ class ProbeRunner:
     """Time training steps of a private copy of ``(model, loss_fn, optimizer)`` on real samples.
 
     The copy is made once; its parameters are reset before every probe, so probes do not
-    drift the weights they time.
+    drift the weights they time. ``clock`` times each step (seconds; a test or simulator
+    passes its own so that the measurements do not depend on the machine's load).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, samples: Samples) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        samples: Samples,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         batch_len(samples[0])
+        self.clock = clock
         self.model, self.loss_fn, self.optimizer = copy.deepcopy((model, loss_fn, optimizer))
         self.samples = (samples[0], _trained_targets(self.model, self.loss_fn, samples))
         self.model.train()
@@ -123,14 +133,14 @@ class ProbeRunner:
                 param.grad = None
 
     def _step(self, x: Any, y: Any) -> float:
-        start = time.perf_counter()
+        start = self.clock()
         loss = self.loss_fn(call_model(self.model, x), y)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self._sync is not None:
             self._sync()
-        return time.perf_counter() - start
+        return self.clock() - start
 
     def work(self, batch_size: int, steps: int, *, threads: int | None = None, max_seconds: float = math.inf) -> tuple[int, float]:
         """``(steps done, wall seconds)`` of up to ``steps`` training steps at ``batch_size``, after

@@ -13,22 +13,24 @@ effective batch (default: the learner's own stream batch plus replay share), the
 learning rates scaled by an optimizer-aware rule when the effective batch changes, and a
 freshness bound so stream samples never wait long for a step. A tune that fails leaves
 the learner exactly as it was, warns, and is retried later.
+
+This module is the plugin side (hooks, plans, retune triggers, checkpoint state) and the
+preparation of a tune's probes; which probes to run and what they decide is
+:class:`~taste_cl.tuning.searcher.ProbeSearch`.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
 import math
 import os
-import statistics
 import time
 import warnings
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,7 +47,7 @@ from taste_cl.tuning.cache import (
     check_observations,
 )
 from taste_cl.tuning.fingerprint import hardware_fingerprint, model_signature
-from taste_cl.tuning.load import LoadMeter, load_bucket
+from taste_cl.tuning.load import LoadMeter, LoadShiftDetector, load_bucket
 from taste_cl.tuning.probe import (
     ProbeRunner,
     Samples,
@@ -55,7 +57,7 @@ from taste_cl.tuning.probe import (
     preserved_rng,
     thread_options,
 )
-from taste_cl.tuning.search import GridSearch
+from taste_cl.tuning.searcher import ProbeSearch, TuningError, TuningResult, candidate_batch_sizes
 
 if TYPE_CHECKING:
     from taste_cl.learner import ObserveStats, OnlineLearner
@@ -79,32 +81,11 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 LrRule = str | Callable[[float], float]
 _LINEAR_OPTIMIZERS = (torch.optim.SGD, torch.optim.ASGD)
 _LR_RULES = ("auto", "linear", "sqrt", "none")
-_STALE_RATIO = 2.5  # a re-measured incumbent this far from its cached rate invalidates the cache
 _SPLIT_GAIN = 1.1  # micro-batches must beat one effective-batch step by this factor to be used
-_STOP_BELOW = 0.8  # a probe already this far below the best rate stops early
-_BUDGET = 0.2  # a cold tune's surrogate-guided probes stop within this share of a full sweep's predicted seconds
-_STRIDE = 2**1.5  # a probe at most 1.5 octaves above the largest size measured (cost grows with size) ...
-_STEEP_STRIDE, _STEEP_SLOPE = 4.0, 0.25  # ... or 2 octaves while the rate still rises over 28 % per octave there
-_REACH = 0.7  # the initial design spans the cheapest 70 % of the candidates (octaves)
-_MIN_GAIN = 0.02  # a probe must be expected to raise the best log-rate by this much (about 2 %)
-_CONFIRM_ROUNDS = 3  # interleaved windows of work in which more threads must beat one thread
-
-
-class TuningError(RuntimeError):
-    """No batch size could be tuned (every probe failed, or no samples to probe with)."""
 
 
 class TuningWarning(UserWarning):
     """A (re)tune failed; the learner kept its previous plan and the tuner will retry."""
-
-
-def candidate_batch_sizes(max_batch_size: int, *, per_octave: int = 4, min_batch_size: int = 1) -> list[int]:
-    """Distinct integers spaced ``per_octave`` to a doubling from ``min_batch_size`` to ``max_batch_size``."""
-    if min_batch_size < 1 or max_batch_size < min_batch_size:
-        raise ValueError(f"need 1 <= min_batch_size <= max_batch_size; got {min_batch_size}, {max_batch_size}")
-    steps = math.log2(max_batch_size / min_batch_size) * per_octave
-    sizes = {round(min_batch_size * 2 ** (k / per_octave)) for k in range(math.floor(steps) + 1)}
-    return sorted(sizes | {max_batch_size})
 
 
 def lr_scale_for(optimizer: torch.optim.Optimizer, ratio: float, rule: LrRule = "auto") -> float:
@@ -122,40 +103,6 @@ def lr_scale_for(optimizer: torch.optim.Optimizer, ratio: float, rule: LrRule = 
     if rule == "auto":
         rule = "linear" if isinstance(optimizer, _LINEAR_OPTIMIZERS) else "sqrt"
     return {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
-
-
-@dataclass(frozen=True)
-class TuningResult:
-    """The outcome of one tune: the chosen batch (and threads) and how they were found.
-
-    ``probes`` are ``(batch, threads, samples/s)`` measured by this tune; ``infeasible``
-    the ``(batch, threads, reason)`` that failed to train; ``top_samples_per_s`` the rate
-    at the largest candidate (the anchor) and the chosen threads, if measured.
-    """
-
-    batch_size: int
-    samples_per_s: float
-    probes: list[tuple[int, int, float]]
-    seconds: float
-    warm: bool
-    key: str
-    candidates: list[int] = field(default_factory=list)
-    threads: int = 1
-    min_batch_size: int = 1
-    infeasible: list[tuple[int, int, str]] = field(default_factory=list)
-    top_samples_per_s: float | None = None
-
-    def predicted_step_time(self) -> float:
-        """Seconds one training step at ``batch_size`` should take."""
-        return self.batch_size / self.samples_per_s
-
-
-@dataclass(frozen=True)
-class _LoadBaseline:
-    """Training rate and foreign-load bucket calibrated after a (re)tune."""
-
-    rate: float
-    bucket: str
 
 
 def _int_arg(label: str, value: Any, low: int, *, optional: bool = False) -> None:
@@ -213,6 +160,10 @@ class BatchSizeTuner(LearnerPlugin):
         Real samples kept for probes (tiled to the probed batch size).
     cache_dir:
         Where observations are cached (default ``$TASTE_CL_CACHE_DIR`` or ``~/.cache/taste_cl``).
+    clock:
+        The timer probes and tunes read, in seconds (default ``time.perf_counter``). A
+        simulator or a test passes its own, so that what the search decides does not
+        depend on how busy the machine is.
     """
 
     name = "batch_size_tuner"
@@ -240,6 +191,7 @@ class BatchSizeTuner(LearnerPlugin):
         min_retune_interval: int = 100,
         probe_samples: int = 256,
         cache_dir: str | os.PathLike[str] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         for label, value, low in (
             ("max_batch_size", max_batch_size, 1),
@@ -264,6 +216,8 @@ class BatchSizeTuner(LearnerPlugin):
         for label, number in (("load_tolerance", load_tolerance), ("min_probe_time", min_probe_time), ("max_wait_s", max_wait_s)):
             if number is not None and (not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0):
                 raise ValueError(f"`{label} == {number!r}`, must be a finite number > 0")
+        if not callable(clock):
+            raise TypeError(f"`clock == {clock!r}`, must be a callable returning seconds")
         self.max_batch_size = max_batch_size
         self.memory_budget_bytes = memory_budget_bytes
         self.n_calls = n_calls
@@ -284,15 +238,14 @@ class BatchSizeTuner(LearnerPlugin):
         self.min_retune_interval = min_retune_interval
         self.probe_samples = probe_samples
         self.cache_dir = cache_dir
+        self.clock = clock
         self.cache = SurrogateCache(cache_dir)
         self.result_: TuningResult | None = None
         self.reference_: int | None = reference_batch_size
         self.history_: deque[dict[str, Any]] = deque(maxlen=100)  # (re)tunes and failures: when, why, what
         self._base_threads = torch.get_num_threads()  # torch's count before this tuner set any
         self._load_meter = LoadMeter()
-        self._rates: deque[float] = deque(maxlen=calibration_window)
-        self._foreign: deque[float] = deque(maxlen=calibration_window)
-        self._baseline: _LoadBaseline | None = None  # None until calibrated after a tune
+        self._load_shift = LoadShiftDetector(calibration_window, self._load_meter)
         self._pending_reason: str | None = None
         self._recent: Samples | None = None  # real stream samples for probes
         self._observes = 0
@@ -301,6 +254,20 @@ class BatchSizeTuner(LearnerPlugin):
         self._retry_at = 0
 
     # ------------------------------------------------------------ standalone
+    def probe_search(self) -> ProbeSearch:
+        """The search side with this tuner's current settings and cache: which probes a tune runs
+        and what they decide (the offline replay runs it on simulated probes)."""
+        return ProbeSearch(
+            self.cache,
+            n_calls=self.n_calls,
+            n_initial_points=self.n_initial_points,
+            warm_calls=self.warm_calls,
+            per_octave=self.per_octave,
+            min_probe_time=self.min_probe_time,
+            tune_threads=self.tune_threads,
+            clock=self.clock,
+        )
+
     def tune(
         self,
         model: nn.Module,
@@ -322,14 +289,15 @@ class BatchSizeTuner(LearnerPlugin):
         broadcast raise :class:`~taste_cl.exceptions.InvalidBatchError`). Raises
         :class:`TuningError` when no size trains.
         """
-        start = time.perf_counter()
+        start = self.clock()
         x, y = samples
         if batch_len(x) != batch_len(y):
             raise ValueError(f"samples: x has {batch_len(x)} rows, y has {batch_len(y)}")
         with preserved_rng():
-            runner = ProbeRunner(model, optimizer, loss_fn, samples)
+            runner = ProbeRunner(model, optimizer, loss_fn, samples, clock=self.clock)
             bucket = load_bucket(self._load_meter.read() if foreign_load is None else foreign_load)
-            key = self._key(model, optimizer, loss_fn, x, bucket)
+            with num_threads(self._base_threads if self.tune_threads else None):  # key independent of the count it set
+                key = _cache_key(model, optimizer, loss_fn, x, hardware_fingerprint(load=bucket), tune_threads=self.tune_threads)
             budget = self.memory_budget_bytes
             if budget is None:
                 import psutil
@@ -338,212 +306,12 @@ class BatchSizeTuner(LearnerPlugin):
             limit = min(self.max_batch_size, anchor or self.max_batch_size)
             try:
                 limit = min(limit, max_batch_for_memory(runner.model, x, budget_bytes=budget))
-            except Exception as error:  # noqa: BLE001 - the probes below find out what trains
+            except Exception as error:  # noqa: BLE001 - the probes find out what trains
                 logger.info("no memory estimate (%s); searching up to max_batch_size", error)
-            cached = self.cache.load(key)
-            infeasible: list[tuple[int, int, str]] = []
-            minimum = cached.min_batch_size if cached is not None else self._smallest_trainable(runner, limit, infeasible)
             threads = thread_options() if self.tune_threads else [torch.get_num_threads()]
-            candidates = candidate_batch_sizes(max(limit, minimum), per_octave=self.per_octave, min_batch_size=minimum)
-            known = [o for o in cached.observations if o[0] in candidates and o[1] in threads] if cached else []
-            search, known, checks = self._search(runner, candidates, threads, known, anchor is not None)
-            if anchor is not None and not known:  # a warm tune relies on the confirmations cached by its cold one
-                self._confirm(search, runner)
-        observations = [(b, t, r) for (b, t), rates in search.rates.items() for r in rates]
-        if not observations and not known:
-            reasons = "; ".join(f"{b}: {why}" for (b, _), why in list(search.infeasible.items())[:3])
-            raise TuningError(f"no batch size in {candidates[0]}..{candidates[-1]} trained ({reasons})")
-        batch, best_threads = search.best()  # type: ignore[misc]  # something was measured
-        if best_threads > 1 and self.tune_threads:
-            with preserved_rng():
-                batch, best_threads = self._threads_that_pay(runner, (batch, best_threads), known + observations)
-        rate = statistics.fmean(r for b, t, r in known + observations if (b, t) == (batch, best_threads))
-        at_top = [r for b, t, r in known + observations if b == candidates[-1] and t == best_threads]
-        if observations:
-            self.cache.save(key, CachedSurface(minimum, known + observations))
-        infeasible += [(b, t, why) for (b, t), why in search.infeasible.items()]
-        result = TuningResult(
-            batch,
-            rate,
-            checks + observations,
-            time.perf_counter() - start,
-            bool(known),
-            key,
-            candidates,
-            best_threads,
-            minimum,
-            infeasible,
-            statistics.fmean(at_top) if at_top else None,
-        )
-        logger.info(
-            "tuned batch %d x %d threads (%.0f samples/s), %d probes in %.2fs (warm=%s)",
-            batch,
-            best_threads,
-            rate,
-            len(observations),
-            result.seconds,
-            result.warm,
-        )
-        return result
-
-    def _search(
-        self, runner: ProbeRunner, candidates: list[int], threads: list[int], known: list[tuple[int, int, float]], anchored: bool
-    ) -> tuple[GridSearch, list[tuple[int, int, float]], list[tuple[int, int, float]]]:
-        """Warm: one quick staleness check of the cached surface (off by 2.5x: dropped, tune cold;
-        otherwise the check does not move the cached answer), then ``warm_calls - 1`` probes of
-        the cached best's unmeasured neighbours (or of the best again);
-        cold: a cheap initial design, then surrogate-guided probes, ``n_calls`` in all.
-        Returns the search, the cached observations used, and the warm check."""
-        search = GridSearch(candidates, threads, per_octave=self.per_octave)
-        if known:
-            search.tell_known(known)
-            best = search.best() or known[0][:2]  # known is not empty: best() is never None here
-            batch, t = self._check_point(search, best)
-            cached_rate = search.predicted_rate((batch, t))
-            fresh = self._fresh_rate(runner, batch, t, cached_rate)
-            if fresh is not None and 1 / _STALE_RATIO <= fresh / cached_rate <= _STALE_RATIO:
-                top = (candidates[-1], best[1])
-                if anchored and top not in search.known:
-                    search.record(top, lambda: self._check_rate(runner, top[0], top[1]))
-                for _ in range(self.warm_calls - 1):
-                    point = search.neighbour_to_probe(search.best() or best)
-                    search.record(point, functools.partial(self._measure, runner, point[0], point[1], None, self.min_probe_time))
-                return search, known, [(batch, t, fresh)]
-            logger.info("cached rate %.0f at batch %d is stale (now %s): tuning cold", cached_rate, batch, fresh)
-            search = GridSearch(candidates, threads, per_octave=self.per_octave)
-        design = search.initial_design(min(self.n_calls, max(self.n_initial_points, len(threads))), reach=_REACH)
-        if anchored and (candidates[-1], threads[0]) not in design:
-            design.append((candidates[-1], threads[0]))
-        self._explore(search, runner, design, self.n_calls)
-        return search, [], []
-
-    def _fresh_rate(self, runner: ProbeRunner, batch: int, threads: int, cached_rate: float) -> float | None:
-        """The staleness check's rate (None: the size no longer trains). A reading off by 2.5x is
-        checked once more and the faster kept: a burst of foreign load slows one quick check, a
-        lasting change both (it only ever decides whether the cache is used, never the answer)."""
-        fresh = None
-        for _ in range(2):
-            try:
-                rate = self._check_rate(runner, batch, threads)
-            except Exception:  # noqa: BLE001 - the size no longer trains: the cache is stale
-                return None
-            fresh = rate if fresh is None else max(fresh, rate)
-            if 1 / _STALE_RATIO <= fresh / cached_rate <= _STALE_RATIO:
-                break
-        return fresh
-
-    def _check_point(self, search: GridSearch, best: tuple[int, int]) -> tuple[int, int]:
-        """The cached point a warm tune re-measures: the cheapest to probe among those at the best
-        point's thread count within 4x of its rate (a load change shows at every size; the best is
-        often the most expensive size to probe)."""
-        rates = {p: statistics.fmean(r) for p, r in search.known.items() if p[1] == best[1]}
-        near = [p for p, r in rates.items() if r >= rates[best] / 4]
-        return min(near, key=lambda p: (self._probe_cost(p, rates[p]), -p[0]))
-
-    def _probe_cost(self, point: tuple[int, int], rate: float) -> float:
-        """Seconds a probe at ``point`` takes if it trains at ``rate``: a warm-up step and then three
-        steps or ``min_probe_time``, whichever is longer."""
-        step = point[0] / rate
-        return step + max(3 * step, self.min_probe_time)
-
-    def _confirm(self, search: GridSearch, runner: ProbeRunner) -> None:
-        """Before a plan splits the anchor (largest candidate) into smaller micro-batches, measure
-        both twice more, interleaved, so one lucky probe on a busy machine does not decide."""
-        best = search.best()
-        if best is None:
-            return
-        top = (search.batches[-1], best[1])
-        if best[0] == top[0] or top in search.infeasible:
-            return
-        for _ in range(2):
-            for point in (top, best):
-                search.record(point, functools.partial(self._measure, runner, point[0], point[1], None, self.min_probe_time))
-
-    def _explore(self, search: GridSearch, runner: ProbeRunner, design: list[tuple[int, int]], calls: int) -> None:
-        """Measure ``design``, then the surrogate's suggestions (the highest expected improvement per
-        square-root second of probing), ``calls`` probes at most. A suggestion is at most
-        1.5 octaves above the largest size measured (2 while the curve still rises steeply there;
-        :meth:`GridSearch.climb_limit`) and fits the budget left: ``_BUDGET`` of the seconds the surrogate
-        predicts a sweep of every candidate would take (or twice the design's seconds, if more: a
-        grid of a few sizes), less the probes' seconds so far. It stops once nothing affordable is
-        expected to improve the best by ``_MIN_GAIN``. A size already 20 % slower than the best stops early."""
-        design_seconds: float | None = None
-        for call in range(calls):
-            point: tuple[int, int] | None
-            if call < len(design):
-                point = design[call]
-            elif not search.rates:  # every probe failed
-                break
-            else:
-                spent = sum(self._probe_cost(p, r) for p, rates in search.rates.items() for r in rates)
-                design_seconds = spent if design_seconds is None else design_seconds
-                budget = max(_BUDGET * search.sweep_cost(self._probe_cost), 2 * design_seconds)
-                limit = search.climb_limit(_STRIDE, steep_stride=_STEEP_STRIDE, steep_slope=_STEEP_SLOPE)
-                point = search.suggest(self._probe_cost, min_gain=_MIN_GAIN, budget=budget - spent, max_batch=limit)
-            if point is None:
-                break
-            if point in search.rates or point in search.infeasible:
-                continue
-            best = search.best_rate()
-            stop_below = None if best is None else best * _STOP_BELOW
-            search.record(point, functools.partial(self._measure, runner, point[0], point[1], stop_below, self.min_probe_time))
-
-    def _threads_that_pay(self, runner: ProbeRunner, chosen: tuple[int, int], measured: list[tuple[int, int, float]]) -> tuple[int, int]:
-        """``chosen`` (more than one thread) if it beats the best one-thread point over the same
-        amount of work, else that point. Probes time the lower-quartile step, which suits batch
-        sizes; several threads beside a busy neighbour are fast most of the time and, in spells
-        of a second or so, 100x slower, which only whole windows of work show."""
-        grouped: dict[tuple[int, int], list[float]] = {}
-        for b, t, r in measured:
-            grouped.setdefault((b, t), []).append(r)
-        means = {p: statistics.fmean(rates) for p, rates in grouped.items()}
-        alone = max((p for p in means if p[1] == 1), key=means.__getitem__, default=None)
-        if alone is None:
-            return chosen
-        expected = {p: means[p] for p in (chosen, alone)}
-        steps = {p: max(2, math.ceil(self.min_probe_time * expected[p] / p[0])) for p in expected}
-        done = dict.fromkeys(expected, 0)
-        seconds = dict.fromkeys(expected, 0.0)
-        for _ in range(_CONFIRM_ROUNDS):
-            for point in expected:
-                n, spent = runner.work(point[0], steps[point], threads=point[1], max_seconds=4 * self.min_probe_time)
-                done[point] += n * point[0]
-                seconds[point] += spent
-        rates = {p: done[p] / seconds[p] for p in expected}
-        logger.info("threads over the same work: %s", ", ".join(f"{b} x {t}: {r:.0f} samples/s" for (b, t), r in rates.items()))
-        return chosen if rates[chosen] > rates[alone] else alone
-
-    def _check_rate(self, runner: ProbeRunner, batch: int, threads: int) -> float:
-        """A quick rate for a warm tune's checks (within 2.5x is all they need): a quarter of the
-        probe time, the faster of two timed steps at least (one step alone was held by the scheduler)."""
-        return runner.measure(batch, threads=threads if self.tune_threads else None, min_time=self.min_probe_time / 4, min_steps=2)
-
-    def _measure(self, runner: ProbeRunner, batch: int, threads: int, stop_below: float | None, min_time: float) -> float:
-        return runner.measure(batch, threads=threads if self.tune_threads else None, min_time=min_time, stop_below=stop_below)
-
-    @staticmethod
-    def _smallest_trainable(runner: ProbeRunner, limit: int, infeasible: list[tuple[int, int, str]]) -> int:
-        """The smallest batch (1, 2, 4, ...) one training step works at (BatchNorm: 2)."""
-        batch, failures = runner.smallest_trainable(limit)
-        infeasible += [(b, torch.get_num_threads(), why) for b, why in failures]
-        if not batch:
-            raise TuningError(f"the model did not train at any batch size from 1 to {limit}: {failures[-1][1]}")
-        return batch
-
-    def _key(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, x: Any, bucket: str) -> str:
-        """Model, trainable set, input structure, optimizer and loss types, hardware and load bucket."""
-        leaves, spec = tree_flatten(x)
-        payload = {
-            "model": model_signature(model, (), torch.float32),
-            "trainable": "".join("1" if p.requires_grad else "0" for p in model.parameters()),
-            "inputs": [str(spec), [[list(t.shape[1:]), str(t.dtype)] for t in leaves if isinstance(t, torch.Tensor)]],
-            "optimizer": type(optimizer).__name__,
-            "loss": type(loss_fn).__name__,
-            "threads_tuned": self.tune_threads,
-        }
-        with num_threads(self._base_threads if self.tune_threads else None):  # key independent of the count it set
-            hardware = hardware_fingerprint(load=bucket)
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + f"-{hardware}"
+            return self.probe_search().run(
+                runner, key=key, limit=limit, threads=threads, current_threads=torch.get_num_threads(), anchor=anchor, started=start
+            )
 
     # ------------------------------------------------------------ as a plugin
     def on_attach(self, learner: OnlineLearner, **kwargs: Any) -> None:
@@ -565,8 +333,7 @@ class BatchSizeTuner(LearnerPlugin):
     def after_observe(self, learner: OnlineLearner, stats: ObserveStats, **kwargs: Any) -> None:
         self._observes += 1
         if stats.micro_batches and stats.step_time_s > 0:
-            self._rates.append(stats.micro_batches * stats.batch_size / stats.step_time_s)
-            self._foreign.append(self._load_meter.read())
+            self._load_shift.add(stats.micro_batches * stats.batch_size / stats.step_time_s)
         if self._observes < self._retry_at:
             return
         reason = self._pending_reason or self._load_shift_reason(learner)
@@ -577,25 +344,14 @@ class BatchSizeTuner(LearnerPlugin):
             self._retune(learner, reason)
 
     def _load_shift_reason(self, learner: OnlineLearner) -> str | None:
-        """Compare the recent training rate with its calibrated baseline, and the foreign load bucket."""
-        if len(self._rates) < self.calibration_window:
+        """A load shift since the last tune (emitted to the monitor), at most once per ``min_retune_interval`` observes."""
+        if self._load_shift.calibrated and self._observes - self._last_retune < self.min_retune_interval:
             return None
-        if self._baseline is not None and self._observes - self._last_retune < self.min_retune_interval:
+        shift = self._load_shift.check(self.load_tolerance)
+        if shift is None:
             return None
-        rate = statistics.median(self._rates)
-        bucket = load_bucket(statistics.median(self._foreign))
-        if self._baseline is None:  # calibrate both signals over the first window after a tune
-            self._baseline = _LoadBaseline(rate, bucket)
-            return None
-        ratio = rate / self._baseline.rate
-        reason = None
-        if ratio < 1 / (1 + self.load_tolerance) or ratio > 1 + self.load_tolerance:
-            reason = f"load shift: training rate {rate:.0f} samples/s vs baseline {self._baseline.rate:.0f} (x{ratio:.2f})"
-        elif bucket != self._baseline.bucket:
-            reason = f"load shift: foreign CPU load went from {self._baseline.bucket} to {bucket}"
-        if reason is not None:
-            learner.monitor.emit("load_shift", ratio=ratio, bucket=bucket)
-        return reason
+        learner.monitor.emit("load_shift", ratio=shift.ratio, bucket=shift.bucket)
+        return shift.reason
 
     def _probe_samples(self, learner: OnlineLearner) -> Samples:
         """Real samples: the replay buffer's (its RNG left as it was), else the first stream batch."""
@@ -658,9 +414,7 @@ class BatchSizeTuner(LearnerPlugin):
         self.result_ = result
         self._failures = 0
         self._last_retune = self._observes
-        self._rates.clear()
-        self._foreign.clear()
-        self._baseline = None
+        self._load_shift.reset()
         entry = {
             "step": learner.steps,
             "reason": reason,
@@ -743,3 +497,18 @@ def _result_from_state(saved: Any) -> TuningResult:
         [(int(b), int(t), str(r)) for b, t, r in infeasible],
         None if top is None else float(top),
     )
+
+
+def _cache_key(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, x: Any, hardware: str, *, tune_threads: bool) -> str:
+    """Model, trainable set, input structure, optimizer and loss types, whether threads are tuned,
+    and ``hardware`` (:func:`~taste_cl.tuning.fingerprint.hardware_fingerprint` with the load bucket)."""
+    leaves, spec = tree_flatten(x)
+    payload = {
+        "model": model_signature(model, (), torch.float32),
+        "trainable": "".join("1" if p.requires_grad else "0" for p in model.parameters()),
+        "inputs": [str(spec), [[list(t.shape[1:]), str(t.dtype)] for t in leaves if isinstance(t, torch.Tensor)]],
+        "optimizer": type(optimizer).__name__,
+        "loss": type(loss_fn).__name__,
+        "threads_tuned": tune_threads,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16] + f"-{hardware}"
