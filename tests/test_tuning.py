@@ -222,29 +222,44 @@ def test_sequence_models_tune_on_their_own_samples(tmp_path, name):
     assert [t.dtype for t in leaves] == [t.dtype for t in (list(samples[0].values()) if isinstance(x, dict) else [x])]
 
 
+class StepClock:
+    """A clock on which a training step at ``t`` threads takes ``seconds[t]``: every reading advances
+    it by that much, so a step (read at its start and end) lasts exactly that long. Probes and
+    fixed-work windows still run the real model; only what they measure no longer depends on
+    how busy the machine is."""
+
+    def __init__(self, seconds: dict[int, float]) -> None:
+        self.seconds, self.now = seconds, 0.0
+
+    def __call__(self) -> float:
+        self.now += self.seconds[torch.get_num_threads()]
+        return self.now
+
+
 @pytest.mark.parametrize("name", ["text_transformer", "lstm", "batchnorm_mlp", "regression_mlp", "mobilenet_v3_small"])
 def test_thread_confirmation_trains_real_models_on_copies(tmp_path, monkeypatch, restore_threads, name):
-    """Dict token inputs, AdamW, BatchNorm, regression, a torchvision net: the fixed-work windows run the real model."""
+    """Dict token inputs, AdamW, BatchNorm, regression, a torchvision net: the fixed-work windows run the real model.
+
+    Two threads step 4x faster on the injected clock, so the probes favour them and the
+    confirmation runs whatever the load (on a busy machine two real threads can be 100x slower)."""
     monkeypatch.setattr("taste_cl.tuning.tuner.thread_options", lambda: [1, 2])
-    real_measure, windows = ProbeRunner.measure, []
-
-    def measure(self, batch_size, *, threads=None, **kwargs):  # probes favour 2 threads, so the confirmation runs
-        return real_measure(self, batch_size, threads=threads, **kwargs) * (10.0 if threads == 2 else 1.0)
-
-    def work(self, batch_size, steps, **kwargs):
-        windows.append(batch_size)
-        return real_work(self, batch_size, steps, **kwargs)
-
-    real_work = ProbeRunner.work
-    monkeypatch.setattr(ProbeRunner, "measure", measure)
-    monkeypatch.setattr(ProbeRunner, "work", work)
     model, loss_fn, optimizer = ZOO[name].build()
     before = [p.detach().clone() for p in model.parameters()]
-    tuner = BatchSizeTuner(cache_dir=tmp_path, tune_threads=True, max_batch_size=8, min_probe_time=0.01)
+    real_work, windows = ProbeRunner.work, []
+
+    def work(self, batch_size, steps, *, threads=None, **kwargs):
+        done, seconds = real_work(self, batch_size, steps, threads=threads, **kwargs)
+        trained = any(not torch.equal(a, b) for a, b in zip(self.model.parameters(), before))  # the copy moved
+        windows.append((threads, done == steps, trained))
+        return done, seconds
+
+    monkeypatch.setattr(ProbeRunner, "work", work)
+    tuner = BatchSizeTuner(cache_dir=tmp_path, tune_threads=True, max_batch_size=8, min_probe_time=0.005, clock=StepClock({1: 0.01, 2: 0.0025}))
     x, y = ZOO[name].batch(8)
     y = y.view(-1, 1) if name == "regression_mlp" else y  # the (n, 1) targets a learner passes its plugins
     result = tuner.tune(model, optimizer, loss_fn, (x, y), foreign_load=0.0)
-    assert len(windows) == 6 and result.threads in (1, 2) and result.samples_per_s > 0
+    assert windows == [(2, True, True), (1, True, True)] * 3  # interleaved windows, every step asked for run
+    assert result.threads == 2 and result.samples_per_s == pytest.approx(result.batch_size / 0.0025)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not optimizer.state
 
 
