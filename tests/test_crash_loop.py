@@ -4,12 +4,15 @@ Each round forks a child that resumes from the last checkpoint and then alternat
 ``observe``, ``save`` and a tuner-cache write as fast as it can; the parent kills it
 at a random time. After every kill the checkpoint must load and resume, with
 ``samples_seen`` never going back, and the cache must read back without a warning.
+Two rounds in three first wait for one or two of the child's saves to complete (it
+reports each through a pipe), so the children make progress however slow the machine is.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import select
 import signal
 import time
 import warnings
@@ -32,13 +35,15 @@ def _resume(directory: Path) -> OnlineLearner:
     return OnlineLearner.load(directory, model=fresh.model, optimizer=fresh.optimizer)
 
 
-def _child(directory: Path, cache: SurrogateCache) -> None:
+def _child(directory: Path, cache: SurrogateCache, saved: int) -> None:
+    """Resume, then observe, save (reported by a byte on the pipe ``saved``) and write the cache, forever."""
     learner = _resume(directory)
     count = learner.samples_seen
     while True:
         learner.observe(batch(seed=count))
         count = learner.samples_seen
         learner.save(directory)
+        os.write(saved, b".")
         cache.save(KEY, CachedSurface(1, [(1 + i % 64, 1, float(count + i)) for i in range(count % 64 + 1)]))
 
 
@@ -51,16 +56,24 @@ def test_sigkill_during_saves_never_leaves_an_unloadable_checkpoint(tmp_path):
     cache.save(KEY, CachedSurface(1, [(1, 1, 1.0)]))
     rng = random.Random(0)
     last_seen, mid_write = learner.samples_seen, 0
-    for _ in range(ROUNDS):
+    for round_ in range(ROUNDS):
+        saved, report = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child never returns into pytest
             try:
+                os.close(saved)
                 torch.set_num_threads(1)
-                _child(directory, cache)
+                _child(directory, cache, report)
             finally:
                 os._exit(1)
-        time.sleep(rng.uniform(0.05, 0.4))
-        os.kill(pid, signal.SIGKILL)
+        os.close(report)
+        try:
+            for _ in range(round_ % 3):  # let whole saves land first: progress must not depend on the machine's speed
+                assert select.select([saved], [], [], 120)[0] and os.read(saved, 1), "the child completed no save in 120 s"
+            time.sleep(rng.uniform(0.05, 0.4))
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.close(saved)
         _, status = os.waitpid(pid, 0)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, "child died before the kill"
         leftovers = [p for p in directory.iterdir() if p.name != CHECKPOINT_FILE]
