@@ -1,4 +1,10 @@
-"""Old import paths of modules that moved into their concept's folder keep working.
+"""Import paths that are not plain files under taste_cl/.
+
+- Old import paths of modules that moved into their concept's folder keep working.
+- ``taste_cl.adapters`` is the repository's top-level ``adapters/`` folder: an installed
+  package holds it as ``taste_cl/adapters`` (setuptools' package-dir), and a source
+  checkout on ``sys.path`` (a script run from the repository root) finds it beside
+  ``taste_cl/``: this finder runs after the regular ones, so it only serves that case.
 
 ``import taste_cl.safety`` gives the module now at ``taste_cl.guards.update`` (the same
 object, so patching either name patches both). Only public modules are listed; moved
@@ -10,8 +16,10 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -55,6 +63,11 @@ class _Alias(importlib.abc.Loader):
 
 class _MovedFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname == "taste_cl.adapters":
+            beside = Path(__file__).resolve().parent.parent / "adapters"
+            if (beside / "__init__.py").is_file():
+                return importlib.util.spec_from_file_location(fullname, beside / "__init__.py", submodule_search_locations=[str(beside)])
+            return None
         new = MOVED.get(fullname)
         return None if new is None else importlib.machinery.ModuleSpec(fullname, _Alias(new))
 
