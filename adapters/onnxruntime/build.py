@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import logging
 import math
 import os
 import re
@@ -86,6 +87,11 @@ ReplayRows = BufferedRows  # replay samples to ship: ``x`` shaped like the model
 
 
 def _ort() -> Any:
+    # onnxruntime.training imports torch.utils.cpp_extension, which warns "No CUDA runtime is
+    # found" on every CPU machine: a line about torch's build, not about this export
+    cpp_extension = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_extension.level
+    cpp_extension.setLevel(logging.ERROR)
     try:
         import onnx  # noqa: F401
         import onnxruntime
@@ -93,6 +99,8 @@ def _ort() -> Any:
     except ImportError as error:
         missing = "onnx" if (error.name or "").split(".")[0] == "onnx" else "onnxruntime-training-cpu"
         raise MissingDependencyError(missing, "onnx") from error
+    finally:
+        cpp_extension.setLevel(level)
     onnxruntime.set_default_logger_severity(3)  # artifact generation logs every graph pass at INFO
     return onnxruntime
 
