@@ -45,7 +45,7 @@ from taste_cl.adapters.device.artifacts import (
     staged_folder,
     write_manifest,
 )
-from taste_cl.adapters.device.learner_data import buffered_rows, task_targets
+from taste_cl.adapters.device.learner_data import buffered_rows, synthetic_example, task_targets
 from taste_cl.adapters.device.parity import ParityReport, TorchTrainer, check_parity
 from taste_cl.adapters.device.transforms import apply_transforms, needed_transforms
 from taste_cl.adapters.executorch.replay import save_replay
@@ -269,19 +269,23 @@ def _report_json(report: ParityReport) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ the learner
 def _learner_example(learner: OnlineLearner, example: tuple[Any, Any] | None) -> tuple[Any, torch.Tensor]:
-    """The shape-fixing batch: ``example``, else the replay buffer's contents (at least 8 samples); targets
-    shaped by the learner's task once it has seen a batch."""
+    """The shape-fixing batch: ``example``, else the replay buffer's contents (at least 8 samples), else
+    16 seeded rows from the learner's ``input_shape`` and ``num_classes`` (a learner that has not
+    observed yet); targets shaped by the learner's task once it has seen a batch."""
     if example is not None:
         x, y = split_batch(example)
     else:
         rows = buffered_rows(learner.replay)
         size = 0 if rows is None else len(rows)
-        if rows is None or size < 8:
+        if rows is not None and size >= 8:
+            x, y = index_batch(rows.x, slice(0, size)), rows.y
+        elif (synthetic := synthetic_example(learner, 16)) is not None:
+            x, y = synthetic
+        else:
             raise ValueError(
-                "exporting for ExecuTorch needs example data to fix shapes and check parity: pass example=(x, y) "
-                f"or export after the replay buffer holds at least 8 samples (it holds {size})"
+                "exporting for ExecuTorch needs example data to fix shapes and check parity: pass example=(x, y), "
+                f"build the learner with input_shape= and num_classes=, or export after the replay buffer holds at least 8 samples (it holds {size})"
             )
-        x, y = index_batch(rows.x, slice(0, size)), rows.y
     if learner.output_shape is None:
         return x, torch.as_tensor(y)
     return x, task_targets(learner.task, x, y, learner.output_shape)
