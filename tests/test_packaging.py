@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_import_taste_cl_does_not_import_optional_extras():
     code = (
         "import sys, taste_cl; "
-        "heavy = [m for m in ('avalanche', 'onnxruntime', 'onnx', 'flwr', 'ray', 'torchvision', 'skopt') if m in sys.modules]; "
+        "heavy = [m for m in ('avalanche', 'onnxruntime', 'onnx', 'flwr', 'ray', 'torchvision', 'skopt', 'peft', 'transformers', 'accelerate') if m in sys.modules]; "
         "print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
