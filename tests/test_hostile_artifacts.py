@@ -410,6 +410,16 @@ def test_checkpoint_optimizer_state_is_checked_against_the_parameters(exports, t
     _refused(_surgery(exports, tmp_path, change), match, live)
 
 
+@pytest.mark.parametrize(("name", "match"), [("replay.npz", "not a valid replay archive"), ("sgd_state.npz", "not a valid archive")])
+def test_truncated_archives_are_refused(exports, tmp_path, live, name, match) -> None:
+    """A cut zip raised zipfile.BadZipFile, which no caller expects."""
+    folder = Path(shutil.copytree(exports["mlp3"], tmp_path / "cut"))
+    data = (folder / name).read_bytes()
+    (folder / name).write_bytes(data[: len(data) // 2])
+    _rehash(folder)
+    _refused(folder, f"{name} is {match}: File is not a zip file", live)
+
+
 # ------------------------------------------------------------- hypothesis
 _NAMES = ["input", "labels", "logits", "model.0.weight", "model.2.bias", "x", ""]
 _PARAMS = ["model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias", "model.9.weight"]

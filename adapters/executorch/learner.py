@@ -16,6 +16,7 @@ import math
 import os
 import threading
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -94,11 +95,12 @@ class EtOnlineLearner:
         except RuntimeError as error:
             raise ArtifactError(f"ExecuTorch could not load the program in {str(folder)!r}: {error}") from error
         if manifest.get("params") is not None:
-            with np.load(io.BytesIO(read_verified(folder, manifest, PARAMS)), allow_pickle=False) as saved:
-                try:
+            data = read_verified(folder, manifest, PARAMS)
+            try:
+                with np.load(io.BytesIO(data), allow_pickle=False) as saved:
                     trainer.load_parameters({name: saved[name] for name in saved.files})
-                except ValueError as error:
-                    raise ArtifactError(f"{str(folder)!r}: {error}") from None
+            except (ValueError, OSError, zipfile.BadZipFile) as error:
+                raise ArtifactError(f"{str(folder)!r}: {PARAMS}: {error}") from None
         return cls(directory=folder, manifest=manifest, trainer=trainer, replay=_load_replay(folder, manifest, spec))
 
     @property
@@ -127,6 +129,7 @@ class EtOnlineLearner:
             y = self.spec.targets(raw_y, n)
             start = time.perf_counter()
             n_replay = min(self.replay_batch_size, len(self.replay)) if self.replay is not None else 0
+            self.trainer.check_batch(n + n_replay)  # before the buffer draws: a refused batch changes nothing
             steps, losses = 0, []
             for iteration in range(self.train_iterations):
                 train_inputs, train_y = inputs, y

@@ -9,6 +9,7 @@ and resumed when the strategy was a reservoir. ``np.load(allow_pickle=False)`` r
 from __future__ import annotations
 
 import io
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,6 @@ def load_replay(data: bytes, spec: IOSpec) -> ReservoirReplay:
             storage.update(x=x, y=spec.targets(arrays["y"], size))
         generator = torch.from_numpy(arrays["generator"]) if "generator" in arrays else torch.Generator().manual_seed(seed).get_state()
         replay.load_state_dict({"capacity": capacity, "storage": storage, "generator": generator, "seen": seen})
-    except (KeyError, ValueError, TypeError, RuntimeError, OSError, InvalidBatchError) as error:
+    except (KeyError, ValueError, TypeError, RuntimeError, OSError, zipfile.BadZipFile, InvalidBatchError) as error:
         raise ArtifactError(f"replay.npz is not a valid replay buffer for this program: {error}") from None
     return replay

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from taste_cl.adapters.device.artifacts import ExportError
+from taste_cl.adapters.device.artifacts import ArtifactError, ExportError
 from taste_cl.exceptions import InvalidBatchError, MissingDependencyError
 
-__all__ = ["BACKEND", "FORMAT", "PARAM_PREFIX", "EtTrainer", "IOSpec", "LeafSpec", "executorch_runtime"]
+__all__ = ["BACKEND", "FORMAT", "PARAM_PREFIX", "EtTrainer", "IOSpec", "LeafSpec", "check_program", "executorch_runtime"]
 
 PARAM_PREFIX = "model."  # the exported wrapper holds the user's model as ``model``
 BACKEND = "executorch"
@@ -39,6 +39,7 @@ PROGRAM, WEIGHTS, PARAMS, REPLAY = "model.pte", "model.ptd", "params.npz", "repl
 MIN_BATCH = 2
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}
 SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+_SCALAR_TYPES = {3: "int32", 4: "int64", 6: "float32", 7: "float64", 11: "bool"}  # ExecuTorch ScalarType -> dtype name
 
 
 def executorch_runtime() -> Any:
@@ -196,11 +197,54 @@ def check_sgd(config: Any) -> dict[str, Any]:
     return out
 
 
+def _shape(dims: tuple[int, ...]) -> str:
+    return "[" + ", ".join(["batch", *map(str, dims)]) + "]"
+
+
+def check_program(program: Any, spec: IOSpec) -> int:
+    """Check a loaded program's ``forward`` against the manifest's ``spec``; return its batch bound.
+
+    ``forward`` takes the inputs, then the target, each with the manifest's dtype and shape
+    after the batch axis, and outputs the loss then the model outputs, whose axis 1 has
+    ``num_classes`` entries when the manifest gives classes. Read from the program's method
+    metadata, before anything runs; :class:`ArtifactError` names the first disagreement.
+    """
+    meta = program.method_meta("forward")
+    leaves = [*((f"io.inputs[{i}]", leaf) for i, leaf in enumerate(spec.inputs)), ("io.target", spec.target)]
+    if meta.num_inputs() != len(leaves) or meta.num_outputs() < 2:
+        raise ArtifactError(
+            f"{PROGRAM}: forward takes {meta.num_inputs()} inputs and has {meta.num_outputs()} outputs; "
+            f"the manifest's io describes {len(leaves)} (inputs, then target) and needs the loss and the outputs"
+        )
+    bounds = []
+    for i, (what, leaf) in enumerate(leaves):
+        try:
+            tensor = meta.input_tensor_meta(i)
+        except (RuntimeError, IndexError):
+            raise ArtifactError(f"{PROGRAM}: forward input {i} is not a tensor; the manifest's {what} is one") from None
+        sizes, number = tuple(tensor.sizes()), int(tensor.dtype())
+        dtype = _SCALAR_TYPES.get(number, f"type {number}")
+        if not sizes or dtype != leaf.dtype or sizes[1:] != leaf.shape:
+            raise ArtifactError(
+                f"{PROGRAM}: forward input {i} is {dtype} {_shape(sizes[1:])}; the manifest's {what} is {leaf.dtype} {_shape(leaf.shape)}"
+            )
+        bounds.append(sizes[0])
+    if spec.num_classes is not None:
+        logits = tuple(meta.output_tensor_meta(1).sizes())
+        classes = logits[1] if len(logits) > 1 else 0
+        if classes != spec.num_classes:
+            raise ArtifactError(
+                f"{PROGRAM}: forward's logits are {_shape(logits[1:])}: {classes} classes; the manifest's io.num_classes is {spec.num_classes}"
+            )
+    return min(bounds)
+
+
 class EtTrainer:
     """A loaded ExecuTorch training program with the shipped SGD; satisfies the parity gate's ``Trainer``.
 
     ``program`` and ``data`` are the ``.pte`` and ``.ptd`` bytes; they are kept alive as long
-    as the trainer (the runtime reads from them). Parameter names are PyTorch's.
+    as the trainer (the runtime reads from them). The program is checked against ``spec``
+    (:func:`check_program`) before it runs. Parameter names are PyTorch's.
     """
 
     def __init__(self, program: bytes, data: bytes, spec: IOSpec, sgd: dict[str, Any]) -> None:
@@ -212,7 +256,9 @@ class EtTrainer:
         self.sgd = check_sgd(sgd)
         with warnings.catch_warnings():  # every ExecuTorch training API is marked experimental
             warnings.simplefilter("ignore")
-            self.module = TrainingModule(runtime._load_for_executorch_from_buffer(program, data))
+            loaded = runtime._load_for_executorch_from_buffer(program, data)
+            self.max_batch = check_program(loaded, spec)
+            self.module = TrainingModule(loaded)
         warm = [
             torch.zeros((MIN_BATCH, *leaf.shape), dtype=_DTYPES[leaf.dtype]) for leaf in spec.inputs
         ]  # parameters are reachable only after one forward_backward
@@ -237,9 +283,7 @@ class EtTrainer:
         Returns ``(loss, outputs, skipped)``; ``skipped`` is true when a step was asked for
         and a non-finite loss or gradient prevented it.
         """
-        n = inputs[0].shape[0]
-        if n < MIN_BATCH:
-            raise InvalidBatchError(f"a training batch needs at least {MIN_BATCH} samples on ExecuTorch; got {n}")
+        self.check_batch(inputs[0].shape[0])
         outputs = self.module.forward_backward("forward", (*inputs, y))
         loss = float(outputs[0])
         if not step:
@@ -249,6 +293,13 @@ class EtTrainer:
         if finite:
             self.optimizer.step(grads)
         return loss, outputs[1], not finite
+
+    def check_batch(self, n: int) -> None:
+        """Refuse a batch of ``n`` samples outside the program's bounds (:class:`InvalidBatchError`) before it runs."""
+        if n < MIN_BATCH:
+            raise InvalidBatchError(f"a training batch needs at least {MIN_BATCH} samples on ExecuTorch; got {n}")
+        if n > self.max_batch:
+            raise InvalidBatchError(f"a batch holds at most {self.max_batch} samples on this program (the export's max_batch_size); got {n}")
 
     def train_step(self, x: Any, y: Any) -> float:
         inputs = self.spec.flat_inputs(x)
@@ -269,11 +320,18 @@ class EtTrainer:
         return {name: p.detach().numpy().copy() for name, p in self.params.items()}
 
     def load_parameters(self, values: Mapping[str, np.ndarray]) -> None:
-        """Copy saved values into the live parameters (names and shapes must all match)."""
+        """Copy saved values into the live parameters; names, shapes and dtypes must all match and
+        values be finite (a ``ValueError`` names the first that does not, before any is copied)."""
         if set(values) != set(self.params):
             raise ValueError(f"saved parameters {sorted(values)} do not match the program's {sorted(self.params)}")
         for name, value in values.items():
-            if tuple(value.shape) != tuple(self.params[name].shape):
-                raise ValueError(f"saved parameter {name!r} has shape {value.shape}, the program's is {tuple(self.params[name].shape)}")
+            parameter = self.params[name]
+            dtype = str(parameter.dtype).removeprefix("torch.")
+            if tuple(value.shape) != tuple(parameter.shape):
+                raise ValueError(f"saved parameter {name!r} has shape {value.shape}, the program's is {tuple(parameter.shape)}")
+            if value.dtype != np.dtype(dtype):
+                raise ValueError(f"saved parameter {name!r} is {value.dtype}; the program's is {dtype}")
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                raise ValueError(f"saved parameter {name!r} holds NaN or infinite values")
         for name, value in values.items():
-            self.params[name].copy_(torch.from_numpy(np.asarray(value, dtype=np.float32)))
+            self.params[name].copy_(torch.from_numpy(np.ascontiguousarray(value)))

@@ -27,6 +27,7 @@ import os
 import tempfile
 import threading
 import time
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -449,7 +450,7 @@ class NumpyReplay:
                     if declared > size * np.dtype(dtype).itemsize * max(1, math.prod(shape)) + 4096:
                         raise ArtifactError(f"{REPLAY_FILE}: array {key!r} is larger than {size} rows of {shape}")
                 arrays = {key: archive[key] for key in expected}
-        except (ValueError, OSError, KeyError) as error:
+        except (ValueError, OSError, KeyError, zipfile.BadZipFile) as error:
             if isinstance(error, ArtifactError):
                 raise
             raise ArtifactError(f"{REPLAY_FILE} is not a valid replay archive: {error}") from None
@@ -607,7 +608,7 @@ def _load_sgd_state(data: bytes, spec: DeviceSpec, manifest: Mapping[str, Any], 
             if sorted(archive.files) != sorted(f"m{i}" for i in range(len(names))):
                 raise ArtifactError(f"{SGD_STATE_FILE} holds {sorted(archive.files)}, expected one array per name")
             state = {name: archive[f"m{i}"] for i, name in enumerate(names)}
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, zipfile.BadZipFile) as error:
         if isinstance(error, ArtifactError):
             raise
         raise ArtifactError(f"{SGD_STATE_FILE} is not a valid archive: {error}") from None
