@@ -430,8 +430,8 @@ class OnlineLearner:
 
     def export(self, directory: str | os.PathLike[str], *, backend: str = "auto", **kwargs: Any) -> Path:
         """Write parity-checked on-device training artifacts with ``backend`` (``"onnxruntime"``,
-        ``"executorch"`` or ``"auto"``); see :func:`taste_cl.adapters.device.export.export`."""
-        from taste_cl.adapters.device.export import export  # lazy: optional extras
+        ``"executorch"`` or ``"auto"``); see :func:`taste_cl.adapters.device.backends.export`."""
+        from taste_cl.adapters.device.backends import export  # lazy: optional extras
 
         return export(self, directory, backend=backend, **kwargs)
 
