@@ -36,7 +36,7 @@ MOVED = {
     "taste_cl.load": "taste_cl.tuning.load",
     "taste_cl.safety": "taste_cl.guards.update",
     "taste_cl.serve_demo": "taste_cl.cli.serve_demo",
-    "taste_cl.adapters.device_export": "taste_cl.adapters.device.export",
+    "taste_cl.adapters.device_export": "taste_cl.adapters.device.backends",
     "taste_cl.adapters.flower_app": "taste_cl.adapters.flower.app",
     "taste_cl.adapters.flower_deployment": "taste_cl.adapters.flower.deployment",
     "taste_cl.adapters.flower_secagg": "taste_cl.adapters.flower.secagg",

@@ -14,7 +14,7 @@ pytest.importorskip("onnxruntime.training")
 
 from taste_cl import OnlineLearner, ReservoirReplay
 from taste_cl.adapters.device.artifacts import ExportError
-from taste_cl.adapters.device.export import AUTO_ORDER
+from taste_cl.adapters.device.backends import AUTO_ORDER
 from taste_cl.adapters.executorch.learner import EtOnlineLearner
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,7 +1,7 @@
 """What every on-device backend shares: the artifact folder, the parity gate, the export
 transforms, the learner's data, and the choice of backend.
 
-- :mod:`.export`: ``export(learner, folder, backend="auto" | "onnxruntime" | "executorch")``;
+- :mod:`.backends`: ``export(learner, folder, backend="auto" | "onnxruntime" | "executorch")``;
 - :mod:`.loader`: ``load_learner(folder)``, the device learner the folder's manifest names;
 - :mod:`.artifacts`: staged, hashed artifact folders and their manifest;
 - :mod:`.parity`: train in torch and in the backend from identical weights, compare;
@@ -27,9 +27,9 @@ __all__ = [
 __getattr__ = lazy_getattr(
     __name__,
     {
-        "AUTO_ORDER": "taste_cl.adapters.device.export",
-        "BACKENDS": "taste_cl.adapters.device.export",
-        "export": "taste_cl.adapters.device.export",
+        "AUTO_ORDER": "taste_cl.adapters.device.backends",
+        "BACKENDS": "taste_cl.adapters.device.backends",
+        "export": "taste_cl.adapters.device.backends",
         "load_learner": "taste_cl.adapters.device.loader",
         "MANIFEST_FILE": "taste_cl.adapters.device.artifacts",
         "ArtifactError": "taste_cl.adapters.device.artifacts",
