@@ -211,7 +211,8 @@ def _initializer(data: memoryview, field: _Field, name: str) -> ValueInfo:
 
 def _node(data: memoryview, field: _Field, name: str, ops: Collection[str]) -> GraphNode | None:
     """A ``NodeProto`` whose op_type (4) is in ``ops``: inputs (1), outputs (2), int (3) and float (2) attributes (5)."""
-    op_type, names, attributes = "", {1: [], 2: []}, []
+    op_type, attributes = "", []
+    names: dict[int, list[_Field]] = {1: [], 2: []}
     for part in _children(data, field, name):
         if part.number == 4 and part.wire == _BYTES:
             op_type = _text(data, part)
