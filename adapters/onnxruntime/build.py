@@ -44,6 +44,7 @@ from taste_cl.adapters.device.parity import (
     default_tolerance,
 )
 from taste_cl.adapters.onnxruntime import runtime as device
+from taste_cl.adapters.onnxruntime.losses import traceable_loss
 from taste_cl.adapters.onnxruntime.transforms import (
     apply_transforms,
     check_equivalent,
@@ -175,7 +176,12 @@ def _as_numpy(value: Any, dtype: torch.dtype) -> np.ndarray:
 
 
 class _Graph(nn.Module):
-    """Model + loss as one traced module: ``(*inputs, labels) -> (loss, outputs)``."""
+    """Model + loss as one traced module: ``(*inputs, labels) -> (loss, outputs)``.
+
+    The loss gets an alias of the outputs: an op inside it that returns its input object
+    (``broadcast_tensors`` of equal shapes, as ``F.mse_loss`` calls it) would otherwise become
+    the traced ``outputs``, and the inference model would then demand the labels.
+    """
 
     def __init__(self, model: nn.Module, loss: Callable[[Any, Any], Any], structure: str, names: list[str]) -> None:
         super().__init__()
@@ -186,7 +192,7 @@ class _Graph(nn.Module):
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         *inputs, labels = tensors
         out = call_model(self.model, _rebuild(self.structure, self.names, inputs))
-        return self.loss(out, labels), out
+        return self.loss(out.view_as(out), labels), out
 
 
 # ----------------------------------------------------------------- optimizer
@@ -615,10 +621,9 @@ def export_model(
     ex_labels = ex_labels.to(label_dtype)
     transforms = apply_transforms(work, batchnorm=batchnorm)
     check_equivalent(before, eval_outputs(work, call_model, example_x), tolerance=default_tolerance("float32"))
-    loss = loss_fn
     work.train()
     snapshot = {key: value.clone() for key, value in work.state_dict().items()}
-    graph = _trace(_Graph(work, loss, structure, names), [*ex_inputs, ex_labels], names, opset)
+    graph = _trace(_Graph(work, traceable_loss(loss_fn), structure, names), [*ex_inputs, ex_labels], names, opset)
     work.load_state_dict(snapshot)  # tracing ran a training-mode forward (BatchNorm statistics moved)
     _set_initializers(graph, snapshot)
     running_stats = []
@@ -707,7 +712,7 @@ def export_model(
         if verify:
             write_manifest(stage, manifest)
             batches = [(bx, task_targets(task, bx, by, output_shape)) for bx, by in parity_batches or [example]]
-            report = _parity_gate(stage, work, work_optimizer, loss, structure, names, dtypes, label_dtype,
+            report = _parity_gate(stage, work, work_optimizer, loss_fn, structure, names, dtypes, label_dtype,
                                   batches, parity_steps, tolerance)  # fmt: skip
         manifest["parity"] = None if report is None else {
             "steps": report.steps, "max_output_diff": report.max_output_diff,
