@@ -47,6 +47,7 @@ from taste_cl.adapters.device.artifacts import (
 )
 from taste_cl.adapters.device.learner_data import buffered_rows, synthetic_example, task_targets
 from taste_cl.adapters.device.parity import ParityReport, TorchTrainer, check_parity
+from taste_cl.adapters.device.trainable import freeze_untrained, trained_parameters
 from taste_cl.adapters.device.transforms import apply_transforms, needed_transforms
 from taste_cl.adapters.executorch.replay import save_replay
 from taste_cl.adapters.executorch.runtime import (
@@ -195,8 +196,10 @@ def export_model(
     """Export ``model`` for ExecuTorch training into ``directory``, published only if parity holds.
 
     ``example`` is an ``(x, y)`` batch (``x`` a tensor or a dict of tensors) that fixes the
-    shapes and dtypes and provides the parity batches. ``optimizer`` must be an SGD; its
-    hyper-parameters (``lr`` overridable) become the device's. ``transforms`` (see
+    shapes and dtypes and provides the parity batches. ``optimizer`` must be an SGD over
+    ``model``'s parameters; its hyper-parameters (``lr`` overridable) become the device's, and
+    the parameters it does not hold, or that do not require gradients, are frozen on the device
+    (no gradient, no SGD step). ``transforms`` (see
     :mod:`taste_cl.adapters.device.transforms`) are applied to a copy first. Raises
     :class:`UnsupportedModelError` when ExecuTorch cannot lower the model and
     :class:`~taste_cl.adapters.device.parity.ParityError` (``.report``) when it trains differently;
@@ -209,7 +212,11 @@ def export_model(
     x, y = example
     if y.shape[0] < MIN_BATCH:
         raise ValueError(f"`example` has {y.shape[0]} samples, must have at least {MIN_BATCH}")
+    trained = trained_parameters(model, optimizer)
+    if not trained:
+        raise ValueError("no trainable parameters: the optimizer holds none of the model's with requires_grad")
     prepared = copy.deepcopy(model).cpu().float().train()
+    freeze_untrained(prepared, trained)  # frozen parameters get no gradient: the device's SGD never sees them
     applied = apply_transforms(prepared, names)
     left = needed_transforms(prepared)
     if "freeze_batchnorm" in left:
@@ -223,7 +230,7 @@ def export_model(
     lowered = _lower(prepared, loss_fn, x, y, max_batch_size)
     _check_kernels(lowered)
     export_s = time.perf_counter() - start
-    reference_sgd = torch.optim.SGD(prepared.parameters(), **sgd)
+    reference_sgd = torch.optim.SGD([p for p in prepared.parameters() if p.requires_grad], **sgd)
     batches = _parity_batches(example, parity_steps)
     with staged_folder(directory) as stage:
         _write_program(lowered, stage)
@@ -327,8 +334,7 @@ def export(
     if not isinstance(learner, OnlineLearner):
         raise TypeError(f"learner must be a taste_cl.OnlineLearner; got {type(learner).__name__}")
     with learner._lock:
-        model = copy.deepcopy(learner.model)
-        optimizer = learner.optimizer
+        model, optimizer = copy.deepcopy((learner.model, learner.optimizer))  # the optimizer tells what trains
         plan = learner.batch_plan
         replay = copy.deepcopy(learner.replay) if include_replay else None
         base = _learner_example(learner, example)
@@ -349,7 +355,7 @@ def export(
     return export_model(
         model,
         learner.loss_fn,
-        optimizer,  # only its hyper-parameters are read
+        optimizer,
         base,
         directory,
         num_classes=learner.num_classes,

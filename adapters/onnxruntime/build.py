@@ -43,6 +43,7 @@ from taste_cl.adapters.device.parity import (
     check_parity,
     default_tolerance,
 )
+from taste_cl.adapters.device.trainable import freeze_untrained, trained_parameters
 from taste_cl.adapters.onnxruntime import runtime as device
 from taste_cl.adapters.onnxruntime.losses import traceable_loss
 from taste_cl.adapters.onnxruntime.transforms import (
@@ -480,13 +481,14 @@ def _batchnorm_geometry(model: nn.Module, x: Any) -> tuple[dict[str, int], dict[
 
 # -------------------------------------------------------------------- export
 def _trainable(model: nn.Module, optimizer: torch.optim.Optimizer, trainable: Sequence[str] | None) -> list[str]:
-    names = {id(p): name for name, p in model.named_parameters()}
-    in_optimizer = [names[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in names]
+    """The parameters the device trains: ``trainable`` (names the optimizer holds), by default those it holds with requires_grad."""
     if trainable is None:
-        chosen = [name for name, p in model.named_parameters() if p.requires_grad and name in in_optimizer]
+        chosen = trained_parameters(model, optimizer)
     else:
         if isinstance(trainable, str):
             raise TypeError(f"trainable must be a sequence of parameter names, not a str; got {trainable!r}")
+        names = {id(p): name for name, p in model.named_parameters()}
+        in_optimizer = {names[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in names}
         chosen = list(trainable)
         unknown = [name for name in chosen if name not in in_optimizer]
         if unknown:
@@ -610,8 +612,7 @@ def export_model(
     for group in work_optimizer.param_groups:  # the reference trains at the exported rate
         group["lr"] = config["lr"]
     chosen = _trainable(work, work_optimizer, trainable)
-    for name, parameter in work.named_parameters():  # the reference trains what the device trains
-        parameter.requires_grad_(name in chosen)
+    freeze_untrained(work, chosen)  # the reference trains what the device trains
     example_x = _rebuild(structure, names, ex_inputs)
     before = eval_outputs(work, call_model, example_x)
     output_shape = tuple(before.shape[1:])

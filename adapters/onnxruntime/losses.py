@@ -70,8 +70,7 @@ def traceable_loss(loss_fn: Loss) -> Loss:
     reduction = str(getattr(loss_fn, "reduction", None))
     if reduction not in ("mean", "sum"):
         raise ExportError(
-            f"{name}(reduction={reduction!r}) gives one loss per element; the device trains on one number per step: "
-            "use reduction='mean' or 'sum'"
+            f"{name}(reduction={reduction!r}) gives one loss per element; the device trains on one number per step: use reduction='mean' or 'sum'"
         )
 
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
