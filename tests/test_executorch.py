@@ -269,13 +269,17 @@ def test_bad_batches_are_refused_before_any_state_changes(learner_artifact):
     assert device.observe((np.zeros((1, 6), np.float32), np.zeros(1, np.int64))).batch_size == 5
 
 
-def test_export_without_example_needs_a_filled_buffer(tmp_path):
-    model = CASES["mlp"][0]()
-    learner = OnlineLearner(model, optimizer=_sgd(model), replay=ReservoirReplay(capacity=10))
-    learner.observe(_classes(4, 6))
-    with pytest.raises(ValueError, match="at least 8 samples \\(it holds 4\\)"):
+def test_export_without_example_needs_a_filled_buffer_unless_float_inputs_can_be_made_up(tmp_path):
+    model, make, loss, _ = CASES["text_transformer"]
+    learner = OnlineLearner(model(), loss_fn=loss, replay=ReservoirReplay(capacity=10))
+    learner.observe(make(4))
+    with pytest.raises(ValueError, match="at least 8 samples \\(it holds 4\\)"):  # token ids cannot be made up
         learner.export(tmp_path / "a", backend="executorch")
     assert not (tmp_path / "a").exists()
+    model = CASES["mlp"][0]()
+    learner = OnlineLearner(model, optimizer=_sgd(model), replay=ReservoirReplay(capacity=10))
+    learner.observe(_classes(4, 6))  # float features, class labels: 16 seeded rows fix the shapes
+    assert (learner.export(tmp_path / "b", backend="executorch") / "manifest.json").exists()
 
 
 def test_unknown_backend_and_options_are_refused(tmp_path):

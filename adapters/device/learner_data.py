@@ -71,10 +71,15 @@ def task_targets(task: Task | None, x: Any, y: Any, output_shape: tuple[int, ...
 
 def synthetic_example(learner: OnlineLearner, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``rows`` seeded rows in [0, 1) of the learner's ``input_shape`` with labels below its
-    ``num_classes``: the shape-fixing, parity-checking batch of a learner exported before it
-    observed anything. None when it was built without both (then the caller asks for ``example``)."""
-    if learner.input_shape is None or learner.num_classes is None:
+    ``num_classes``: the shape-fixing, parity-checking batch of a learner whose buffer holds too
+    few rows (one exported before it observed anything). Only for one float input tensor and
+    class labels; None otherwise (token ids, structured inputs, regression: the caller asks
+    for ``example``)."""
+    spec, task = learner.input_spec, learner.task
+    if spec is None or not spec.is_tensor or spec.leaf != "float" or learner.num_classes is None:
+        return None
+    if task is not None and task.name != "classification":
         return None
     generator = torch.Generator().manual_seed(0)
-    x = torch.rand((rows, *learner.input_shape), generator=generator)
+    x = torch.rand((rows, *spec.shape), generator=generator)
     return x, torch.randint(0, learner.num_classes, (rows,), generator=generator)
