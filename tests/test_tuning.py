@@ -734,13 +734,55 @@ def _readme_accuracy(seed: int, tuner: BatchSizeTuner | None, tasks) -> float:
     return accuracy(learner.predict, x, y)
 
 
-def test_readme_stream_with_the_tuner_stays_within_one_point_of_no_tuner(tmp_path, digits_tasks):
-    plain = [_readme_accuracy(seed, None, digits_tasks) for seed in range(4)]
-    tuners = [BatchSizeTuner(cache_dir=tmp_path) for _ in range(4)]
+README_MACHINES = {  # samples/s per batch size: the fastest is the learner's own step (20), half of it, or one sample
+    "own-step-fastest": lambda b: 1000.0 * b / (b + 8),
+    "halves-fastest": lambda b: 1000.0 / (1 + math.log2(b / 10) ** 2),
+    "singles-fastest": lambda b: 1000.0 / math.sqrt(b),
+}
+
+
+@pytest.fixture(scope="module")
+def readme_plain(digits_tasks):
+    return [_readme_accuracy(seed, None, digits_tasks) for seed in range(4)]
+
+
+@pytest.mark.parametrize(
+    "machine, plan",
+    [
+        ("own-step-fastest", (None, 1)),
+        pytest.param(
+            "halves-fastest",
+            (10, 2),
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="with train_iterations=3 a plan's accumulation window spans iterations of one micro-batch (its 1st and "
+                "2nd iteration make one step) instead of different samples, so the steps change (mean accuracy 0.84 instead of 0.88)",
+            ),
+        ),
+        pytest.param(
+            "singles-fastest",
+            (1, 20),
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a micro-batch of 1 holds no replayed sample (the learner's stream:replay split rounds 1 x 0.5 to 0), "
+                "so this plan drops replay and the stream forgets earlier tasks (mean accuracy 0.19 instead of 0.88)",
+            ),
+        ),
+    ],
+)
+def test_readme_stream_with_the_tuner_stays_within_one_point_of_no_tuner(tmp_path, monkeypatch, digits_tasks, readme_plain, machine, plan):
+    """The tuner changes how a step is computed, not what it is: whichever plan the machine makes fastest, the
+    README's stream learns as well as without it (two plans do not yet: see their xfail reasons). The probes'
+    rates are injected, so the plan does not depend on how busy the test machine is: with real probes an idle
+    machine keeps the learner's own step, a loaded one has made micro-batches of 10 or 1 fastest."""
+    install_fake_hardware(monkeypatch, README_MACHINES[machine])
+    tuners = [BatchSizeTuner(cache_dir=tmp_path, min_retune_interval=10_000) for _ in range(4)]  # no retune from real step times
     tuned = [_readme_accuracy(seed, tuner, digits_tasks) for seed, tuner in enumerate(tuners)]
-    plans = [[(h.get("micro_batch_size"), h.get("accumulation_steps"), h["reason"]) for h in t.history_] for t in tuners]
-    assert abs(sum(tuned) / 4 - sum(plain) / 4) <= 0.01, (plain, tuned, plans)
-    assert all(abs(t - p) <= 0.02 for t, p in zip(tuned, plain)), (plain, tuned, plans)
+    assert {(h["micro_batch_size"], h["accumulation_steps"]) for t in tuners for h in t.history_} == {plan}
+    if plan == (None, 1):  # the learner's own step, and probes on copies with the RNG restored: bit for bit the same learning
+        assert tuned == readme_plain
+    assert abs(sum(tuned) / 4 - sum(readme_plain) / 4) <= 0.01, (readme_plain, tuned)
+    assert all(abs(t - p) <= 0.02 for t, p in zip(tuned, readme_plain)), (readme_plain, tuned)
 
 
 def test_probes_train_on_targets_shaped_like_the_learners_and_refuse_broadcasting(tmp_path):
