@@ -184,6 +184,31 @@ def test_mismatched_model_or_optimizer_is_rejected_and_rolled_back(tmp_path):
         OnlineLearner.load(tmp_path, model=model, optimizer=torch.optim.Adam(model.parameters()))
 
 
+def _fresh_from_its_loop(stale_grads: bool) -> OnlineLearner:
+    """A model whose first layer is frozen (a pretrained backbone); ``stale_grads``: it comes
+    straight out of its own training loop, gradients still set on every parameter."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+    if stale_grads:
+        x, y = batch(seed=1)
+        nn.functional.cross_entropy(model(x), y).backward()
+    model[0].requires_grad_(False)
+    return OnlineLearner(model, optimizer=torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9))
+
+
+def test_gradients_left_by_training_before_the_learner_are_dropped(tmp_path):
+    """They were added to the first step, and on the frozen part stayed in every checkpoint,
+    which load refused ('grads are set but no micro-batch is accumulated')."""
+    clean, stale = _fresh_from_its_loop(False), _fresh_from_its_loop(True)
+    for learner in (clean, stale):
+        learner.observe(batch(seed=2))
+    assert snapshot(stale) == snapshot(clean)
+    stale.save(tmp_path)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3)).requires_grad_(False)
+    resumed = OnlineLearner.load(tmp_path, model=model, optimizer=torch.optim.SGD(model[2].requires_grad_().parameters(), lr=0.1, momentum=0.9))
+    assert snapshot(resumed) == snapshot(stale)
+
+
 def test_unknown_format_and_custom_replay_need_explicit_handling(tmp_path):
     write_checkpoint(tmp_path, {"format": 99})
     with pytest.raises(CheckpointError, match="format 99"):

@@ -157,6 +157,10 @@ class OnlineLearner:
         self.strategy.attach(self)
         for plugin in self.plugins:
             plugin.on_attach(self)
+        # Gradients left by training before the learner (a pretrained model fresh from its loop) would be
+        # added to its first step and, on parameters it does not train (a frozen base), stay in every
+        # checkpoint, which load then refuses (gradients with no micro-batch accumulated).
+        model.zero_grad(set_to_none=True)
 
     # The batcher's state under the names the checkpoint restore and the probe guard set.
     _stream_batch_size: OnBatcher[int | None] = OnBatcher("stream_batch_size")
