@@ -27,7 +27,7 @@ SLOW = "<!-- slow -->"
 TIMEOUT_S = 120
 SLOW_TIMEOUT_S = 900
 # top-level modules of the optional extras: a block that needs a missing one is skipped
-EXTRAS = {"avalanche", "flwr", "onnx", "onnxruntime", "ray", "torchvision"}
+EXTRAS = {"avalanche", "flwr", "onnx", "onnxruntime", "peft", "ray", "torchvision", "transformers"}
 _FENCE = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 

@@ -348,11 +348,34 @@ def _counters(ctx: _Context) -> Apply:
 def _model(ctx: _Context) -> Apply:
     saved = ctx.get("model")
     live = ctx.learner.model.state_dict()
-    _keys("model", saved, set(live))
+    try:
+        _keys("model", saved, set(live))
+    except _Invalid as error:
+        raise _Invalid(f"{error}{_wrapping_hint(saved, live)}") from None
     for name, tensor in live.items():
         _tensor(f"model.{name}", saved[name], shape=tuple(tensor.shape), dtype=tensor.dtype)
     model = ctx.learner.model
     return lambda: model.load_state_dict(saved)
+
+
+_PEFT_PREFIX = "base_model.model."  # where Hugging Face peft's wrapper puts the wrapped model's keys
+
+
+def _wrapping_hint(saved: dict[str, Any], live: dict[str, Any]) -> str:
+    """Why the model keys differ when one side is wrapped by peft and the other is not ("" otherwise).
+
+    Read from the key names alone (peft is an optional extra this module never imports).
+    """
+    saved_wrapped = any(str(key).startswith(_PEFT_PREFIX) for key in saved)
+    live_wrapped = any(key.startswith(_PEFT_PREFIX) for key in live)
+    if saved_wrapped and not live_wrapped:
+        return (
+            f"; the checkpoint's model was wrapped by peft (keys '{_PEFT_PREFIX}...') and this one is not:"
+            " wrap it with the same adapter config (get_peft_model) before load"
+        )
+    if live_wrapped and not saved_wrapped:
+        return "; this model is wrapped by peft and the checkpoint's was not: load it into the plain model it was saved from"
+    return ""
 
 
 def _hyperparameter(where: str, saved: Any, live: Any, key: str) -> None:
