@@ -383,6 +383,7 @@ def _exported(tmp_path: Path, digits: Task, pretrained: dict[str, Any], backend:
     [
         ("onnxruntime", "lora"),
         ("onnxruntime", "ia3"),
+        ("onnxruntime", "loha"),
         ("executorch", "lora"),
         pytest.param(
             "executorch",
