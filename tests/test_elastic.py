@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import warnings
 
 import pytest
 import torch
@@ -541,12 +542,18 @@ def test_elastic_trains_zoo_models_within_budget(name):
     model, loss_fn, optimizer = ZOO[name].build()
     elastic = ElasticTrainer(rho=0.5, reselect_every=2, cache_dir=None, warmup=0, repeats=2, max_rounds=2, check_steps=1)
     learner = OnlineLearner(model, loss_fn=loss_fn, optimizer=optimizer, plugins=[elastic])
-    for seed in range(4):
-        learner.observe(ZOO[name].batch(8, seed=seed))
-    assert elastic.selected and len(elastic.selected) < len(elastic.profile_.units)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in range(4):
+            learner.observe(ZOO[name].batch(8, seed=seed))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable == set(elastic.selected)
-    assert elastic.memory_estimate() > 0 and elastic.predicted_speedup() > 1
+    assert elastic.selected and trainable == set(elastic.selected) and elastic.memory_estimate() > 0
+    if len(elastic.selected) == len(elastic.profile_.units):
+        # on 8-row batches the forward pass can take over half a step: no selection can meet
+        # rho, so every trainable unit trains, and the trainer says so
+        assert any("no selection of the trainable units fits rho=0.5" in str(w.message) for w in caught)
+    else:
+        assert elastic.predicted_speedup() > 1
 
 
 def test_profile_takes_dict_inputs_of_the_text_transformer():

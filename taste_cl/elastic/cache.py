@@ -9,15 +9,17 @@ warned about, never fatal.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from taste_cl.elastic.profiling import describe_input, profile_tensors, unit_names
+from taste_cl.elastic.profiling import describe_input, profile_tensors, trainable_ids, unit_names
 from taste_cl.elastic.tensor_profile import Granularity, TensorProfile, parse_profile
 from taste_cl.state.checkpoint import atomic_write_bytes
 from taste_cl.tuning.fingerprint import hardware_fingerprint, model_signature
@@ -25,7 +27,7 @@ from taste_cl.tuning.fingerprint import hardware_fingerprint, model_signature
 __all__ = ["CACHE_FILE", "load_or_profile"]
 
 CACHE_FILE = "elastic_profiles.json"
-PROFILE_FORMAT = 3  # 3: profiles name their clock
+PROFILE_FORMAT = 4  # 3: profiles name their clock; 4: frozen layers and nested modules timed where the backward crosses them
 MAX_CACHE_BYTES = 4 * 1024 * 1024
 MAX_ENTRIES = 64
 
@@ -56,31 +58,35 @@ def load_or_profile(
     cache_dir: str | os.PathLike[str],
     granularity: Granularity = "tensor",
     refresh: bool = False,
+    trainable: Iterable[nn.Parameter] | None = None,
     **profile_kwargs: Any,
 ) -> tuple[TensorProfile, bool]:
     """Return ``(profile, from_cache)``, reading/writing ``cache_dir/elastic_profiles.json``.
 
     The key is the model signature for ``example``'s shapes and dtype, the granularity, the
-    clock and the hardware fingerprint, so a changed architecture, batch size, machine or torch
-    version profiles anew. A cached entry is used only if every field is valid and its
-    units are this model's units in execution order. ``refresh`` measures again.
-    ``profile_kwargs`` go to :func:`profile_tensors`.
+    clock, the hardware fingerprint and which parameters are frozen (all but ``trainable``,
+    default: those without ``requires_grad``), so a changed architecture, batch size,
+    machine, torch version or frozen set profiles anew. A cached entry is used only if
+    every field is valid and its units are this model's units in execution order.
+    ``refresh`` measures again. ``profile_kwargs`` go to :func:`profile_tensors`.
     """
     path = Path(cache_dir) / CACHE_FILE
     shape, dtype = describe_input(example)
     clock = profile_kwargs.get("clock", "wall")
-    key = f"{model_signature(model, shape, dtype)}:{granularity}:{clock}:{hardware_fingerprint()}"
+    ids = trainable_ids(model, trainable)
+    live = [p for p in model.parameters() if id(p) in ids]
+    key = f"{model_signature(model, shape, dtype)}:{granularity}:{clock}:{hardware_fingerprint()}{_frozen_key(model, ids)}"
     entries = _read_entries(path)
     if not refresh and key in entries:
         try:
             profile = parse_profile(entries[key])
-            expected = unit_names(model, example, granularity=granularity)
+            expected = unit_names(model, example, granularity=granularity, trainable=live)
             if profile.units != expected or profile.granularity != granularity or profile.clock != clock:
                 raise ValueError(f"its units {profile.units[:4]}... are not this model's {expected[:4]}...")
             return profile, True
         except ValueError as error:
             warnings.warn(f"elastic profile cache entry in {str(path)!r} is invalid ({error}); measuring again", RuntimeWarning, stacklevel=2)
-    profile = profile_tensors(model, example, granularity=granularity, **profile_kwargs)
+    profile = profile_tensors(model, example, granularity=granularity, trainable=live, **profile_kwargs)
     kept = {k: v for k, v in entries.items() if k != key}
     kept = dict(list(kept.items())[-(MAX_ENTRIES - 1) :]) if MAX_ENTRIES > 1 else {}
     payload = {"format": PROFILE_FORMAT, "profiles": {**kept, key: profile.to_dict()}}
@@ -91,3 +97,9 @@ def load_or_profile(
             f"cannot write the elastic profile cache {str(path)!r} ({error}); using the fresh profile uncached", RuntimeWarning, stacklevel=2
         )
     return profile, False
+
+
+def _frozen_key(model: nn.Module, trainable: set[int]) -> str:
+    """The cache key's part for the frozen parameters: empty when all train (keys as before)."""
+    frozen = [name for name, p in model.named_parameters() if id(p) not in trainable]
+    return f":frozen={hashlib.sha256(json.dumps(frozen).encode()).hexdigest()[:16]}" if frozen else ""

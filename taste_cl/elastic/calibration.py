@@ -9,7 +9,8 @@ correction is fitted online by ridge regression towards "the profile is right":
 
 with ``cost_i(S)`` unit ``i``'s share of the predicted step (its weight-gradient time if
 it trains, plus its activation-gradient time if it lies after the earliest trainable
-unit). The forward pass costs the same for every selection, so step times alone cannot
+unit); the backward through the modules after the last unit (the profile's tail, spent
+whenever anything trains) is under the global ``scale`` only. The forward pass costs the same for every selection, so step times alone cannot
 tell it from the overhead; it is measured on its own every step
 (:meth:`StepTimeModel.observe_forward`; each refit sets ``forward_scale`` to the median of
 the latest ratios, so predictions change only at refits). ``overhead`` and the global backward ``scale`` are cheap to move (few
@@ -51,17 +52,19 @@ class StepTimeModel:
         self._targets: list[float] = []
         self._full: float | None = None  # latest measured full step (probe steps), profile units
 
-    def _costs(self, selected: Sequence[int]) -> tuple[float, np.ndarray]:
-        """(forward, per-unit cost vector) of ``selected``, in profile full-step units."""
+    def _costs(self, selected: Sequence[int]) -> tuple[float, float, np.ndarray]:
+        """(forward, tail, per-unit cost vector) of ``selected``, in profile full-step units."""
         p, full = self.profile, self.profile.full_step_s
         costs = np.zeros(len(p.units))
+        tail = 0.0
         if selected:
             earliest = min(selected)
             for i in selected:
                 costs[i] += p.weight_grad_s[i]
             for i in range(earliest + 1, len(p.units)):
                 costs[i] += p.act_grad_s[i]
-        return p.forward_s / full, costs / full
+            tail = p.tail_grad_s
+        return p.forward_s / full, tail / full, costs / full
 
     def raw_prediction(self, selected: Sequence[int]) -> float:
         """Seconds the uncorrected profile predicts (forward + backward only)."""
@@ -69,12 +72,12 @@ class StepTimeModel:
 
     def predict(self, selected: Sequence[int]) -> float:
         """Seconds the corrected model predicts for a whole measured step."""
-        forward, costs = self._costs(selected)
-        units = float(costs @ self.unit_scale)
-        return self.profile.full_step_s * (self.overhead + self.forward_scale * forward + self.scale * units)
+        forward, tail, costs = self._costs(selected)
+        backward = tail + float(costs @ self.unit_scale)
+        return self.profile.full_step_s * (self.overhead + self.forward_scale * forward + self.scale * backward)
 
-    def corrected_costs(self) -> tuple[float, float, list[float], list[float]]:
-        """(overhead_s, forward_s, weight_grad_s, act_grad_s) with the corrections applied."""
+    def corrected_costs(self) -> tuple[float, float, list[float], list[float], float]:
+        """(overhead_s, forward_s, weight_grad_s, act_grad_s, tail_grad_s) with the corrections applied."""
         p = self.profile
         scales = self.scale * self.unit_scale
         return (
@@ -82,11 +85,12 @@ class StepTimeModel:
             self.forward_scale * p.forward_s,
             [float(t * s) for t, s in zip(p.weight_grad_s, scales)],
             [float(t * s) for t, s in zip(p.act_grad_s, scales)],
+            self.scale * p.tail_grad_s,
         )
 
     def _row(self, selected: Sequence[int]) -> np.ndarray:
-        _, costs = self._costs(selected)
-        return np.concatenate([[1.0, float(costs.sum())], costs])
+        _, tail, costs = self._costs(selected)
+        return np.concatenate([[1.0, tail + float(costs.sum())], costs])
 
     def observe_forward(self, measured_s: float) -> None:
         """Add one measured forward time (seconds). No refit: the next one sets ``forward_scale``

@@ -10,6 +10,12 @@ the step times measured meanwhile refit the time model
 :class:`SelectionCycle` holds that loop's settings, state and steps; the plugin
 (:mod:`taste_cl.elastic.trainer`) decides when they run (learner hooks, monitor events),
 where the profile comes from, and how the state is checkpointed.
+
+Frozen parameters are the user's decision. The candidates are the parameters the user
+left trainable (``requires_grad``) and the optimizer holds; the cycle switches off only
+candidates it did not select, and switches back on only what it switched off itself, so a
+parameter the user froze never gets ``requires_grad=True`` and selecting every unit
+restores exactly the user's flags.
 """
 
 from __future__ import annotations
@@ -88,6 +94,7 @@ class SelectionCycle:
         self._learner: OnlineLearner | None = None
         self._estimator: GradientImportance | None = None
         self._unit_params: list[list[nn.Parameter]] = []
+        self._switched_off: dict[int, nn.Parameter] = {}  # candidates this cycle set requires_grad=False on
         self._probe_step = False
         self._arm_s = 0.0
         self._probe_times: list[float] = []
@@ -139,8 +146,10 @@ class SelectionCycle:
     def apply_selection(self, selected: Sequence[str]) -> None:
         """Train only the units named in ``selected`` until the next probe.
 
-        Frozen units' gradients are set to None, so the optimizer skips them and keeps their
-        state (momentum, Adam moments) for when they rejoin.
+        Units left out get ``requires_grad=False`` and no gradient, so the optimizer skips
+        them and keeps their state (momentum, Adam moments) for when they rejoin; units
+        named get back the ``requires_grad=True`` the cycle took, never more (a parameter
+        the user froze stays frozen). Selecting every unit restores the user's flags.
         """
         if self.profile_ is None:
             raise RuntimeError("ElasticTrainer has no profile yet: call learner.observe first")
@@ -149,11 +158,36 @@ class SelectionCycle:
         if unknown:
             raise ValueError(f"unknown units {unknown}; the units are {self.profile_.units}")
         self.selected = [name for name in self.profile_.units if name in chosen]
-        for name, params in zip(self.profile_.units, self._unit_params):
+        on = {id(p) for name, params in zip(self.profile_.units, self._unit_params) if name in chosen for p in params}
+        for params in self._unit_params:
             for p in params:
-                p.requires_grad_(name in chosen)
-                if name not in chosen:
+                if id(p) in on:
+                    if self._switched_off.pop(id(p), None) is not None:
+                        p.requires_grad_(True)
+                elif p.requires_grad or id(p) in self._switched_off:
+                    p.requires_grad_(False)
                     p.grad = None  # optimizers skip params without a gradient: their state is kept
+                    self._switched_off[id(p)] = p
+
+    def candidates(self) -> list[nn.Parameter]:
+        """The parameters the cycle may select: left trainable by the user and held by the optimizer.
+
+        "Trainable by the user" counts the units the cycle itself switched off as trainable.
+        """
+        learner = self._attached()
+        held = {id(p) for group in learner.optimizer.param_groups for p in group["params"]}
+        return [p for p in learner.model.parameters() if id(p) in held and (p.requires_grad or id(p) in self._switched_off)]
+
+    def frozen_names(self) -> list[str]:
+        """Names of the model's parameters that are not :meth:`candidates` (the user froze them, or no optimizer group holds them)."""
+        ids = {id(p) for p in self.candidates()}
+        return [name for name, p in self._attached().model.named_parameters() if id(p) not in ids]
+
+    def _release(self) -> None:
+        """Give back every ``requires_grad`` the cycle took: the model's flags are the user's again."""
+        for p in self._switched_off.values():
+            p.requires_grad_(True)
+        self._switched_off = {}
 
     # ------------------------------------------------------------ the cycle
     def _attached(self) -> OnlineLearner:
@@ -162,11 +196,13 @@ class SelectionCycle:
         return self._learner
 
     def _set_profile(self, profile: TensorProfile) -> None:
-        """Use ``profile`` from now on (``ValueError`` if its units are not the model's; nothing changes then)."""
+        """Use ``profile`` from now on, every unit trainable until the next selection
+        (``ValueError`` if its units are not the model's trainable ones; nothing changes then)."""
         try:
-            params = unit_parameters(self._attached().model, profile.units, profile.granularity)
+            params = unit_parameters(self._attached().model, profile.units, profile.granularity, self.candidates())
         except KeyError as error:
             raise ValueError(f"the profile does not fit the model: {error.args[0]}") from None
+        self._release()
         self.profile_, self._unit_params = profile, params
         self.timing_ = StepTimeModel(profile)
         self._probe_times, self._window, self._window_prediction = [], [], None
@@ -241,10 +277,11 @@ class SelectionCycle:
         if self.importance_ is None or (self.current_rho >= 1.0 and self.memory_budget_bytes is None):
             self.apply_selection(profile.units)
             return
-        overhead, forward, weight_s, act_s = timing.corrected_costs()
+        overhead, forward, weight_s, act_s, tail = timing.corrected_costs()
         # rho bounds forward + backward (the part the selection changes), as in ElasticTrainer;
         # the optimizer/bookkeeping overhead is predicted and reported, not budgeted
-        budget = self.current_rho * (timing.predict(everything) - overhead) - forward
+        full = timing.predict(everything) - overhead
+        budget = self.current_rho * full - forward - tail
         memory: dict[str, Any] = {}
         if self.memory_budget_bytes is not None:
             factor = optimizer_state_factor(self._attached().optimizer)
@@ -255,15 +292,7 @@ class SelectionCycle:
             }
         chosen = select_tensors(self.importance_, weight_s, act_s, budget, resolution=self.resolution, **memory) if budget > 0 else []
         if not chosen:
-            chosen = [min(everything, key=lambda k: (self._over_memory([k]), timing.predict([k])))]
-            warnings.warn(
-                f"ElasticTrainer: no unit fits rho={self.current_rho}"
-                + ("" if self.memory_budget_bytes is None else f" and memory_budget_bytes={self.memory_budget_bytes}")
-                + f" (the forward pass alone takes {forward / (timing.predict(everything) - overhead):.0%} of a full step); "
-                f"training only {profile.units[chosen[0]]!r}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            chosen = self._over_budget(memory, (forward + tail) / full)
         self.apply_selection([profile.units[i] for i in chosen])
         self._window = []
         self._window_prediction = {
@@ -272,7 +301,34 @@ class SelectionCycle:
             "predicted_s": timing.predict(chosen),
         }
 
-    def _over_memory(self, selected: list[int]) -> bool:
+    def _over_budget(self, memory: dict[str, Any], fixed_share: float) -> list[int]:
+        """The selection when no selection fits ``rho``: rho cannot be met, so train what the
+        user made trainable (within the memory budget, the most important units that fit;
+        when none fits, the smallest), and say so."""
+        profile = self.profile_
+        assert profile is not None and self.importance_ is not None
+        n = len(profile.units)
         if self.memory_budget_bytes is None:
-            return False
-        return (self.memory_estimate([self.profile_.units[i] for i in selected]) or 0) > self.memory_budget_bytes  # type: ignore[union-attr]
+            chosen = list(range(n))
+        else:  # memory alone: a time budget no selection can exceed
+            chosen = select_tensors(self.importance_, [0.0] * n, [0.0] * n, 1.0, resolution=1, **memory)
+            if not chosen:
+                chosen = [min(range(n), key=lambda k: self.memory_estimate([profile.units[k]]) or 0)]
+        frozen = len(self.frozen_names())
+        warnings.warn(
+            f"ElasticTrainer: no selection of the trainable units fits rho={self.current_rho} (the forward pass"
+            + (f", through {frozen} frozen parameter tensor(s) too," if frozen else "")
+            + f" and the backward every selection pays take {fixed_share:.0%} of a full step); training "
+            + ("all" if len(chosen) == n else f"{len(chosen)} of")
+            + f" {n} trainable unit(s)"
+            + ("" if self.memory_budget_bytes is None else f" within memory_budget_bytes={self.memory_budget_bytes}")
+            + f": {short_list([profile.units[i] for i in chosen])}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return chosen
+
+
+def short_list(names: list[str], shown: int = 6) -> str:
+    """``names`` for a message, at most ``shown`` of them."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")

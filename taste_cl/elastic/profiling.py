@@ -16,7 +16,13 @@ the cores, so it stays steady while wall time swings with the neighbours' load).
 
 A *unit* is a parameter tensor (``granularity="tensor"``: a layer's weight and bias are
 separate units, as in ElasticTrainer) or a module with parameters of its own
-(``granularity="module"``), in the order the forward pass first calls them.
+(``granularity="module"``), in the order the forward pass first calls them. Only
+*trainable* parameters make units (by default those with ``requires_grad``; the elastic
+trainer passes the ones the user left trainable and the optimizer holds): a frozen
+module is not a unit, but its forward time is in the step, and its activation-gradient
+time counts wherever the backward pass has to cross it (between the loss and a trained
+unit). A module called inside another captured module (a frozen ``nn.Linear`` inside a
+LoRA wrapper) is timed as part of it, not twice.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +42,7 @@ from taste_cl._batch import call_model
 from taste_cl._checks import check_int, check_positive
 from taste_cl.elastic.tensor_profile import CLOCKS, Clock, Granularity, TensorProfile, check_clock, check_granularity
 
-__all__ = ["Clock", "Granularity", "TensorProfile", "profile_tensors", "unit_names"]
+__all__ = ["Clock", "Granularity", "TensorProfile", "profile_tensors", "trainable_ids", "unit_names", "unit_parameters"]
 
 _Z95 = 1.96
 
@@ -81,9 +87,16 @@ def _float_leaves(value: Any) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------------ units
-def _direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+def trainable_ids(model: nn.Module, trainable: Iterable[nn.Parameter] | None) -> set[int]:
+    """Ids of the parameters that may be units: ``trainable``, or by default those with ``requires_grad``."""
+    if trainable is None:
+        return {id(p) for p in model.parameters() if p.requires_grad}
+    return {id(p) for p in trainable}
+
+
+def _direct_params(module: nn.Module, trainable: set[int]) -> list[tuple[str, nn.Parameter]]:
     """The module's own trainable parameters (ones the user froze are never units)."""
-    return [(name, p) for name, p in module.named_parameters(recurse=False) if p.requires_grad]
+    return [(name, p) for name, p in module.named_parameters(recurse=False) if id(p) in trainable]
 
 
 def _detached_copy(value: Any) -> Any:
@@ -91,24 +104,47 @@ def _detached_copy(value: Any) -> Any:
     return value.detach().clone() if torch.is_tensor(value) else value
 
 
-def _capture(model: nn.Module, example: Any) -> list[tuple[str, nn.Module, tuple[Any, ...], dict[str, Any]]]:
-    """Run ``model`` once; return (name, module, args, kwargs) of the modules with parameters
-    of their own and of the parameter-free leaf modules, in the order they were first called."""
-    calls: list[tuple[str, nn.Module, tuple[Any, ...], dict[str, Any]]] = []
+@dataclass
+class _Call:
+    """One captured module call: its first inputs, and whether it ran inside another captured call."""
+
+    name: str
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    nested: bool
+
+
+def _capture(model: nn.Module, example: Any, trainable: set[int]) -> list[_Call]:
+    """Run ``model`` once; return the first call of every module with trainable parameters of
+    its own and of every other leaf module (frozen or parameter-free), in call order.
+
+    A leaf called while another captured module runs is left out (replaying the outer
+    module times it already); a unit module called so is kept, marked ``nested``.
+    """
+    calls: list[_Call] = []
     seen: set[str] = set()
+    running: list[str] = []
     handles = []
 
-    def hook(name: str) -> Callable[..., None]:
+    def enter(name: str, unit: bool) -> Callable[..., None]:
         def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if name not in seen:
+            if name not in seen and (unit or not running):
                 seen.add(name)
-                calls.append((name, module, pytree.tree_map(_detached_copy, args), pytree.tree_map(_detached_copy, kwargs)))
+                copies = pytree.tree_map(_detached_copy, (args, kwargs))
+                calls.append(_Call(name, module, copies[0], copies[1], nested=bool(running)))
+            running.append(name)
 
         return record
 
+    def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        running.pop()
+
     for name, module in model.named_modules():
-        if _direct_params(module) or (not list(module.children()) and name):
-            handles.append(module.register_forward_pre_hook(hook(name), with_kwargs=True))
+        unit = bool(_direct_params(module, trainable))
+        if unit or (not list(module.children()) and name):
+            handles.append(module.register_forward_pre_hook(enter(name, unit), with_kwargs=True))
+            handles.append(module.register_forward_hook(leave))
     try:
         with torch.no_grad():
             call_model(model, example)
@@ -118,8 +154,8 @@ def _capture(model: nn.Module, example: Any) -> list[tuple[str, nn.Module, tuple
     return calls
 
 
-def _units_of(name: str, module: nn.Module, granularity: str) -> list[tuple[str, list[nn.Parameter]]]:
-    params = _direct_params(module)
+def _units_of(name: str, module: nn.Module, granularity: str, trainable: set[int]) -> list[tuple[str, list[nn.Parameter]]]:
+    params = _direct_params(module, trainable)
     if not params:
         return []
     if granularity == "module":
@@ -127,33 +163,45 @@ def _units_of(name: str, module: nn.Module, granularity: str) -> list[tuple[str,
     return [(f"{name}.{pname}" if name else pname, [p]) for pname, p in params]
 
 
-def unit_names(model: nn.Module, example: Any, *, granularity: Granularity = "tensor") -> list[str]:
-    """The units of ``model`` for ``example``, in execution order (one no-grad forward pass)."""
+def unit_names(model: nn.Module, example: Any, *, granularity: Granularity = "tensor", trainable: Iterable[nn.Parameter] | None = None) -> list[str]:
+    """The units of ``model`` for ``example``, in execution order (one no-grad forward pass).
+
+    ``trainable``: the parameters that may be units (default: those with ``requires_grad``).
+    """
     check_granularity(granularity)
+    ids = trainable_ids(model, trainable)
     was_training = model.training
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     try:
         with torch.random.fork_rng(devices=[]):
-            calls = _capture(model, example)
+            calls = _capture(model, example, ids)
     finally:
         _restore(model, buffers, was_training)
-    return [unit for name, module, _, _ in calls for unit, _ in _units_of(name, module, granularity)]
+    return [unit for call in calls for unit, _ in _units_of(call.name, call.module, granularity, ids)]
 
 
-def unit_parameters(model: nn.Module, units: Sequence[str], granularity: str) -> list[list[nn.Parameter]]:
-    """The parameters of each named unit (``KeyError`` naming an unknown unit)."""
-    params = dict(model.named_parameters())
+def unit_parameters(model: nn.Module, units: Sequence[str], granularity: str, trainable: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The trainable parameters of each named unit.
+
+    ``KeyError`` naming a unit that is not in the model, or that is frozen: a tensor unit
+    not in ``trainable``, a module unit without a parameter of its own in it.
+    """
+    ids = trainable_ids(model, trainable)
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied weight under each of its names
     modules = dict(model.named_modules())
     out = []
     for unit in units:
         if granularity == "module":
             if unit not in modules:
                 raise KeyError(f"no module named {unit!r} in the model")
-            out.append([p for p in modules[unit].parameters(recurse=False) if p.requires_grad])
+            chosen = [p for p in modules[unit].parameters(recurse=False) if id(p) in ids]
         else:
             if unit not in params:
                 raise KeyError(f"no parameter named {unit!r} in the model")
-            out.append([params[unit]])
+            chosen = [params[unit]] if id(params[unit]) in ids else []
+        if not chosen:
+            raise KeyError(f"unit {unit!r} is frozen in this model (requires_grad=False, or not in the optimizer)")
+        out.append(chosen)
     return out
 
 
@@ -292,49 +340,37 @@ def profile_tensors(
     tolerance: float = 0.2,
     seed: int = 0,
     clock: Clock = "wall",
+    trainable: Iterable[nn.Parameter] | None = None,
 ) -> TensorProfile:
     """Measure forward, per-unit weight-gradient and activation-gradient times on ``example``.
 
     ``example`` is one training batch (a tensor, or a dict/tuple of tensors passed as
     keyword/positional arguments). Each unit's module is replayed alone on its captured
-    input; a parameter-free leaf module's activation-gradient time is added to the next
-    unit's, since both are spent under the same condition. ``warmup`` untimed rounds, then
-    ``repeats`` timed rounds; while :meth:`TensorProfile.relative_noise` exceeds
-    ``tolerance``, the number of rounds is doubled, up to ``max_rounds``. The model's
-    parameters, buffers (BatchNorm statistics), trainability and the torch RNG are left
-    as they were. ``clock``: ``"wall"`` or ``"cpu"`` (see the module doc).
+    input; a unit-free leaf module's (ReLU, pooling, a frozen layer) activation-gradient
+    time is added to the next unit's, since both are spent under the same condition, and
+    after the last unit it is the profile's ``tail_grad_s``, spent whenever anything trains.
+    ``trainable``: the parameters that train, and so may be units (default: those with
+    ``requires_grad``); the model is measured with exactly these requiring gradients.
+    ``warmup`` untimed rounds, then ``repeats`` timed rounds; while
+    :meth:`TensorProfile.relative_noise` exceeds ``tolerance``, the number of rounds is
+    doubled, up to ``max_rounds``. The model's parameters, their gradients and
+    ``requires_grad`` flags, buffers (BatchNorm statistics) and the torch RNG are left as
+    they were. ``clock``: ``"wall"`` or ``"cpu"`` (see the module doc).
     """
     check_profile_options(granularity, clock, warmup, repeats, max_rounds, tolerance)
+    ids = trainable_ids(model, trainable)
     device = _device(example)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    flags = {p: p.requires_grad for p in model.parameters()}
+    kept = [(p, p.requires_grad, p.grad) for p in model.parameters()]
     was_training = model.training
     model.train()
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     try:
+        for p, _, _ in kept:
+            p.requires_grad_(id(p) in ids)
+            p.grad = None  # the full backward accumulates here: the user's gradients are set aside
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            calls = _capture(model, example)
-            units: list[str] = []
-            weight: list[_Measure] = []
-            act: list[list[_Measure]] = []
-            param_bytes: list[int] = []
-            input_bytes: list[int] = []
-            act_bytes: list[int] = []
-            pending: list[_Measure] = []
-            pending_bytes = 0
-            for name, module, args, kwargs in calls:
-                measure, kept = _grad_measure(module, args, kwargs, None, param_ptrs)
-                pending.append(measure)
-                pending_bytes += kept
-                for index, (unit, params) in enumerate(_units_of(name, module, granularity)):
-                    w_measure, w_kept = _grad_measure(module, args, kwargs, params, param_ptrs)
-                    units.append(unit)
-                    weight.append(w_measure)
-                    act.append(pending if index == 0 else [])
-                    act_bytes.append(pending_bytes if index == 0 else 0)
-                    input_bytes.append(w_kept)
-                    param_bytes.append(sum(p.numel() * p.element_size() for p in params))
-                    pending, pending_bytes = [], 0
+            parts = _measures(_capture(model, example, ids), granularity, ids, param_ptrs)
             forward = _Measure(lambda: lambda: call_model(model, example), [])
 
             def full_backward() -> Callable[[], Any]:
@@ -342,7 +378,7 @@ def profile_tensors(
                 return lambda: torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
             backward = _Measure(full_backward, [])
-            measures = list(weight) + [m for group in act for m in group] + [forward, backward]
+            measures = [*parts.weight, *(m for group in parts.act for m in group), *parts.tail, forward, backward]
             rng = random.Random(seed)
             _run_rounds(measures, warmup, device=device, rng=rng, clock=clock)
             for m in measures:
@@ -352,41 +388,74 @@ def profile_tensors(
             while True:
                 _run_rounds(measures, target - rounds, device=device, rng=rng, clock=clock)
                 rounds = target
-                profile = _summarise(units, weight, act, forward, backward, param_bytes, input_bytes, act_bytes, granularity, rounds, clock)
+                profile = _summarise(parts, forward, backward, granularity, rounds, clock)
                 if profile.relative_noise() <= tolerance or rounds >= max_rounds:
                     break
                 target = min(2 * rounds, max_rounds)
-            model.zero_grad(set_to_none=True)
     finally:
-        for p, flag in flags.items():
+        for p, flag, grad in kept:
             p.requires_grad_(flag)
+            p.grad = grad
         _restore(model, buffers, was_training)
     if profile.relative_noise() > tolerance:
         return TensorProfile(**{**profile.to_dict(), "noisy": True})
     return profile
 
 
-def _summarise(
-    units: list[str],
-    weight: list[_Measure],
-    act: list[list[_Measure]],
-    forward: _Measure,
-    backward: _Measure,
-    param_bytes: list[int],
-    input_bytes: list[int],
-    act_bytes: list[int],
-    granularity: str,
-    rounds: int,
-    clock: str,
-) -> TensorProfile:
-    w_est = [robust_estimate(m.samples) for m in weight]
-    a_est = []
-    for group in act:
-        parts = [robust_estimate(m.samples) for m in group]
-        a_est.append((sum(e for e, _ in parts), math.sqrt(sum(c * c for _, c in parts))))
+@dataclass
+class _Parts:
+    """What :func:`profile_tensors` times per unit, and the backward after the last unit."""
+
+    units: list[str]
+    weight: list[_Measure]
+    act: list[list[_Measure]]
+    param_bytes: list[int]
+    input_bytes: list[int]
+    act_bytes: list[int]
+    tail: list[_Measure]
+    tail_bytes: int
+
+
+def _measures(calls: list[_Call], granularity: str, trainable: set[int], param_ptrs: set[int]) -> _Parts:
+    """The measures of every captured call: a unit's weight gradient; the activation gradient
+    of each segment (the modules up to a unit, charged to that unit); the tail after the last."""
+    parts = _Parts([], [], [], [], [], [], [], 0)
+    pending: list[_Measure] = []
+    pending_bytes = 0
+    for call in calls:
+        if not call.nested:  # a nested module's backward is inside the outer module's
+            measure, kept = _grad_measure(call.module, call.args, call.kwargs, None, param_ptrs)
+            pending.append(measure)
+            pending_bytes += kept
+        for index, (unit, params) in enumerate(_units_of(call.name, call.module, granularity, trainable)):
+            w_measure, w_kept = _grad_measure(call.module, call.args, call.kwargs, params, param_ptrs)
+            first = index == 0 and not call.nested
+            parts.units.append(unit)
+            parts.weight.append(w_measure)
+            parts.act.append(pending if first else [])
+            parts.act_bytes.append(pending_bytes if first else 0)
+            parts.input_bytes.append(w_kept)
+            parts.param_bytes.append(sum(p.numel() * p.element_size() for p in params))
+            if first:
+                pending, pending_bytes = [], 0
+    if parts.units:  # before any unit, nothing is ever passed back
+        parts.tail, parts.tail_bytes = pending, pending_bytes
+    return parts
+
+
+def _sum_estimates(group: list[_Measure]) -> tuple[float, float]:
+    """(sum of the estimates, root-sum-square of their CIs) of a group timed as one segment."""
+    parts = [robust_estimate(m.samples) for m in group]
+    return sum(e for e, _ in parts), math.sqrt(sum(c * c for _, c in parts))
+
+
+def _summarise(parts: _Parts, forward: _Measure, backward: _Measure, granularity: str, rounds: int, clock: str) -> TensorProfile:
+    w_est = [robust_estimate(m.samples) for m in parts.weight]
+    a_est = [_sum_estimates(group) for group in parts.act]
+    tail, tail_ci = _sum_estimates(parts.tail)
     f_est, f_ci = robust_estimate(forward.samples)
     return TensorProfile(
-        units=list(units),
+        units=list(parts.units),
         weight_grad_s=[e for e, _ in w_est],
         act_grad_s=[e for e, _ in a_est],
         forward_s=f_est,
@@ -394,10 +463,13 @@ def _summarise(
         weight_grad_ci=[c for _, c in w_est],
         act_grad_ci=[c for _, c in a_est],
         forward_ci=f_ci,
-        param_bytes=list(param_bytes),
-        input_bytes=list(input_bytes),
-        act_bytes=list(act_bytes),
+        param_bytes=list(parts.param_bytes),
+        input_bytes=list(parts.input_bytes),
+        act_bytes=list(parts.act_bytes),
         granularity=granularity,
         rounds=rounds,
         clock=clock,
+        tail_grad_s=tail,
+        tail_grad_ci=tail_ci,
+        tail_bytes=parts.tail_bytes,
     )

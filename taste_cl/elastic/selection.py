@@ -39,7 +39,8 @@ class GradientImportance:
         self._before = [[p.detach().clone() for p in params] for params in self.units]
         for params in self.units:
             for p in params:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._record))
+                if p.requires_grad:  # a parameter frozen since the profile gets no gradient: it scores 0
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._record))
 
     def _record(self, param: torch.Tensor) -> None:
         if param.grad is not None:

@@ -48,9 +48,11 @@ class TensorProfile:
     ``*_ci`` are 95% confidence half-widths. ``param_bytes[i]`` is the unit's size (its
     gradient has the same size); ``input_bytes[i]`` what autograd keeps to compute its
     weight gradient; ``act_bytes[i]`` what it keeps to pass the gradient back through
-    ``i``'s segment. ``backward_s`` is the measured full backward, for comparison with the
-    model's ``full_step_s - forward_s``. ``noisy`` is True when ``max_rounds`` did not
-    bring the confidence intervals under the tolerance.
+    ``i``'s segment. ``tail_grad_s`` (CI ``tail_grad_ci``, memory ``tail_bytes``) is the
+    backward through the modules after the last unit (a frozen head, a final activation),
+    spent whenever any unit trains. ``backward_s`` is the measured full backward, for
+    comparison with the model's ``full_step_s - forward_s``. ``noisy`` is True when
+    ``max_rounds`` did not bring the confidence intervals under the tolerance.
     """
 
     units: list[str]
@@ -68,13 +70,17 @@ class TensorProfile:
     rounds: int = 0
     noisy: bool = False
     clock: str = "wall"
+    tail_grad_s: float = 0.0
+    tail_grad_ci: float = 0.0
+    tail_bytes: int = 0
 
     def step_s(self, selected: Sequence[int]) -> float:
         """Predicted forward + backward time when only the units at ``selected`` train."""
         if not selected:
             return self.forward_s
         earliest = min(selected)
-        return self.forward_s + sum(self.weight_grad_s[i] for i in selected) + sum(self.act_grad_s[earliest + 1 :])
+        backward = sum(self.weight_grad_s[i] for i in selected) + sum(self.act_grad_s[earliest + 1 :]) + self.tail_grad_s
+        return self.forward_s + backward
 
     @property
     def full_step_s(self) -> float:
@@ -90,12 +96,12 @@ class TensorProfile:
             return 0
         earliest = min(selected)
         own = sum(self.input_bytes[i] + self.param_bytes[i] * (1 + state_factor) for i in selected)
-        return int(own + sum(self.act_bytes[earliest + 1 :]))
+        return int(own + sum(self.act_bytes[earliest + 1 :]) + self.tail_bytes)
 
     def relative_noise(self, *, min_share: float = 0.05) -> float:
         """Largest CI half-width over estimate among components worth ``min_share`` of a full step."""
         full = self.full_step_s
-        pairs = [(self.forward_s, self.forward_ci)]
+        pairs = [(self.forward_s, self.forward_ci), (self.tail_grad_s, self.tail_grad_ci)]
         pairs += list(zip(self.weight_grad_s, self.weight_grad_ci)) + list(zip(self.act_grad_s, self.act_grad_ci))
         worst = [ci / t for t, ci in pairs if t > 0 and t >= min_share * full]
         return max(worst, default=0.0)
@@ -155,6 +161,9 @@ def parse_profile(state: Any) -> TensorProfile:
     if clock not in CLOCKS:
         raise ValueError(f"profile field `clock == {clock!r}`, must be one of {tuple(CLOCKS)}")
     n = len(units)
+    tail_bytes = state.get("tail_bytes", 0)  # profiles from before tails were measured: none
+    if isinstance(tail_bytes, bool) or not isinstance(tail_bytes, int) or not 0 <= tail_bytes <= _MAX_BYTES:
+        raise ValueError(f"profile field `tail_bytes == {tail_bytes!r}`, must be an int in [0, {_MAX_BYTES}]")
     return TensorProfile(
         units=list(units),
         weight_grad_s=_numbers(state, "weight_grad_s", n),
@@ -171,4 +180,7 @@ def parse_profile(state: Any) -> TensorProfile:
         rounds=rounds,
         noisy=noisy,
         clock=clock,
+        tail_grad_s=_number("tail_grad_s", state.get("tail_grad_s", 0.0), upper=1e6),
+        tail_grad_ci=_number("tail_grad_ci", state.get("tail_grad_ci", 0.0), upper=1e6),
+        tail_bytes=tail_bytes,
     )

@@ -13,6 +13,7 @@ import math
 import os
 import time
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,9 +22,10 @@ from torch.utils import _pytree as pytree
 
 from taste_cl._checks import check_int
 from taste_cl.elastic.cache import load_or_profile
-from taste_cl.elastic.cycle import SelectionCycle
-from taste_cl.elastic.profiling import check_profile_options, first_rows, profile_tensors, repeat_rows
+from taste_cl.elastic.cycle import SelectionCycle, short_list
+from taste_cl.elastic.profiling import check_profile_options, first_rows, profile_tensors, repeat_rows, unit_parameters
 from taste_cl.elastic.tensor_profile import CLOCKS, Clock, Granularity, TensorProfile, parse_profile
+from taste_cl.exceptions import CheckpointError
 from taste_cl.monitor.monitor import MonitorEvent
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.tuning.fingerprint import default_cache_dir
@@ -191,12 +193,12 @@ class ElasticTrainer(SelectionCycle, LearnerPlugin):
             "granularity": self.granularity, "warmup": self.warmup, "repeats": self.repeats,
             "max_rounds": self.max_rounds, "tolerance": self.tolerance, "clock": self.clock,
         }  # fmt: skip
-        with _Trainable([p for params in self._unit_params for p in params]):
-            if self.cache_dir is None:
-                profile = profile_tensors(learner.model, example, **options)  # type: ignore[arg-type]
-            else:
-                directory = default_cache_dir() if self.cache_dir == "default" else self.cache_dir
-                profile, _ = load_or_profile(learner.model, example, cache_dir=directory, refresh=refresh, **options)  # type: ignore[arg-type]
+        trainable = self.candidates()  # the units this cycle switched off count as trainable
+        if self.cache_dir is None:
+            profile = profile_tensors(learner.model, example, trainable=trainable, **options)  # type: ignore[arg-type]
+        else:
+            directory = default_cache_dir() if self.cache_dir == "default" else self.cache_dir
+            profile, _ = load_or_profile(learner.model, example, cache_dir=directory, refresh=refresh, trainable=trainable, **options)  # type: ignore[arg-type]
         if profile.noisy:
             warnings.warn(
                 f"ElasticTrainer: the timing profile is too noisy to separate units after {profile.rounds} rounds "
@@ -211,7 +213,8 @@ class ElasticTrainer(SelectionCycle, LearnerPlugin):
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Profile, importance, selection and counters; the closed-loop correction is re-learned after a load."""
+        """Profile, importance, selection, counters and the parameters the user froze; the
+        closed-loop correction is re-learned after a load."""
         return {
             "profile": None if self.profile_ is None else self.profile_.to_dict(),
             "importance": self.importance_,
@@ -222,67 +225,106 @@ class ElasticTrainer(SelectionCycle, LearnerPlugin):
             "drift_left": self._drift_left,
             "probe_now": self._probe_now,
             "example": self._example,
+            "frozen": self.frozen_names() if self._learner is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Validate every field of ``state`` (``ValueError`` naming it), then apply all of it."""
-        if not isinstance(state, dict):
-            raise ValueError(f"elastic state must be a dict; got {type(state).__name__}")  # noqa: TRY004 (documented ValueError)
-        missing = sorted({"profile", "importance", "selected", "steps", "probes", "since_probe", "drift_left", "probe_now", "example"} - set(state))
-        if missing:
-            raise ValueError(f"elastic state lacks {missing}")
-        profile = None if state["profile"] is None else parse_profile(state["profile"])
-        if profile is not None and profile.granularity != self.granularity:
-            raise ValueError(f"elastic state has granularity {profile.granularity!r}, this trainer {self.granularity!r}")
-        if profile is not None and profile.clock != self.clock:
-            raise ValueError(f"elastic state has a {profile.clock!r}-clock profile, this trainer clock {self.clock!r}")
-        n = 0 if profile is None else len(profile.units)
-        importance = state["importance"]
-        if importance is not None and (
-            not isinstance(importance, list)
-            or len(importance) != n
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in importance)
-        ):
-            raise ValueError(f"elastic state `importance` must be {n} finite numbers >= 0")
-        selected = state["selected"]
-        units = set(profile.units) if profile is not None else set()
-        if not isinstance(selected, list) or not all(isinstance(s, str) and s in units for s in selected):
-            raise ValueError("elastic state `selected` must name units of the profile")
-        for key in ("steps", "probes", "since_probe", "drift_left"):
-            value = state[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"elastic state `{key} == {value!r}`, must be an int >= 0")
-        if not isinstance(state["probe_now"], bool):
-            raise ValueError("elastic state `probe_now` must be a bool")  # noqa: TRY004
-        example = state["example"]
-        if example is not None and not all(torch.is_tensor(t) for t in pytree.tree_leaves(example)):
-            raise ValueError("elastic state `example` must be a tensor or a structure of tensors")
-        if profile is not None:
-            self._set_profile(profile)  # raises ValueError before anything else changes if units are not the model's
+        """Validate every field of ``state`` (:class:`~taste_cl.exceptions.CheckpointError`, a
+        ``ValueError``, naming it), then apply all of it.
+
+        The state must have been saved with the same parameters frozen as this model has, and
+        its profile and selection may name only parameters this model trains: loading never
+        unfreezes anything.
+        """
+        parsed = _parse_state(self, state)
+        if parsed.profile is not None:
+            self._set_profile(parsed.profile)  # checked by _parse_state: cannot raise here
         else:
+            self._release()
             self.profile_, self.timing_, self._unit_params = None, None, []
-        self.importance_ = None if importance is None else [float(v) for v in importance]
+        self.importance_ = parsed.importance
         self.steps_, self.probes_ = state["steps"], state["probes"]
         self._since_probe, self._drift_left, self._probe_now = state["since_probe"], state["drift_left"], state["probe_now"]
-        self._example = example
-        if profile is not None and selected:
-            self.apply_selection(selected)
+        self._example = state["example"]
+        if parsed.profile is not None and state["selected"]:
+            self.apply_selection(state["selected"])
         else:
-            self.selected = list(selected)
+            self.selected = list(state["selected"])
 
 
-class _Trainable:
-    """Context manager: make ``params`` trainable inside, restore their flags after."""
+_STATE_KEYS = {"profile", "importance", "selected", "steps", "probes", "since_probe", "drift_left", "probe_now", "example"}
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params = params
-        self._flags: list[bool] = []
 
-    def __enter__(self) -> None:
-        self._flags = [p.requires_grad for p in self.params]
-        for p in self.params:
-            p.requires_grad_(True)
+@dataclass(frozen=True)
+class _ParsedState:
+    profile: TensorProfile | None
+    importance: list[float] | None
 
-    def __exit__(self, *exc: object) -> None:
-        for p, flag in zip(self.params, self._flags):
-            p.requires_grad_(flag)
+
+def _parse_state(trainer: ElasticTrainer, state: Any) -> _ParsedState:
+    """Check an elastic state against ``trainer`` and its learner's model; changes nothing.
+
+    Raises :class:`~taste_cl.exceptions.CheckpointError` naming the first bad field.
+    """
+    if not isinstance(state, dict):
+        raise CheckpointError(f"elastic state must be a dict; got {type(state).__name__}")
+    missing = sorted(_STATE_KEYS - set(state))
+    if missing:
+        raise CheckpointError(f"elastic state lacks {missing}")
+    try:
+        profile = None if state["profile"] is None else parse_profile(state["profile"])
+    except ValueError as error:
+        raise CheckpointError(f"elastic state: {error}") from None
+    if profile is not None and profile.granularity != trainer.granularity:
+        raise CheckpointError(f"elastic state has granularity {profile.granularity!r}, this trainer {trainer.granularity!r}")
+    if profile is not None and profile.clock != trainer.clock:
+        raise CheckpointError(f"elastic state has a {profile.clock!r}-clock profile, this trainer clock {trainer.clock!r}")
+    n = 0 if profile is None else len(profile.units)
+    importance = state["importance"]
+    if importance is not None and (
+        not isinstance(importance, list)
+        or len(importance) != n
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in importance)
+    ):
+        raise CheckpointError(f"elastic state `importance` must be {n} finite numbers >= 0")
+    selected = state["selected"]
+    units = set(profile.units) if profile is not None else set()
+    if not isinstance(selected, list) or not all(isinstance(u, str) for u in selected) or not set(selected) <= units:
+        raise CheckpointError("elastic state `selected` must name units of the profile")
+    for key in ("steps", "probes", "since_probe", "drift_left"):
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(f"elastic state `{key} == {value!r}`, must be an int >= 0")
+    if not isinstance(state["probe_now"], bool):
+        raise CheckpointError("elastic state `probe_now` must be a bool")
+    example = state["example"]
+    if example is not None and not all(torch.is_tensor(t) for t in pytree.tree_leaves(example)):
+        raise CheckpointError("elastic state `example` must be a tensor or a structure of tensors")
+    _check_frozen(trainer, state.get("frozen"))  # None: a checkpoint from before the frozen set was kept
+    if profile is not None:
+        model, trainable = trainer._attached().model, trainer.candidates()
+        try:
+            unit_parameters(model, selected, profile.granularity, trainable)
+        except KeyError as error:
+            raise CheckpointError(f"elastic state `selected` names a unit this model does not train: {error.args[0]}") from None
+        try:
+            unit_parameters(model, profile.units, profile.granularity, trainable)
+        except KeyError as error:
+            raise CheckpointError(f"elastic state's profile does not fit this model: {error.args[0]}") from None
+    return _ParsedState(profile, None if importance is None else [float(v) for v in importance])
+
+
+def _check_frozen(trainer: ElasticTrainer, frozen: Any) -> None:
+    """The state's frozen parameters must be this model's: frozen parameters are the user's decision."""
+    if frozen is None:
+        return
+    if not isinstance(frozen, list) or not all(isinstance(name, str) for name in frozen):
+        raise CheckpointError("elastic state `frozen` must be a list of parameter names")
+    here = trainer.frozen_names()
+    if set(frozen) != set(here):
+        only_saved, only_here = sorted(set(frozen) - set(here)), sorted(set(here) - set(frozen))
+        raise CheckpointError(
+            "elastic state was saved with other parameters frozen than this model's"
+            + (f"; frozen there, trainable here: {short_list(only_saved)}" if only_saved else "")
+            + (f"; frozen here (requires_grad=False, or in no optimizer group), trainable there: {short_list(only_here)}" if only_here else "")
+        )
