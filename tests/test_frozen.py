@@ -408,3 +408,28 @@ def test_mobilenet_v3_small_with_frozen_features_learns_and_never_touches_them()
     assert set(elastic.profile_.units) == {"classifier.0.weight", "classifier.0.bias", "classifier.3.weight", "classifier.3.bias"}
     assert len(spy.seen) == 30 and all(flags == dict.fromkeys(before, (False, False)) for flags in spy.seen)
     assert _unchanged(model, before)
+
+
+class _Refuses(LearnerPlugin):
+    """A plugin whose checkpoint state never loads (loaded after the elastic trainer)."""
+
+    name = "refuses"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ok": True}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state != {"ok": True}:
+            raise ValueError("refused")
+
+
+def test_a_checkpoint_refused_after_the_elastic_state_loaded_gives_the_users_flags_back(tmp_path, fixed_timing):
+    learner, _ = _checkpointed(tmp_path, fixed_timing)
+    model = _lora_mlp()
+    elastic = ElasticTrainer(rho=0.8, reselect_every=3, cache_dir=None)
+    fresh = OnlineLearner(model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1), plugins=[elastic, _Refuses()])
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    state = {**learner.state_dict(), "plugins": {**learner.state_dict()["plugins"], "refuses": {"ok": False}}}
+    with pytest.raises(CheckpointError, match="plugin 'refuses': refused"):
+        fresh.load_state_dict(state)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags and elastic.profile_ is None
