@@ -40,7 +40,7 @@ MOVED = {
     "taste_cl.adapters.flower_app": "taste_cl.adapters.flower.app",
     "taste_cl.adapters.flower_deployment": "taste_cl.adapters.flower.deployment",
     "taste_cl.adapters.flower_secagg": "taste_cl.adapters.flower.secagg",
-    "taste_cl.adapters.onnx": "taste_cl.adapters.onnxruntime.export",
+    "taste_cl.adapters.onnx": "taste_cl.adapters.onnxruntime.learner_export",
     "taste_cl.adapters.onnx_device": "taste_cl.adapters.onnxruntime.runtime",
 }
 

@@ -20,7 +20,7 @@ from taste_cl import InvalidBatchError, OnlineLearner, ReservoirReplay
 from taste_cl.adapters.device.artifacts import ArtifactError, ExportError
 from taste_cl.adapters.device.parity import ParityError
 from taste_cl.adapters.device.transforms import FrozenBatchNorm, apply_transforms
-from taste_cl.adapters.executorch.export import UnsupportedModelError, export_model
+from taste_cl.adapters.executorch.build import UnsupportedModelError, export_model
 from taste_cl.adapters.executorch.learner import EtOnlineLearner
 
 STEPS = 20
@@ -161,7 +161,7 @@ def test_the_device_side_imports_nothing_from_the_export_side():
     code = (
         "import sys; import taste_cl.adapters.executorch.learner, taste_cl.adapters.executorch.replay; "
         "from taste_cl.adapters.executorch import EtOnlineLearner; "
-        "assert 'taste_cl.adapters.executorch.export' not in sys.modules, sorted(sys.modules)"
+        "assert 'taste_cl.adapters.executorch.build' not in sys.modules, sorted(sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -22,7 +22,7 @@ from torch import nn
 pytest.importorskip("onnxruntime.training")
 
 from taste_cl import OnlineLearner, ReservoirReplay
-from taste_cl.adapters.onnxruntime.export import OrtOnlineLearner, export_model
+from taste_cl.adapters.onnxruntime.learner_export import OrtOnlineLearner, export_model
 from taste_cl.adapters.onnxruntime.ort_checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -116,7 +116,7 @@ def test_onnxruntime_learner_export_with_sgd_momentum_keeps_the_backbone_frozen(
 @pytest.mark.parametrize("mode", ["requires_grad", "absent_from_optimizer"])
 def test_executorch_trains_the_head_only(tmp_path: Path, mode: str) -> None:
     pytest.importorskip("executorch.extension.training")
-    from taste_cl.adapters.executorch.export import export_model as et_export_model
+    from taste_cl.adapters.executorch.build import export_model as et_export_model
     from taste_cl.adapters.executorch.learner import EtOnlineLearner
 
     model, optimizer = _frozen(mode, lambda params: torch.optim.SGD(params, lr=0.05))

@@ -25,7 +25,7 @@ pytest.importorskip("executorch.extension.training")
 
 from taste_cl import InvalidBatchError, OnlineLearner, ReservoirReplay
 from taste_cl.adapters.device.artifacts import ArtifactError
-from taste_cl.adapters.executorch.export import export_model
+from taste_cl.adapters.executorch.build import export_model
 from taste_cl.adapters.executorch.learner import EtOnlineLearner
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

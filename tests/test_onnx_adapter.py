@@ -15,7 +15,7 @@ pytest.importorskip("onnxruntime.training")
 import onnxruntime
 
 from taste_cl import CheckpointError, OnlineLearner
-from taste_cl.adapters.onnxruntime.export import OrtOnlineLearner, UnsupportedOperatorError, export
+from taste_cl.adapters.onnxruntime.learner_export import OrtOnlineLearner, UnsupportedOperatorError, export
 from taste_cl.cli.demo import build_digits_learner
 from taste_cl.datasets import split_digits, stream
 from taste_cl.exceptions import InvalidBatchError

@@ -22,7 +22,7 @@ pytest.importorskip("onnxruntime.training")
 import onnx
 
 from taste_cl.adapters.device.artifacts import ArtifactError
-from taste_cl.adapters.onnxruntime.export import ReplayRows, export_model
+from taste_cl.adapters.onnxruntime.learner_export import ReplayRows, export_model
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.exceptions import InvalidBatchError
 

@@ -24,7 +24,7 @@ pytest.importorskip("onnxruntime.training")
 from zoo import ZOO, TextClassifier
 
 from taste_cl import OnlineLearner, ReservoirReplay
-from taste_cl.adapters.onnxruntime.export import ExportError, OrtOnlineLearner
+from taste_cl.adapters.onnxruntime.learner_export import ExportError, OrtOnlineLearner
 from taste_cl.adapters.onnxruntime.transforms import disable_dropout
 from taste_cl.cli.demo import make_mlp
 

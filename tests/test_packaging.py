@@ -61,11 +61,11 @@ PUBLIC_MODULES = {
     "taste_cl.adapters.avalanche": "taste_cl.adapters.avalanche",
     "taste_cl.adapters.executorch": "taste_cl.adapters.executorch",
     "taste_cl.adapters.flower": "taste_cl.adapters.flower",
-    "taste_cl.adapters.device_export": "taste_cl.adapters.device.export",
+    "taste_cl.adapters.device_export": "taste_cl.adapters.device.backends",
     "taste_cl.adapters.flower_app": "taste_cl.adapters.flower.app",
     "taste_cl.adapters.flower_deployment": "taste_cl.adapters.flower.deployment",
     "taste_cl.adapters.flower_secagg": "taste_cl.adapters.flower.secagg",
-    "taste_cl.adapters.onnx": "taste_cl.adapters.onnxruntime.export",
+    "taste_cl.adapters.onnx": "taste_cl.adapters.onnxruntime.learner_export",
     "taste_cl.adapters.onnx_device": "taste_cl.adapters.onnxruntime.runtime",
 }
 # public names read from the old modules (documented in README and docs/ before the move)
@@ -154,3 +154,31 @@ def test_ci_runs_the_readme_test_command():
     assert len(commands) == 2, commands
     assert "taste-cl demo" in commands[0] and "pytest" in commands[1]
     assert "readme_test_command" in (ROOT / ".ci" / "run").read_text()
+
+
+LAZY_PACKAGES = [
+    "taste_cl",
+    "taste_cl.tuning",
+    "taste_cl.monitor",
+    "taste_cl.guards",
+    "taste_cl.state",
+    "taste_cl.adapters.device",
+    "taste_cl.adapters.onnxruntime",
+    "taste_cl.adapters.executorch",
+    "taste_cl.adapters.web",
+    "taste_cl.adapters.flower",
+]
+
+
+@pytest.mark.parametrize("package", LAZY_PACKAGES)
+def test_a_folders_public_names_stay_what_they_are_after_its_modules_are_imported(package):
+    """Importing ``pkg.name`` sets the attribute ``name`` on ``pkg``: no public name may be a module's name too."""
+    code = (
+        "import importlib, pkgutil, types; "
+        f"pkg = importlib.import_module({package!r}); "
+        "[importlib.import_module(f'{pkg.__name__}.{m.name}') for m in pkgutil.iter_modules(pkg.__path__) if not m.ispkg and m.name != '__main__']; "
+        "bad = [n for n in pkg.__all__ if isinstance(getattr(pkg, n), types.ModuleType)]; "
+        "assert not bad, bad"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -24,7 +24,7 @@ pytest.importorskip("onnxruntime.training")
 import onnx
 
 from taste_cl import CheckpointError, OnlineLearner
-from taste_cl.adapters.onnxruntime.export import OrtOnlineLearner, read_manifest
+from taste_cl.adapters.onnxruntime.learner_export import OrtOnlineLearner, read_manifest
 from taste_cl.adapters.web.compat import (
     WEB_MANIFEST,
     WEB_OPTIMIZER_MODEL,

@@ -50,16 +50,16 @@ AUTO_ORDER = ("onnxruntime", "executorch")
 
 def _exporter(backend: str) -> Callable[..., Path]:
     if backend == "executorch":
-        from taste_cl.adapters.executorch.export import export as et_export
+        from taste_cl.adapters.executorch.build import export as et_export
 
         return et_export
-    from taste_cl.adapters.onnxruntime.export import export as ort_export
+    from taste_cl.adapters.onnxruntime.learner_export import export as ort_export
 
     return ort_export
 
 
 _PACKAGES = {"onnxruntime": ("onnx", "onnxruntime"), "executorch": ("executorch",)}
-# what ``taste_cl.adapters.onnxruntime.export.export`` passes on to its ``export_model`` through ``**options``
+# what ``taste_cl.adapters.onnxruntime.learner_export.export`` passes on to its ``export_model`` through ``**options``
 _ORT_PASSTHROUGH = frozenset({"trainable", "batchnorm", "lr", "verify", "parity_steps", "tolerance", "opset"})
 
 

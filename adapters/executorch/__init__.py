@@ -1,7 +1,7 @@
 """ExecuTorch on-device training: export a model as a ``.pte`` program, keep it learning on the device.
 
-- :mod:`.export`: :func:`export_model` and the learner-level :func:`export`, gated by parity;
-- :mod:`.learner`: :class:`EtOnlineLearner`, the device side (imports nothing from :mod:`.export`);
+- :mod:`.build`: :func:`export_model` and the learner-level :func:`export`, gated by parity;
+- :mod:`.learner`: :class:`EtOnlineLearner`, the device side (imports nothing from :mod:`.build`);
 - :mod:`.runtime`: the ExecuTorch training runtime behind the parity gate and the device learner;
 - :mod:`.replay`: the exported replay buffer (plain arrays, checked on load).
 """
@@ -19,10 +19,10 @@ __all__ = [
 __getattr__ = lazy_getattr(
     __name__,
     {
-        "BACKEND": "taste_cl.adapters.executorch.export",
+        "BACKEND": "taste_cl.adapters.executorch.build",
         "EtOnlineLearner": "taste_cl.adapters.executorch.learner",
-        "UnsupportedModelError": "taste_cl.adapters.executorch.export",
-        "export": "taste_cl.adapters.executorch.export",
-        "export_model": "taste_cl.adapters.executorch.export",
+        "UnsupportedModelError": "taste_cl.adapters.executorch.build",
+        "export": "taste_cl.adapters.executorch.build",
+        "export_model": "taste_cl.adapters.executorch.build",
     },
 )

@@ -1,6 +1,6 @@
 """The ExecuTorch device learner: load an exported folder and keep the model learning, with replay.
 
-:class:`EtOnlineLearner` reads a folder written by :mod:`.export` (or by its own
+:class:`EtOnlineLearner` reads a folder written by :mod:`.build` (or by its own
 :meth:`~EtOnlineLearner.save`), every file hash-checked, and offers ``observe``/``predict``/``save``.
 This is the runtime side: it imports the runtime and replay modules, nothing from the export.
 
@@ -74,7 +74,7 @@ class EtOnlineLearner:
 
     @classmethod
     def from_artifacts(cls, directory: str | os.PathLike[str]) -> EtOnlineLearner:
-        """Load a folder written by the export (:mod:`.export`) or :meth:`save`, every file hash-checked."""
+        """Load a folder written by the export (:mod:`.build`) or :meth:`save`, every file hash-checked."""
         executorch_runtime()
         folder = Path(directory)
         manifest = read_manifest(folder, required=(PROGRAM, WEIGHTS))

@@ -1,6 +1,6 @@
 """ONNX Runtime on-device training: export a model, keep it learning on a device without torch.
 
-- :mod:`.export`: the learner-level :func:`export` (``learner.export_onnx(...)``);
+- :mod:`.learner_export`: the learner-level :func:`export` (``learner.export_onnx(...)``);
 - :mod:`.build`: artifact generation from a model, loss and optimizer, gated by parity;
 - :mod:`.transforms`: rewrites that make a model's ONNX graph trainable by ONNX Runtime;
 - :mod:`.trial`: the first run of new artifacts, in a child process (a crash there is a refusal);
@@ -31,8 +31,8 @@ __all__ = [
 __getattr__ = lazy_getattr(
     __name__,
     {
-        "ARTIFACT_FILES": "taste_cl.adapters.onnxruntime.export",
-        "export": "taste_cl.adapters.onnxruntime.export",
+        "ARTIFACT_FILES": "taste_cl.adapters.onnxruntime.learner_export",
+        "export": "taste_cl.adapters.onnxruntime.learner_export",
         "ReplayRows": "taste_cl.adapters.onnxruntime.build",
         "UnsupportedOperatorError": "taste_cl.adapters.onnxruntime.build",
         "export_model": "taste_cl.adapters.onnxruntime.build",

@@ -1,6 +1,6 @@
 """The on-device learner for ONNX Runtime artifacts: numpy and ``onnxruntime-training-cpu`` only, no torch.
 
-:class:`OrtOnlineLearner` loads a folder written by :func:`taste_cl.adapters.onnxruntime.export.export`
+:class:`OrtOnlineLearner` loads a folder written by :func:`taste_cl.adapters.onnxruntime.learner_export.export`
 (or by its own :meth:`~OrtOnlineLearner.save`), checking everything before use: the
 manifest (plain file names, every file listed and hashed, bounded JSON) and every value
 in it, the ONNX models (no external data), and the replay buffer (dtypes, shapes, label

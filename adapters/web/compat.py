@@ -1,7 +1,7 @@
 """Make an ONNX Runtime artifact folder loadable by every ORT training client, the browser included.
 
 :func:`make_web_compatible` post-processes a finished folder written by
-:func:`taste_cl.adapters.onnxruntime.export.export` (or ``OrtOnlineLearner.save``):
+:func:`taste_cl.adapters.onnxruntime.learner_export.export` (or ``OrtOnlineLearner.save``):
 
 - **Declared shapes.** ``onnxblock``'s SGD graph declares its ``update_completed`` output
   ``[1]`` while the op infers a scalar. The Python runtime only warns and merges leniently;

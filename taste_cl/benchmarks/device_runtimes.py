@@ -71,7 +71,7 @@ ZOO_MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
 def _export_all(learner: OnlineLearner, folder: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """Export through each backend; return the loaded device learners and per-backend facts."""
     from taste_cl.adapters.executorch.learner import EtOnlineLearner
-    from taste_cl.adapters.onnxruntime.export import OrtOnlineLearner
+    from taste_cl.adapters.onnxruntime.learner_export import OrtOnlineLearner
 
     loaders: dict[str, Callable[[Path], Any]] = {
         "onnxruntime": OrtOnlineLearner.from_artifacts,

@@ -5,7 +5,7 @@ For each model both sides start from the same weights and optimizer; the torch s
 and the device runtime's ``train_step`` (numpy in, ORT forward/backward, update) are timed
 alternately over ``--repeats`` rounds of ``--steps`` steps on one batch, so shared load hits
 both, and the medians are reported with the ORT/torch ratio. Export time covers the whole
-:func:`~taste_cl.adapters.onnxruntime.export.export_model` call: transforms, tracing, ORT artifact
+:func:`~taste_cl.adapters.onnxruntime.learner_export.export_model` call: transforms, tracing, ORT artifact
 generation, optimizer state and the parity gate. ``--zoo`` runs the real-model zoo of
 ``tests/zoo.py`` (a source checkout): ResNet-18, MobileNetV2/V3-small at 32x32, LSTM
 (AdamW), Transformer on dict token inputs, MSE and BCE MLPs; without it, two small models.
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import onnxruntime
 
     from taste_cl.adapters.device.transforms import disable_dropout
-    from taste_cl.adapters.onnxruntime.export import export_model
+    from taste_cl.adapters.onnxruntime.learner_export import export_model
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
     threads = torch.get_num_threads()  # --threads applied by parse()

@@ -5,7 +5,7 @@ reservoir) on the first ``--tasks`` split-digits tasks, then exports it; with
 ``--checkpoint DIR`` it loads a saved reference learner instead. The folder then holds
 ``training_model.onnx``, ``eval_model.onnx``, ``optimizer_model.onnx``, ``checkpoint``,
 ``inference_model.onnx``, ``replay.npz`` and ``manifest.json``; load it on the device with
-``taste_cl.adapters.onnxruntime.export.OrtOnlineLearner.from_artifacts``. Needs the ``[onnx]`` extra.
+``taste_cl.adapters.onnxruntime.learner_export.OrtOnlineLearner.from_artifacts``. Needs the ``[onnx]`` extra.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 1 <= args.tasks <= 5:
         parser.error(f"--tasks must be in [1, 5]; got {args.tasks}")
 
-    from taste_cl.adapters.onnxruntime.export import export  # needs the [onnx] extra
+    from taste_cl.adapters.onnxruntime.learner_export import export  # needs the [onnx] extra
 
     torch.manual_seed(args.seed)
     if args.checkpoint:

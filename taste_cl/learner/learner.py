@@ -427,8 +427,8 @@ class OnlineLearner:
         write_checkpoint(directory, self.state_dict, lock=self._lock)  # a consistent snapshot, written unlocked
 
     def export_onnx(self, directory: str | os.PathLike[str], **kwargs: Any) -> Path:
-        """Write ONNX Runtime on-device training artifacts; see :func:`taste_cl.adapters.onnxruntime.export.export`."""
-        from taste_cl.adapters.onnxruntime.export import export  # lazy: the [onnx] extra is optional
+        """Write ONNX Runtime on-device training artifacts; see :func:`taste_cl.adapters.onnxruntime.learner_export.export`."""
+        from taste_cl.adapters.onnxruntime.learner_export import export  # lazy: the [onnx] extra is optional
 
         return export(self, directory, **kwargs)
 

@@ -14,7 +14,7 @@ Needs the ``[executorch]`` extra (``executorch>=1.5,<1.6``); its Python runtime 
 
 >>> import torch
 >>> from torch import nn
->>> from taste_cl.adapters.executorch.export import export_model
+>>> from taste_cl.adapters.executorch.build import export_model
 >>> from taste_cl.adapters.executorch.learner import EtOnlineLearner
 >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
 >>> sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

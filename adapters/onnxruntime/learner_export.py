@@ -9,7 +9,7 @@ the learner's model, loss, optimizer, counters and replay buffer. Needs the ``[o
 extra (``onnx==1.17.0``, ``onnxruntime-training-cpu==1.19.2``).
 
 >>> import torch
->>> from taste_cl.adapters.onnxruntime.export import export_model
+>>> from taste_cl.adapters.onnxruntime.learner_export import export_model
 >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
 >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 >>> example = (torch.randn(4, 8), torch.randint(0, 3, (4,)))
