@@ -9,6 +9,17 @@ Differences are scaled by magnitude (``|a - b| / max(1, |a|)``, maximum over ele
 compared with tolerances that default from the dtype. The module itself imports no torch
 (only :class:`TorchTrainer` does, when built).
 
+A runtime that trains like torch also diverges like torch: a learning rate too high for the
+model, or BatchNorm frozen to running statistics that do not fit the weights, sends both to
+``inf``/``nan`` within a few steps, and comparing non-finite numbers would blame the runtime.
+So both keep training on the batches (cycled) for at least ``watch_steps`` steps, and the
+reference's own numbers decide first: non-finite outputs, a non-finite loss, or a loss
+:data:`LOSS_GROWTH` times its first (at least 1) is :class:`TrainingDivergesError`, which says
+whether the runtime diverged the same way and what to try (each of the exporter's
+``alternatives``, a setting such as ``batchnorm='batch'`` or a lower ``lr``, trained in torch
+on the same batches: which of them stay finite); only a healthy reference is compared, and a
+runtime that diverges alone fails parity.
+
 >>> import numpy as np
 >>> class Const:
 ...     def train_step(self, x, y): return 0.5
@@ -23,7 +34,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,9 +42,23 @@ import numpy as np
 
 from taste_cl.adapters.device.artifacts import ExportError
 
-__all__ = ["ParityError", "ParityReport", "TorchTrainer", "Trainer", "check_parity", "default_tolerance"]
+__all__ = [
+    "LOSS_GROWTH",
+    "WATCH_STEPS",
+    "ParityError",
+    "ParityReport",
+    "TorchTrainer",
+    "Trainer",
+    "TrainingDivergesError",
+    "check_parity",
+    "default_tolerance",
+    "training_diverges",
+]
 
 _TOLERANCES = {"float64": 1e-8, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+WATCH_STEPS = 10  # steps both trainers take (at least) while watched for divergence
+LOSS_GROWTH = 1e3  # a loss this many times the first one (at least 1) is divergence
+_CAUSES = "Likely causes: a learning rate too high for this model, or BatchNorm frozen to running statistics that do not fit the weights"
 
 
 class Trainer(Protocol):
@@ -136,11 +161,14 @@ class ParityReport:
     output_tol: float
     loss_tol: float
     param_tol: float
+    watched_steps: int = 0  # steps both trained while watched for divergence (the compared ones included)
+    diverged: str = ""  # how the backend diverged while torch did not; empty when it did not
 
     @property
     def passed(self) -> bool:
-        """Every difference is finite and within its tolerance."""
-        return self.max_output_diff <= self.output_tol and self.max_loss_diff <= self.loss_tol and self.max_param_diff <= self.param_tol
+        """Every difference is finite and within its tolerance, and the backend did not diverge alone."""
+        within = self.max_output_diff <= self.output_tol and self.max_loss_diff <= self.loss_tol and self.max_param_diff <= self.param_tol
+        return within and not self.diverged
 
     def __str__(self) -> str:
         verdict = "passed" if self.passed else "FAILED"
@@ -148,7 +176,7 @@ class ParityReport:
             f"{self.backend} parity {verdict} over {self.steps} steps: "
             f"outputs {self.max_output_diff:.3g} (tol {self.output_tol:.3g}), "
             f"losses {self.max_loss_diff:.3g} (tol {self.loss_tol:.3g}), "
-            f"parameters {self.max_param_diff:.3g} (tol {self.param_tol:.3g})"
+            f"parameters {self.max_param_diff:.3g} (tol {self.param_tol:.3g})" + (f"; {self.diverged}" if self.diverged else "")
         )
 
 
@@ -158,6 +186,52 @@ class ParityError(ExportError):
     def __init__(self, report: ParityReport) -> None:
         super().__init__(f"refusing to publish: {report}")
         self.report = report
+
+
+class TrainingDivergesError(ExportError):
+    """Torch's own training diverges on the gate's batches: the setting is the hazard, not the runtime.
+
+    ``.step`` is the step at which the reference diverged (0: its outputs were not finite
+    before training); ``.reference_losses`` and ``.candidate_losses`` hold each step's loss;
+    ``.alternatives`` maps each setting tried in torch to where it diverged (None: it did not).
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        step: int,
+        reason: str,
+        losses: tuple[list[float], list[float]],
+        alternatives: Mapping[str, tuple[int, str] | None],
+        steps: int,
+    ) -> None:
+        reference, candidate = losses
+        also = _divergence(None, candidate)
+        if also is not None:
+            same = f"{backend} diverged too ({also[1]}): the runtime is faithful"
+        else:
+            same = f"{backend} did not, over the same {len(candidate)} steps"
+        shown = ", ".join(f"{loss:.3g}" for loss in reference[: max(step, 1)])
+        super().__init__(
+            f"refusing to publish: the training itself diverges, not the runtime: torch's {reason} (losses {shown}); "
+            f"{same}. {_CAUSES}. {_advice(alternatives, steps)}"
+        )
+        self.step, self.reference_losses, self.candidate_losses = step, reference, candidate
+        self.alternatives = dict(alternatives)
+
+
+def _advice(alternatives: Mapping[str, tuple[int, str] | None], steps: int) -> str:
+    """What to try, from the alternatives torch trained on the same batches."""
+    if not alternatives:
+        return "Try a lower learning rate."
+    finite = [setting for setting, found in alternatives.items() if found is None]
+    failing = {setting: found[1] for setting, found in alternatives.items() if found is not None}
+    if not finite:
+        tried = " and with ".join(f"{setting} ({why})" for setting, why in failing.items())
+        return f"In torch on the same batches it diverges with {tried} too: lower the learning rate further."
+    verb = "train" if len(finite) > 1 else "trains"
+    told = f"In torch on the same batches over {steps} steps, {' and '.join(finite)} {verb} without diverging: export with {finite[0]}"
+    return told + "".join(f"; with {setting} it diverges too ({why})" for setting, why in failing.items()) + "."
 
 
 def default_tolerance(dtype: Any) -> float:
@@ -178,6 +252,36 @@ def _scaled_diff(reference: Any, candidate: Any) -> float:
     return float(np.abs(a - b).max() / max(1.0, float(np.abs(a).max())))
 
 
+def _finite(value: Any) -> bool:
+    return bool(np.isfinite(np.asarray(value, dtype=np.float64)).all())
+
+
+def _divergence(first_outputs: Any, losses: list[float]) -> tuple[int, str] | None:
+    """``(step, what)`` where a trainer diverged: non-finite outputs before training (step 0), a
+    non-finite loss, or a loss :data:`LOSS_GROWTH` times the first (at least 1); None if it did not."""
+    if first_outputs is not None and not _finite(first_outputs):
+        return 0, "outputs are not finite before any training step"
+    base = max(1.0, abs(losses[0])) if losses and math.isfinite(losses[0]) else 1.0
+    for step, loss in enumerate(losses, 1):
+        if not math.isfinite(loss):
+            return step, f"loss is {loss} at step {step}"
+        if abs(loss) > LOSS_GROWTH * base:
+            return step, f"loss grew from {losses[0]:.3g} to {loss:.3g} by step {step}"
+    return None
+
+
+def training_diverges(trainer: Trainer, batches: Sequence[tuple[Any, np.ndarray]], steps: int) -> tuple[int, str] | None:
+    """Train ``trainer`` ``steps`` steps on ``batches`` (cycled); ``(step, what)`` where it diverged, None if it did not."""
+    first = trainer.predict(batches[0][0])
+    losses: list[float] = []
+    for step in range(steps):
+        if (found := _divergence(first, losses)) is not None:
+            return found
+        x, y = batches[step % len(batches)]
+        losses.append(trainer.train_step(x, y))
+    return _divergence(first, losses)
+
+
 def check_parity(
     reference: Trainer,
     candidate: Trainer,
@@ -186,6 +290,8 @@ def check_parity(
     backend: str,
     tolerance: float | None = None,
     param_tolerance: float | None = None,
+    watch_steps: int = WATCH_STEPS,
+    alternatives: Mapping[str, Callable[[], Trainer]] | None = None,
 ) -> ParityReport:
     """Train ``reference`` and ``candidate`` on the same ``batches``; raise :class:`ParityError` if they differ.
 
@@ -194,7 +300,12 @@ def check_parity(
     of them under the same names). ``tolerance`` (default: from the reference's output
     dtype, 1e-4 for float32) applies to all three scaled differences; ``param_tolerance``
     (default: ``tolerance``) overrides it for parameters, e.g. for Adam-type optimizers,
-    which turn rounding noise in a zero gradient into a full ``lr`` step. Returns the report.
+    which turn rounding noise in a zero gradient into a full ``lr`` step. Both then keep
+    training, the batches cycled, up to ``watch_steps`` steps in all: when the reference
+    diverges (see the module), each of ``alternatives`` (a setting as the user writes it ->
+    a fresh torch trainer with that setting) trains as long, and
+    :class:`TrainingDivergesError` says which stay finite; when the candidate alone
+    diverges, parity fails. Returns the report.
     """
     batches = list(batches)
     if not batches:
@@ -202,12 +313,16 @@ def check_parity(
     for name, value in (("tolerance", tolerance), ("param_tolerance", param_tolerance)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise ValueError(f"`{name} == {value!r}`, must be None or a number > 0")
+    if isinstance(watch_steps, bool) or not isinstance(watch_steps, int) or watch_steps < 0:
+        raise ValueError(f"`watch_steps == {watch_steps!r}`, must be an int >= 0")
     first = reference.predict(batches[0][0])
     tol = float(tolerance) if tolerance is not None else default_tolerance(np.asarray(first).dtype)
     output_diff = _scaled_diff(first, candidate.predict(batches[0][0]))
-    loss_diff = 0.0
+    losses: tuple[list[float], list[float]] = ([], [])
     for x, y in batches:
-        loss_diff = max(loss_diff, _scaled_diff(reference.train_step(x, y), candidate.train_step(x, y)))
+        losses[0].append(reference.train_step(x, y))
+        losses[1].append(candidate.train_step(x, y))
+    loss_diff = max(_scaled_diff(a, b) for a, b in zip(*losses))
     for x, _ in batches:
         output_diff = max(output_diff, _scaled_diff(reference.predict(x), candidate.predict(x)))
     expected, got = reference.parameters(), candidate.parameters()
@@ -215,8 +330,23 @@ def check_parity(
     if missing:
         raise ValueError(f"{backend} reports no values for the trainable parameters {missing}")
     param_diff = max((_scaled_diff(expected[name], got[name]) for name in expected), default=0.0)
+    for step in range(len(batches), watch_steps):  # compared no more: a healthy run's rounding may grow
+        if _divergence(first, losses[0]) is not None and _divergence(None, losses[1]) is not None:
+            break
+        x, y = batches[step % len(batches)]
+        losses[0].append(reference.train_step(x, y))
+        losses[1].append(candidate.train_step(x, y))
+    diverged = _divergence(first, losses[0])
+    if diverged is not None:
+        steps = max(len(batches), watch_steps)
+        tried = {setting: training_diverges(make(), batches, steps) for setting, make in (alternatives or {}).items()}
+        raise TrainingDivergesError(backend, *diverged, losses, tried, steps)
+    alone = _divergence(None, losses[1])
     param_tol = float(param_tolerance) if param_tolerance is not None else tol
-    report = ParityReport(backend, len(batches), output_diff, loss_diff, param_diff, tol, tol, param_tol)
+    report = ParityReport(
+        backend, len(batches), output_diff, loss_diff, param_diff, tol, tol, param_tol, len(losses[0]),
+        "" if alone is None else f"{backend}'s {alone[1]} (of {len(losses[1])} watched) while torch's training stayed finite",
+    )  # fmt: skip
     if not report.passed:
         raise ParityError(report)
     return report

@@ -30,6 +30,7 @@ import copy
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,27 @@ def _parity_batches(example: tuple[Any, torch.Tensor], steps: int) -> list[tuple
     return batches
 
 
+def _prepare(model: nn.Module, trained: Sequence[str], transforms: Sequence[str]) -> tuple[nn.Module, list[str]]:
+    """A float32 CPU copy of ``model`` in training mode, only ``trained`` requiring gradients
+    (the device's SGD never sees the rest), ``transforms`` applied; with the transforms that changed it."""
+    prepared = copy.deepcopy(model).cpu().float().train()
+    freeze_untrained(prepared, trained)
+    return prepared, apply_transforms(prepared, transforms)
+
+
+def _reference(prepared: nn.Module, loss_fn: Callable[..., torch.Tensor], sgd: dict[str, Any]) -> TorchTrainer:
+    """Torch training ``prepared`` with the device's SGD."""
+    optimizer = torch.optim.SGD([p for p in prepared.parameters() if p.requires_grad], **sgd)
+    return TorchTrainer(prepared, optimizer, loss_fn, forward=call_model)
+
+
+def _torch_trainer(
+    model: nn.Module, trained: Sequence[str], transforms: Sequence[str], loss_fn: Callable[..., torch.Tensor], sgd: dict[str, Any]
+) -> TorchTrainer:
+    """Torch training ``model`` with other transforms or SGD settings: an alternative the gate tries."""
+    return _reference(_prepare(model, trained, transforms)[0], loss_fn, sgd)
+
+
 def _validate_options(max_batch_size: Any, transforms: Any, parity_steps: Any) -> list[str]:
     check_int("max_batch_size", max_batch_size, 8)
     check_int("parity_steps", parity_steps, 1)
@@ -201,9 +223,11 @@ def export_model(
     the parameters it does not hold, or that do not require gradients, are frozen on the device
     (no gradient, no SGD step). ``transforms`` (see
     :mod:`taste_cl.adapters.device.transforms`) are applied to a copy first. Raises
-    :class:`UnsupportedModelError` when ExecuTorch cannot lower the model and
-    :class:`~taste_cl.adapters.device.parity.ParityError` (``.report``) when it trains differently;
-    ``directory`` is then untouched. Returns the folder.
+    :class:`UnsupportedModelError` when ExecuTorch cannot lower the model,
+    :class:`~taste_cl.adapters.device.parity.ParityError` (``.report``) when it trains differently,
+    and :class:`~taste_cl.adapters.device.parity.TrainingDivergesError` when torch's own training
+    diverges on those batches (saying whether a lower ``lr``, or batch statistics on ONNX Runtime,
+    keeps it finite); ``directory`` is then untouched. Returns the folder.
     """
     executorch_runtime()
     names = _validate_options(max_batch_size, transforms, parity_steps)
@@ -215,9 +239,7 @@ def export_model(
     trained = trained_parameters(model, optimizer)
     if not trained:
         raise ValueError("no trainable parameters: the optimizer holds none of the model's with requires_grad")
-    prepared = copy.deepcopy(model).cpu().float().train()
-    freeze_untrained(prepared, trained)  # frozen parameters get no gradient: the device's SGD never sees them
-    applied = apply_transforms(prepared, names)
+    prepared, applied = _prepare(model, trained, names)
     left = needed_transforms(prepared)
     if "freeze_batchnorm" in left:
         raise UnsupportedModelError(
@@ -230,16 +252,17 @@ def export_model(
     lowered = _lower(prepared, loss_fn, x, y, max_batch_size)
     _check_kernels(lowered)
     export_s = time.perf_counter() - start
-    reference_sgd = torch.optim.SGD([p for p in prepared.parameters() if p.requires_grad], **sgd)
     batches = _parity_batches(example, parity_steps)
+    # settings torch tries on the gate's batches if its own training diverges there
+    alternatives = {f"lr={sgd['lr'] / 10:g}": partial(_torch_trainer, model, trained, names, loss_fn, {**sgd, "lr": sgd["lr"] / 10})}
+    if "freeze_batchnorm" in applied:
+        unfrozen = [name for name in names if name != "freeze_batchnorm"]
+        alternatives["backend='onnxruntime' with batchnorm='batch'"] = partial(_torch_trainer, model, trained, unfrozen, loss_fn, sgd)
     with staged_folder(directory) as stage:
         _write_program(lowered, stage)
         program, data = (stage / PROGRAM).read_bytes(), (stage / WEIGHTS).read_bytes()
         report = check_parity(
-            TorchTrainer(prepared, reference_sgd, loss_fn, forward=call_model),
-            EtTrainer(program, data, spec, sgd),
-            batches,
-            backend=BACKEND,
+            _reference(prepared, loss_fn, sgd), EtTrainer(program, data, spec, sgd), batches, backend=BACKEND, alternatives=alternatives
         )
         manifest: dict[str, Any] = {
             "format": FORMAT,
@@ -270,6 +293,7 @@ def _report_json(report: ParityReport) -> dict[str, Any]:
         "max_loss_diff": report.max_loss_diff,
         "max_param_diff": report.max_param_diff,
         "tolerance": report.param_tol,
+        "watched_steps": report.watched_steps,
         "summary": str(report),
     }
 

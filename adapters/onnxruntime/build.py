@@ -10,7 +10,8 @@ a crash there is a refusal, not the end of this process), writes the optimizer s
 (AdamW moments and step into the ORT checkpoint, SGD momentum buffers beside it), the
 replay rows converted to the exported dtypes, and a manifest. Before the staged folder is
 published, the parity gate trains a few steps in torch and in the device runtime from
-identical weights and refuses to publish if they differ.
+identical weights and refuses to publish if they differ, or if torch's own training diverges
+within :data:`~taste_cl.adapters.device.parity.WATCH_STEPS` steps.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ from taste_cl.adapters.device.parity import (
     default_tolerance,
 )
 from taste_cl.adapters.device.trainable import freeze_untrained, trained_parameters
+from taste_cl.adapters.device.transforms import FrozenBatchNorm
 from taste_cl.adapters.onnxruntime import runtime as device
 from taste_cl.adapters.onnxruntime.losses import traceable_loss
 from taste_cl.adapters.onnxruntime.transforms import (
@@ -480,6 +483,40 @@ def _batchnorm_geometry(model: nn.Module, x: Any) -> tuple[dict[str, int], dict[
 
 
 # -------------------------------------------------------------------- export
+def _torch_trainer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[Any, Any], Any],
+    lr: float,
+    trainable: Sequence[str] | None,
+    batchnorm: str,
+) -> TorchTrainer:
+    """Torch training ``model`` as an export with ``lr`` and ``batchnorm`` would (dropout off): an alternative the gate tries."""
+    work, work_optimizer, _ = _working_copy(model, optimizer, lr, trainable)
+    apply_transforms(work, batchnorm=batchnorm)
+    reference = TorchTrainer(work, work_optimizer, loss_fn, forward=call_model)
+    disable_dropout(reference.model)
+    return reference
+
+
+def _working_copy(
+    model: nn.Module, optimizer: torch.optim.Optimizer, lr: float, trainable: Sequence[str] | None
+) -> tuple[nn.Module, torch.optim.Optimizer, list[str]]:
+    """A float32 CPU copy of model + optimizer (state keyed by the copied parameters) at ``lr``,
+    training what the device trains; returns it with the trained parameters' names."""
+    work, work_optimizer = copy.deepcopy((model, optimizer))
+    work = work.cpu().float()
+    for state in work_optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                state[key] = value.detach().cpu().float()
+    for group in work_optimizer.param_groups:
+        group["lr"] = lr
+    chosen = _trainable(work, work_optimizer, trainable)
+    freeze_untrained(work, chosen)
+    return work, work_optimizer, chosen
+
+
 def _trainable(model: nn.Module, optimizer: torch.optim.Optimizer, trainable: Sequence[str] | None) -> list[str]:
     """The parameters the device trains: ``trainable`` (names the optimizer holds), by default those it holds with requires_grad."""
     if trainable is None:
@@ -571,7 +608,11 @@ def export_model(
     ``verify=False``, ``parity_steps`` steps on ``parity_batches`` (default: the example)
     run in torch and in the device runtime from identical weights (dropout off) and a
     difference beyond ``tolerance`` (default 1e-4 scaled, float32) raises
-    :class:`~taste_cl.adapters.device.parity.ParityError` with the numbers; nothing is published.
+    :class:`~taste_cl.adapters.device.parity.ParityError` with the numbers; both then keep training
+    to 10 steps, and when torch's own training diverges (non-finite, or a loss grown a
+    thousandfold) :class:`~taste_cl.adapters.device.parity.TrainingDivergesError` says so and
+    whether ``batchnorm="batch"`` or a tenth of the ``lr`` keeps torch finite on those batches;
+    nothing is published.
     ``task`` (default: inferred from ``loss_fn`` and the output shape, as the learner does)
     validates and shapes every target batch like :class:`~taste_cl.OnlineLearner`'s: a
     regression target ``(n,)`` for an ``(n, 1)`` output is trained as ``(n, 1)`` (the device
@@ -601,18 +642,8 @@ def export_model(
     dtypes = [_export_dtype(value, f"example x[{name!r}]") for name, value in leaves]
     ex_inputs = [value.detach().cpu().to(dtype) for (_, value), dtype in zip(leaves, dtypes)]
 
-    # a float32 copy of model + optimizer (state keyed by the copied parameters), then the transforms
     source_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    work, work_optimizer = copy.deepcopy((model, optimizer))
-    work = work.cpu().float()
-    for state in work_optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                state[key] = value.detach().cpu().float()
-    for group in work_optimizer.param_groups:  # the reference trains at the exported rate
-        group["lr"] = config["lr"]
-    chosen = _trainable(work, work_optimizer, trainable)
-    freeze_untrained(work, chosen)  # the reference trains what the device trains
+    work, work_optimizer, chosen = _working_copy(model, optimizer, config["lr"], trainable)
     example_x = _rebuild(structure, names, ex_inputs)
     before = eval_outputs(work, call_model, example_x)
     output_shape = tuple(before.shape[1:])
@@ -713,12 +744,18 @@ def export_model(
         if verify:
             write_manifest(stage, manifest)
             batches = [(bx, task_targets(task, bx, by, output_shape)) for bx, by in parity_batches or [example]]
+            # settings torch tries on the gate's batches if its own training diverges there
+            alternatives = {f"lr={config['lr'] / 10:g}": partial(_torch_trainer, model, optimizer, loss_fn, config["lr"] / 10, trainable, batchnorm)}
+            if batchnorm == "frozen" and any(isinstance(module, FrozenBatchNorm) for module in work.modules()):
+                alternatives = {"batchnorm='batch'": partial(_torch_trainer, model, optimizer, loss_fn, config["lr"], trainable, "batch"),
+                                **alternatives}  # fmt: skip
             report = _parity_gate(stage, work, work_optimizer, loss_fn, structure, names, dtypes, label_dtype,
-                                  batches, parity_steps, tolerance)  # fmt: skip
+                                  batches, parity_steps, tolerance, alternatives)  # fmt: skip
         manifest["parity"] = None if report is None else {
             "steps": report.steps, "max_output_diff": report.max_output_diff,
             "max_loss_diff": report.max_loss_diff, "max_param_diff": report.max_param_diff,
-            "tolerance": report.output_tol, "param_tolerance": report.param_tol}  # fmt: skip
+            "tolerance": report.output_tol, "param_tolerance": report.param_tol,
+            "watched_steps": report.watched_steps}  # fmt: skip
         write_manifest(stage, manifest)
         add_web_artifacts(stage)  # the browser learner's files, or the reason it cannot train this model
     return Path(directory).absolute()
@@ -736,8 +773,10 @@ def _parity_gate(
     batches: Sequence[tuple[Any, Any]],
     steps: int,
     tolerance: float | None,
+    alternatives: Mapping[str, Callable[[], TorchTrainer]],
 ) -> ParityReport:
-    """Train ``steps`` steps in torch and in the staged artifacts (dropout off in both) and compare."""
+    """Train ``steps`` steps in torch and in the staged artifacts (dropout off in both) and compare;
+    both keep training to :data:`~taste_cl.adapters.device.parity.WATCH_STEPS` steps, watched for divergence."""
     numpy_batches = []
     for i in range(steps):
         x, y = batches[i % len(batches)]
@@ -757,4 +796,5 @@ def _parity_gate(
         graph = Path(scratch) / device.TRAINING_MODEL
         _without_dropout(stage / device.TRAINING_MODEL, graph)
         candidate = _SessionTrainer(device.load(stage, training_model=graph))
-        return check_parity(reference, candidate, numpy_batches, backend="onnxruntime", tolerance=tolerance, param_tolerance=param_tolerance)
+        return check_parity(reference, candidate, numpy_batches, backend="onnxruntime", tolerance=tolerance,
+                            param_tolerance=param_tolerance, alternatives=alternatives)  # fmt: skip

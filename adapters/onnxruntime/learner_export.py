@@ -35,7 +35,7 @@ from taste_cl.adapters.device.artifacts import (
     read_manifest,
 )
 from taste_cl.adapters.device.learner_data import buffered_rows, synthetic_example
-from taste_cl.adapters.device.parity import ParityError, ParityReport
+from taste_cl.adapters.device.parity import ParityError, ParityReport, TrainingDivergesError
 from taste_cl.adapters.onnxruntime.build import (
     ReplayRows,
     UnsupportedOperatorError,
@@ -62,6 +62,7 @@ __all__ = [
     "ParityError",
     "ParityReport",
     "ReplayRows",
+    "TrainingDivergesError",
     "UnsupportedOperatorError",
     "export",
     "export_model",
