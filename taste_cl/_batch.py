@@ -66,14 +66,20 @@ _NUMPY_REFUSED = {
 
 
 # ------------------------------------------------------------------ pytrees
-def call_model(model: Callable[..., Any], x: Inputs) -> Any:
+def call_model(model: Callable[..., Any], x: Inputs, *, output: Callable[[Any], Any] | None = None) -> Any:
     """Call ``model`` on ``x``: ``model(x)`` for a tensor, ``model(**x)`` for a dict,
-    ``model(*x)`` for a tuple or list (wrap the model to take a whole dict as one argument)."""
+    ``model(*x)`` for a tuple or list (wrap the model to take a whole dict as one argument).
+
+    ``output`` (a :class:`~taste_cl.outputs.OutputSelector`) picks the tensor to train on
+    from what the model returns (a dict, tuple or dataclass); None returns it as it is.
+    """
     if isinstance(x, torch.Tensor):
-        return model(x)
-    if isinstance(x, Mapping):
-        return model(**x)
-    return model(*x)
+        out = model(x)
+    elif isinstance(x, Mapping):
+        out = model(**x)
+    else:
+        out = model(*x)
+    return out if output is None else output(out)
 
 
 def to_like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

@@ -60,9 +60,9 @@ FieldSpec = tuple[tuple[int, ...], torch.dtype]
 _ALL_TASKS = ("classification", "token_classification", "regression", "multilabel")
 
 
-def _forward(model: nn.Module, x: Inputs) -> torch.Tensor:
-    """The one place strategies call a model."""
-    return call_model(model, x)
+def _forward(model: nn.Module, x: Inputs, output: Callable[[Any], Any] | None) -> torch.Tensor:
+    """The one place strategies call a model; ``output`` picks the learner's tensor from what it returns."""
+    return call_model(model, x, output=output)
 
 
 def _check_weight(name: str, value: float) -> float:
@@ -263,18 +263,18 @@ class LwF(Strategy):
         self.on_drift = on_drift
         self.teacher: nn.Module | None = None
         self.chunks = 0
-        self._model: nn.Module | None = None
+        self._learner: OnlineLearner | None = None  # its model is snapshot; its output selection applies to the teacher
 
     def attach(self, learner: OnlineLearner) -> None:
-        self._model = learner.model
+        self._learner = learner
         if self.on_drift:
             learner.monitor.subscribe(lambda event: self.snapshot(), "drift_detected")
 
     def snapshot(self) -> None:
         """Freeze a copy of the model as the distillation target."""
-        if self._model is None:
+        if self._learner is None:
             raise RuntimeError("LwF.snapshot() needs the strategy attached to a learner")
-        teacher = copy.deepcopy(self._model).eval()
+        teacher = copy.deepcopy(self._learner.model).eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
         self.teacher = teacher
@@ -291,7 +291,7 @@ class LwF(Strategy):
         if self.teacher is None or not self.alpha:
             return loss
         with torch.no_grad():
-            target = _forward(self.teacher, x)
+            target = _forward(self.teacher, x, None if self._learner is None else self._learner.output)
         return loss + self.alpha * self._distill(outputs, target)
 
     def _distill(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -83,13 +83,13 @@ def test_zoo_case_learns_predicts_round_trips_and_refuses_bad_batches(name, tmp_
 
     x_new, _ = case.batch(5, seed=999)
     out = learner.predict(x_new)
-    assert out.shape[0] == 5 and torch.isfinite(out).all()
+    assert out.shape == (5, *learner.output_shape) and torch.isfinite(out).all()  # a dict output's logits are picked
 
     learner.save(tmp_path / "ckpt")
     model, loss_fn, optimizer = case.build(seed=1)  # other weights: the checkpoint must replace them
     loaded = OnlineLearner.load(tmp_path / "ckpt", model=model, optimizer=optimizer, loss_fn=loss_fn)
     assert torch.equal(loaded.predict(x_new), out)
-    assert loaded.task == learner.task and loaded.input_spec == learner.input_spec
+    assert loaded.task == learner.task and loaded.input_spec == learner.input_spec and loaded.output == learner.output
 
     x, y = case.batch(n, seed=STEPS)
     before = snapshot(learner)  # model, optimizer, replay, monitor, RNG
@@ -172,5 +172,5 @@ def test_zoo_tuner_probes_train_on_the_learners_targets(name):
     x, y = case.batch(4)
     learner.observe((x, y))
     _, targets = learner._validate((x, y))
-    runner = ProbeRunner(model, optimizer, loss_fn, (x, y))
+    runner = ProbeRunner(model, optimizer, loss_fn, (x, y), output=learner.output)
     assert torch.equal(runner.samples[1], targets) and runner.samples[1].dtype == targets.dtype

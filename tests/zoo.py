@@ -22,7 +22,7 @@ from torch import nn
 
 from taste_cl.datasets import TextClassifier
 
-__all__ = ["ZOO", "LSTMClassifier", "TextClassifier", "TokenTagger", "ZooCase"]
+__all__ = ["ZOO", "DictTextClassifier", "LSTMClassifier", "TextClassifier", "TokenTagger", "ZooCase"]
 
 NUM_CLASSES = 4
 VOCAB = 50
@@ -54,6 +54,14 @@ class LSTMClassifier(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, (hidden, _) = self.lstm(x)
         return self.head(hidden[-1])
+
+
+class DictTextClassifier(TextClassifier):
+    """The text transformer returning a Hugging Face style dict: ``{"logits": (n, classes),
+    "hidden_states": (n, t, dim)}`` (the embeddings), which the learner must pick ``logits`` from."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {"logits": super().forward(input_ids, attention_mask), "hidden_states": self.embed(input_ids)}
 
 
 @dataclass(frozen=True)
@@ -159,6 +167,7 @@ ZOO: dict[str, ZooCase] = {
             "mobilenet_v3_small", _torchvision("mobilenet_v3_small"), nn.CrossEntropyLoss, _sgd(0.05, 0.9), _image_batch, True
         ),
         ZooCase("text_transformer", TextClassifier, nn.CrossEntropyLoss, _adamw(3e-3), _text_batch),
+        ZooCase("text_transformer_dict", DictTextClassifier, nn.CrossEntropyLoss, _adamw(3e-3), _text_batch),
         ZooCase("token_tagger", TokenTagger, nn.CrossEntropyLoss, _adamw(1e-2), _token_batch),
         ZooCase("lstm", LSTMClassifier, nn.CrossEntropyLoss, _adamw(1e-2), _sequence_batch),
         ZooCase(

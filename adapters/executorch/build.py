@@ -64,6 +64,7 @@ from taste_cl.adapters.executorch.runtime import (
     sgd_config,
 )
 from taste_cl.learner import OnlineLearner
+from taste_cl.outputs import selecting
 from taste_cl.replay import ReplayStrategy
 
 __all__ = ["BACKEND", "UnsupportedModelError", "export", "export_model"]
@@ -362,6 +363,8 @@ def export(
         plan = learner.batch_plan
         replay = copy.deepcopy(learner.replay) if include_replay else None
         base = _learner_example(learner, example)
+        # the program outputs the tensor the learner trains on (the model's output picked by learner.output)
+        model = selecting(model, learner.output, base[0] if learner.output_shape is None else None)
         if replay is not None:
             _check_replay_exportable(base[0])
         extra = {

@@ -51,6 +51,7 @@ from taste_cl.adapters.onnxruntime.runtime import (
     OrtOnlineLearner,
 )
 from taste_cl.learner import OnlineLearner
+from taste_cl.outputs import selecting
 
 __all__ = [
     "ARTIFACT_FILES",
@@ -103,6 +104,7 @@ def export(
         rows = buffered_rows(learner.replay)
         task = learner.task
         counters = {"samples_seen": learner.samples_seen, "steps": learner.steps}
+        output, unsettled = learner.output, learner.output_shape is None
         if batch_size is None and learner.batch_plan is not None:
             batch_size = learner.batch_plan.micro_batch_size  # the tuner's choice
     if optimizer is not None:
@@ -123,6 +125,7 @@ def export(
         steps = options.get("parity_steps", 3)
         starts = [(i * _EXAMPLE_ROWS) % max(1, len(rows) - 1) for i in range(steps)]
         batches = [(index_batch(rows.x, slice(s, s + _EXAMPLE_ROWS)), rows.y[s : s + _EXAMPLE_ROWS]) for s in starts]
+    model = selecting(model, output, example[0] if unsettled else None)  # the graph outputs the tensor the learner trains on
     return export_model(
         model,
         learner.loss_fn,

@@ -52,6 +52,8 @@ def measure_training_memory(
     y: torch.Tensor,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    output: Callable[[Any], Any] | None = None,
 ) -> dict[str, int]:
     """Measure one training step's memory on a deep copy of ``model`` (trainability as set).
 
@@ -61,6 +63,7 @@ def measure_training_memory(
     :func:`optimizer_state_factor` estimate for those it has no state for yet),
     ``total`` (their sum) and, on CUDA, ``cuda_peak`` (allocator peak during the step
     minus the memory allocated before it). ``model`` and ``optimizer`` are not changed.
+    ``output`` picks the trained tensor from the model's output (the learner's ``output``).
     """
     replica = copy.deepcopy(model)
     replica.train()
@@ -73,7 +76,7 @@ def measure_training_memory(
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
     with SavedBytes(param_ptrs) as saved:
-        out = call_model(replica, x)
+        out = call_model(replica, x, output=output)
         loss = loss_fn(out, y)
     if loss.requires_grad:
         loss.backward()

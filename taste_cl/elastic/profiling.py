@@ -341,6 +341,7 @@ def profile_tensors(
     seed: int = 0,
     clock: Clock = "wall",
     trainable: Iterable[nn.Parameter] | None = None,
+    output: Callable[[Any], Any] | None = None,
 ) -> TensorProfile:
     """Measure forward, per-unit weight-gradient and activation-gradient times on ``example``.
 
@@ -355,7 +356,9 @@ def profile_tensors(
     :meth:`TensorProfile.relative_noise` exceeds ``tolerance``, the number of rounds is
     doubled, up to ``max_rounds``. The model's parameters, their gradients and
     ``requires_grad`` flags, buffers (BatchNorm statistics) and the torch RNG are left as
-    they were. ``clock``: ``"wall"`` or ``"cpu"`` (see the module doc).
+    they were. ``clock``: ``"wall"`` or ``"cpu"`` (see the module doc). ``output`` picks the
+    trained tensor from the model's output (the learner's ``output``; :mod:`taste_cl.outputs`):
+    the full backward starts from it, as the training step's does.
     """
     check_profile_options(granularity, clock, warmup, repeats, max_rounds, tolerance)
     ids = trainable_ids(model, trainable)
@@ -371,10 +374,10 @@ def profile_tensors(
             p.grad = None  # the full backward accumulates here: the user's gradients are set aside
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             parts = _measures(_capture(model, example, ids), granularity, ids, param_ptrs)
-            forward = _Measure(lambda: lambda: call_model(model, example), [])
+            forward = _Measure(lambda: lambda: call_model(model, example, output=output), [])
 
             def full_backward() -> Callable[[], Any]:
-                outs = [o for o in _float_leaves(call_model(model, example)) if o.requires_grad]
+                outs = [o for o in _float_leaves(call_model(model, example, output=output)) if o.requires_grad]
                 return lambda: torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
             backward = _Measure(full_backward, [])

@@ -191,7 +191,7 @@ class ElasticTrainer(SelectionCycle, LearnerPlugin):
         example = repeat_rows(self._example, size)
         options = {
             "granularity": self.granularity, "warmup": self.warmup, "repeats": self.repeats,
-            "max_rounds": self.max_rounds, "tolerance": self.tolerance, "clock": self.clock,
+            "max_rounds": self.max_rounds, "tolerance": self.tolerance, "clock": self.clock, "output": learner.output,
         }  # fmt: skip
         trainable = self.candidates()  # the units this cycle switched off count as trainable
         if self.cache_dir is None:

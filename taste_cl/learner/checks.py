@@ -2,7 +2,9 @@
 
 At construction: the arguments' types and ranges, that the optimizer trains the model,
 and that the replay buffer fits the task. On the first batch, :func:`settle_first_batch`
-checks that the model takes the inputs and returns one tensor, settles the task (given,
+checks that the model takes the inputs and returns one tensor (or a dict, tuple or
+dataclass holding it, picked by the learner's ``output`` or inferred: see
+:mod:`taste_cl.outputs`), settles the task (given,
 implied by the loss, or classification for integer targets), validates the targets,
 checks that the loss is a scalar and decides whether the prequential score needs an
 eval-mode forward. It changes nothing: the learner commits the returned
@@ -22,6 +24,7 @@ from torch import nn
 from taste_cl._batch import Inputs, Spec, as_tensor, batch_len, call_model, index_batch, leaves
 from taste_cl._checks import check_int
 from taste_cl.exceptions import InvalidBatchError
+from taste_cl.outputs import OutputSelector, describe_output, select_checked
 from taste_cl.replay import ClassBalancedReplay, ReplayStrategy
 from taste_cl.tasks import Classification, Task, infer_task
 
@@ -42,6 +45,8 @@ class FirstBatch:
     num_classes: int | None
     score_eval: bool  # the prequential score comes from an eval-mode forward
     targets: torch.Tensor
+    output: OutputSelector | None  # picks the trained tensor from the model's output (None: it is one)
+    returned: str  # what the model returned, described
 
 
 def settle_first_batch(learner: OnlineLearner, x: Inputs, spec: Spec, raw_y: Any) -> FirstBatch:
@@ -54,12 +59,11 @@ def settle_first_batch(learner: OnlineLearner, x: Inputs, spec: Spec, raw_y: Any
     device, dtype = learner._placement()
     n = batch_len(x)
     try:
-        out = learner._logits(index_batch(x, slice(0, 1)))
+        raw = learner._eval_forward(index_batch(x, slice(0, 1)), None)
     except Exception as error:
         raise InvalidBatchError(f"model cannot take x of {_shapes(x)}: {error}{_integer_hint(x)}") from error
-    if not isinstance(out, torch.Tensor) or out.dim() < 1 or out.shape[0] != 1:
-        got = f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise InvalidBatchError(f"model must return one tensor of shape (batch, ...); got {got} for a batch of 1")
+    # the model is checked on the first sample only: a cheap forward, whatever the batch size
+    output, out = select_checked(raw, learner.output, 1, where="the first sample of the first batch")
     output_shape = tuple(out.shape[1:])
     task = learner.task if learner._task_given else infer_task(learner.loss_fn, output_shape)
     if task is None:
@@ -76,8 +80,8 @@ def settle_first_batch(learner: OnlineLearner, x: Inputs, spec: Spec, raw_y: Any
     if task != monitor.task and (monitor.steps or monitor.samples_seen):
         raise ValueError(f"the monitor already scored {monitor.task!r}; this learner's task is {task!r}")
     mode = monitor.prequential
-    score_eval = mode == "eval" or (mode == "auto" and _output_depends_on_mode(learner.model, x))
-    return FirstBatch(task, spec, output_shape, num_classes, score_eval, y)
+    score_eval = mode == "eval" or (mode == "auto" and _output_depends_on_mode(learner.model, x, output))
+    return FirstBatch(task, spec, output_shape, num_classes, score_eval, y, output, describe_output(raw))
 
 
 def check_arguments(
@@ -163,7 +167,7 @@ def _check_scalar_loss(loss_fn: Callable[..., Any], outputs: torch.Tensor, targe
         raise InvalidBatchError(f"loss_fn must return a scalar tensor (use reduction='mean' or 'sum'); got {got}")
 
 
-def _output_depends_on_mode(model: nn.Module, x: Inputs) -> bool:
+def _output_depends_on_mode(model: nn.Module, x: Inputs, output: OutputSelector | None) -> bool:
     """Whether train mode changes the model's output on ``x`` (batch statistics, dropout, ...).
 
     Checked on a copy, with the RNG restored afterwards, so neither the model's buffers nor
@@ -174,8 +178,8 @@ def _output_depends_on_mode(model: nn.Module, x: Inputs) -> bool:
         twin = copy.deepcopy(model)
         devices = sorted({t.device.index or 0 for t in leaves(x) if t.device.type == "cuda"})
         with torch.random.fork_rng(devices=devices), torch.no_grad():
-            eval_out = call_model(twin.eval(), x)
-            train_out = call_model(twin.train(), x)
+            eval_out = call_model(twin.eval(), x, output=output)
+            train_out = call_model(twin.train(), x, output=output)
         return not torch.allclose(train_out.float(), eval_out.float(), rtol=1e-4, atol=1e-5)
     except Exception:  # noqa: BLE001 - any failure (copy, train-mode forward) means: score in eval mode
         return True

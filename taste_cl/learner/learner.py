@@ -24,6 +24,7 @@ the documentation of its public methods (about 130 lines); its code is about 250
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -42,6 +43,7 @@ from taste_cl.learner.batching import BatchPlan, MicroBatcher, OnBatcher, plan_f
 from taste_cl.learner.checks import check_arguments, check_optimizer_covers, check_replay_fits, settle_first_batch
 from taste_cl.learner.stats import ObserveStats, Totals
 from taste_cl.monitor.monitor import StabilityPlasticityMonitor
+from taste_cl.outputs import OutputLike, OutputSelector, resolve_output, select_checked
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.replay import ReplayStrategy
 from taste_cl.state.checkpoint import CheckpointLimits, write_checkpoint
@@ -51,6 +53,8 @@ from taste_cl.strategies import Strategy, resolve_strategy
 from taste_cl.tasks import Task, infer_task, resolve_task
 
 __all__ = ["OnlineLearner"]
+
+logger = logging.getLogger(__name__)
 
 _FEW_TENSORS = 16  # gradient tensors up to which _total_norm reads each norm
 
@@ -72,7 +76,14 @@ class OnlineLearner:
     ----------
     model:
         A module mapping inputs to one output tensor ``(n, ...)``: ``(n, num_classes)``
-        logits for classification.
+        logits for classification; or to a dict, tuple, dataclass or Hugging Face
+        ``ModelOutput`` holding it (see ``output``).
+    output:
+        Which tensor of the model's output to train on, for models that return more than
+        one: a key or attribute (``"logits"``), an index (``0``) or a callable
+        ``outputs -> tensor`` (see :mod:`taste_cl.outputs`). Default: decided on the first
+        batch (a tensor as it is; a ``logits`` entry; a tuple's first element when it is
+        batch-sized) and logged; anything else is refused with what the model returned.
     loss_fn:
         Training loss taking ``(outputs, targets)`` and returning a scalar; default cross-entropy.
     optimizer:
@@ -128,8 +139,10 @@ class OnlineLearner:
         guard_updates: str | UpdateGuard = "auto",
         task: Task | str | None = None,
         strategy: Strategy | str | None = None,
+        output: OutputLike | None = None,
     ) -> None:
         check_arguments(model, replay, replay_batch_size, train_iterations, num_classes, plugins)
+        self.output: OutputSelector | None = resolve_output(output)  # settled on the first batch when None
         self.model = model
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
         self.optimizer = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=0.01)
@@ -333,7 +346,7 @@ class OnlineLearner:
                 plugin.before_step(self)
         if not self.model.training:  # train() walks every module: only when needed
             self.model.train()
-        logits = call_model(self.model, x)
+        logits = call_model(self.model, x, output=self.output)
         n_stream = y.shape[0] if n_stream is None else n_stream
         loss = self.strategy.loss(self.loss_fn, logits, y, x=x, n_stream=n_stream, fields=fields or {})
         loss_value = loss.item()
@@ -381,18 +394,26 @@ class OnlineLearner:
 
     def predict(self, x: Any) -> torch.Tensor:
         """Model outputs (logits for classification) for ``x`` in eval mode without gradients;
-        changes no state. ``x`` is validated like :meth:`observe`'s."""
+        changes no state. ``x`` is validated like :meth:`observe`'s, and the output is
+        selected (``output``) and checked like the first batch's, before the first batch too."""
         with self._lock:
             device, dtype = self._placement()
             inputs, _ = to_inputs(x, spec=self.input_spec, dtype=dtype, device=device)
-            return self._logits(inputs)
+            if self.output_shape is not None:  # settled: the first batch checked the selection
+                return self._logits(inputs)
+            return select_checked(self._eval_forward(inputs, None), self.output, batch_len(inputs), where="the batch given to predict")[1]
 
     def _logits(self, x: Inputs) -> torch.Tensor:
+        """The selected outputs for ``x`` in eval mode without gradients."""
+        return self._eval_forward(x, self.output)
+
+    def _eval_forward(self, x: Inputs, output: OutputSelector | None) -> Any:
+        """The model's eval-mode output for ``x`` without gradients, picked by ``output`` (None: as returned)."""
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                return call_model(self.model, x)
+                return call_model(self.model, x, output=output)
         finally:
             self.model.train(was_training)
 
@@ -414,6 +435,12 @@ class OnlineLearner:
         self.input_shape = first.spec.shape if first.spec.is_tensor else None
         self.num_classes = first.num_classes
         self._score_eval = first.score_eval
+        if first.output is not None and self.output is None:
+            logger.info(
+                "OnlineLearner: the model returns %s; training on %s (pass OnlineLearner(output=...) to pick another tensor)",
+                first.returned, first.output,
+            )  # fmt: skip
+        self.output = first.output
         return first.targets
 
     # ----------------------------------------------------------- checkpoints
@@ -452,11 +479,14 @@ class OnlineLearner:
         plugins: Sequence[LearnerPlugin] = (),
         max_bytes: int = CheckpointLimits.max_bytes,
         strategy: Strategy | None = None,
+        output: OutputLike | None = None,
     ) -> OnlineLearner:
         """Rebuild a learner from :meth:`save` output around a freshly built ``model``.
 
         Built-in replay buffers and strategies are rebuilt from the checkpoint; pass
-        ``replay`` / ``strategy`` for a custom one. The task, input structure and output shape come from the checkpoint.
+        ``replay`` / ``strategy`` for a custom one. The task, input structure, output shape
+        and ``output`` selection (a key or an index) come from the checkpoint; a callable
+        ``output=`` cannot be saved, so pass it again (the load is refused without it).
         Files over ``max_bytes`` are refused before being read. The whole checkpoint is
         validated before anything is applied: on any error
         :class:`~taste_cl.exceptions.CheckpointError` is raised (its subclass
@@ -465,7 +495,7 @@ class OnlineLearner:
         """
         return load_learner(
             cls, directory, model=model, optimizer=optimizer, loss_fn=loss_fn, replay=replay,
-            monitor=monitor, plugins=plugins, max_bytes=max_bytes, strategy=strategy,
+            monitor=monitor, plugins=plugins, max_bytes=max_bytes, strategy=strategy, output=output,
         )  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

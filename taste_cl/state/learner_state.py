@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from taste_cl.exceptions import CheckpointError
+from taste_cl.outputs import OutputLike
 from taste_cl.state.checkpoint import CheckpointLimits, read_checkpoint
 from taste_cl.state.restore import CHECKPOINT_FORMAT, MONITOR_CONFIG, build_parts, validate_state
 from taste_cl.strategies import Strategy, resolve_strategy
@@ -43,6 +44,7 @@ def learner_state(learner: OnlineLearner) -> dict[str, Any]:
             "input_shape": None if learner.input_shape is None else list(learner.input_shape),
             "input_spec": None if learner.input_spec is None else learner.input_spec.to_json(),
             "output_shape": None if learner.output_shape is None else list(learner.output_shape),
+            "output": None if learner.output is None else learner.output.to_json(),
             "task": None if learner.task is None else learner.task.config(),
             "score_eval": learner._score_eval,
             "monitor": {key: getattr(learner.monitor, key) for key in MONITOR_CONFIG},
@@ -78,6 +80,7 @@ def load_learner(
     plugins: Sequence[LearnerPlugin],
     max_bytes: int,
     strategy: Strategy | None,
+    output: OutputLike | None,
 ) -> L:
     """``cls.load``: read the checkpoint in ``directory``, check it whole on a throwaway learner, then build and restore."""
     state = read_checkpoint(directory, limits=CheckpointLimits(max_bytes=max_bytes))
@@ -91,6 +94,7 @@ def load_learner(
         "monitor": monitor,
         "task": config["task"],
         "strategy": _rebuild_strategy(config["strategy"], strategy),
+        "output": output,  # checked against the checkpoint's, which a key or index comes from (section config)
     }
     # Checked on a throwaway learner before plugins attach (they, and a strategy, may subscribe to the monitor).
     validate_state(cls(model, **{**parts, "strategy": copy.deepcopy(parts["strategy"])}), state)

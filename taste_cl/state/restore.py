@@ -28,6 +28,7 @@ from taste_cl.exceptions import CheckpointError
 from taste_cl.guards.update import UpdateGuard, hyperparameter_problem
 from taste_cl.monitor.monitor import PREQUENTIAL_MODES, StabilityPlasticityMonitor
 from taste_cl.monitor.monitor import _parse_state as parse_monitor_state
+from taste_cl.outputs import restored_output
 from taste_cl.replay import ClassBalancedReplay, ReplayStrategy, ReservoirReplay
 from taste_cl.strategies import BUILTIN_STRATEGIES, ExperienceReplay, FieldSpec, LwF, Strategy
 from taste_cl.tasks import Task, resolve_task
@@ -52,6 +53,8 @@ CONFIG_KEYS = {
     "optimizer_type",
 }
 """Keys of the ``config`` section; a new config entry is added here and checked in :func:`_config`."""
+OPTIONAL_CONFIG_KEYS = {"output"}
+"""``config`` keys that checkpoints written before them lack (``output``: None then)."""
 MONITOR_CONFIG = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed", "prequential", "regression_threshold")
 _BUILTIN_REPLAY: dict[str, type[ReservoirReplay | ClassBalancedReplay]] = {
     "ReservoirReplay": ReservoirReplay,
@@ -215,7 +218,7 @@ def monitor_kwargs(config: Any) -> dict[str, Any]:
 @section("config")
 def _config(ctx: _Context) -> Apply:
     config = ctx.get("config")
-    _keys("config", config, CONFIG_KEYS)
+    _keys("config", config, CONFIG_KEYS | (OPTIONAL_CONFIG_KEYS & set(config)))
     _int("config.replay_batch_size", config["replay_batch_size"])
     _int("config.train_iterations", config["train_iterations"], 1, 2**20)
     monitor_kwargs(config["monitor"])
@@ -253,10 +256,15 @@ def _config(ctx: _Context) -> Apply:
     if learner._task_given and learner.task is not None and ctx.task is not None and learner.task != ctx.task:
         raise _Invalid(f"checkpoint holds the task {ctx.task!r}; this learner was built with {learner.task!r}")
     _check_strategy(ctx, config["strategy"])
+    try:
+        output = restored_output(config.get("output"), learner.output, settled=ctx.output_shape is not None)
+    except ValueError as error:
+        raise _Invalid(str(error)) from error
     score_eval = config["score_eval"]
     strategy = learner.strategy
 
     def apply() -> None:
+        learner.output = output
         learner.input_spec, learner.output_shape, learner.num_classes = ctx.input_spec, ctx.output_shape, ctx.num_classes
         learner.input_shape = shape
         learner.task = ctx.task if ctx.task is not None else learner.task
@@ -740,7 +748,7 @@ def build_parts(
         config = state.get("config")
         if not isinstance(config, dict):
             raise _Invalid("section `config` is missing or not a dict")
-        _keys("config", config, CONFIG_KEYS)
+        _keys("config", config, CONFIG_KEYS | (OPTIONAL_CONFIG_KEYS & set(config)))
         _int("config.replay_batch_size", config["replay_batch_size"])
         _int("config.train_iterations", config["train_iterations"], 1, 2**20)
         config = {**config, "task": parse_task(config["task"]), "strategy": parse_strategy(config["strategy"])}

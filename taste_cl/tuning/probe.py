@@ -33,17 +33,18 @@ Samples = tuple[Any, Any]  # (inputs, targets): tensors or dicts/tuples/lists of
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
-def _trained_targets(model: nn.Module, loss_fn: LossFn, samples: Samples) -> Any:
+def _trained_targets(model: nn.Module, loss_fn: LossFn, samples: Samples, output: Callable[[Any], Any] | None) -> Any:
     """The targets as :class:`~taste_cl.OnlineLearner` trains on them, for a loss whose task
     taste_cl knows (:func:`~taste_cl.tasks.infer_task`): ``(n,)`` regression targets of an
     ``(n, 1)`` output become ``(n, 1)``, and targets the task refuses raise
     :class:`~taste_cl.exceptions.InvalidBatchError` instead of being timed on a broadcast
-    loss. ``model`` is the probes' private copy; other losses keep their targets."""
+    loss. ``model`` is the probes' private copy, ``output`` the learner's output selection;
+    other losses keep their targets."""
     x, y = samples
     try:
         model.eval()
         with torch.no_grad():
-            out = call_model(model, index_batch(x, slice(0, 1)))
+            out = call_model(model, index_batch(x, slice(0, 1)), output=output)
     except Exception:  # noqa: BLE001 - the probes find out what trains
         return y
     task = infer_task(loss_fn, tuple(out.shape[1:])) if isinstance(out, torch.Tensor) else None
@@ -104,6 +105,8 @@ class ProbeRunner:
     The copy is made once; its parameters are reset before every probe, so probes do not
     drift the weights they time. ``clock`` times each step (seconds; a test or simulator
     passes its own so that the measurements do not depend on the machine's load).
+    ``output`` picks the trained tensor from the model's output, as the learner's
+    ``output`` does (:mod:`taste_cl.outputs`; None: the model returns one tensor).
     """
 
     def __init__(
@@ -114,11 +117,13 @@ class ProbeRunner:
         samples: Samples,
         *,
         clock: Callable[[], float] = time.perf_counter,
+        output: Callable[[Any], Any] | None = None,
     ) -> None:
         batch_len(samples[0])
         self.clock = clock
+        self.output = output
         self.model, self.loss_fn, self.optimizer = copy.deepcopy((model, loss_fn, optimizer))
-        self.samples = (samples[0], _trained_targets(self.model, self.loss_fn, samples))
+        self.samples = (samples[0], _trained_targets(self.model, self.loss_fn, samples, output))
         self.model.train()
         self._params = [p for group in self.optimizer.param_groups for p in group["params"]]
         with torch.no_grad():
@@ -134,7 +139,7 @@ class ProbeRunner:
 
     def _step(self, x: Any, y: Any) -> float:
         start = self.clock()
-        loss = self.loss_fn(call_model(self.model, x), y)
+        loss = self.loss_fn(call_model(self.model, x, output=self.output), y)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

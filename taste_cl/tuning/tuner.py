@@ -277,6 +277,7 @@ class BatchSizeTuner(LearnerPlugin):
         *,
         foreign_load: float | None = None,
         anchor: int | None = None,
+        output: Callable[[Any], Any] | None = None,
     ) -> TuningResult:
         """Measure and return the best batch size (and threads) for this model on this machine now.
 
@@ -286,15 +287,16 @@ class BatchSizeTuner(LearnerPlugin):
         tell whether smaller micro-batches pay. Nothing passed in is modified. Targets go
         through the task the loss implies, as in :class:`~taste_cl.OnlineLearner` (``(n,)``
         regression targets of an ``(n, 1)`` output are reshaped; targets that would only
-        broadcast raise :class:`~taste_cl.exceptions.InvalidBatchError`). Raises
-        :class:`TuningError` when no size trains.
+        broadcast raise :class:`~taste_cl.exceptions.InvalidBatchError`). ``output`` picks
+        the trained tensor from the model's output (the learner's ``output``, see
+        :mod:`taste_cl.outputs`). Raises :class:`TuningError` when no size trains.
         """
         start = self.clock()
         x, y = samples
         if batch_len(x) != batch_len(y):
             raise ValueError(f"samples: x has {batch_len(x)} rows, y has {batch_len(y)}")
         with preserved_rng():
-            runner = ProbeRunner(model, optimizer, loss_fn, samples, clock=self.clock)
+            runner = ProbeRunner(model, optimizer, loss_fn, samples, clock=self.clock, output=output)
             bucket = load_bucket(self._load_meter.read() if foreign_load is None else foreign_load)
             with num_threads(self._base_threads if self.tune_threads else None):  # key independent of the count it set
                 key = _cache_key(model, optimizer, loss_fn, x, hardware_fingerprint(load=bucket), tune_threads=self.tune_threads)
@@ -387,7 +389,9 @@ class BatchSizeTuner(LearnerPlugin):
         """Tune and apply; on any failure keep the learner as it was, warn, and retry later."""
         try:
             effective = self.effective_batch_size or self.reference_
-            result = self.tune(learner.model, learner.optimizer, learner.loss_fn, self._probe_samples(learner), anchor=effective)
+            result = self.tune(
+                learner.model, learner.optimizer, learner.loss_fn, self._probe_samples(learner), anchor=effective, output=learner.output
+            )
             plan = self.plan_for(result, learner.optimizer)
             micro, accumulation, lr_scale = plan if plan is not None else (None, 1, 1.0)
             learner.set_batch_plan(
