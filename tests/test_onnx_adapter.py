@@ -174,7 +174,7 @@ def test_damaged_artifacts_are_refused_naming_the_file(digits_artifacts, tmp_pat
         (lambda: _learner(_mlp(), (12,)), {"lr": 0.0}, ValueError, r"`lr == 0.0`, must be a finite number > 0"),
         (lambda: _learner(_mlp(), (12,)), {"trainable": ["9.weight"]}, ValueError, r"names \['9.weight'\], which are not"),
         (lambda: _learner(_mlp(), (12,)), {"batch_size": 0}, ValueError, r"`batch_size == 0`"),
-        (lambda: OnlineLearner(_mlp()), {"example": None}, ValueError, "fewer than 2 rows; pass example"),
+        (lambda: OnlineLearner(_mlp()), {"example": None}, ValueError, "fewer than 2 rows and the learner was built without input_shape= and num_classes=: pass example"),
         (
             lambda: OnlineLearner((m := _mlp()), optimizer=torch.optim.RMSprop(m.parameters()), input_shape=(12,), num_classes=4),
             {},
