@@ -19,6 +19,7 @@ __all__ = [
     "ExportError",
     "ParityError",
     "ParityReport",
+    "TrainingDivergesError",
     "export",
     "load_learner",
     "read_manifest",
@@ -37,5 +38,6 @@ __getattr__ = lazy_getattr(
         "read_manifest": "taste_cl.adapters.device.artifacts",
         "ParityError": "taste_cl.adapters.device.parity",
         "ParityReport": "taste_cl.adapters.device.parity",
+        "TrainingDivergesError": "taste_cl.adapters.device.parity",
     },
 )
