@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -113,3 +116,12 @@ def fake_hardware(monkeypatch: Any, curve: Callable[[int], float]) -> list[int]:
     monkeypatch.setattr(tuning.LoadMeter, "read", lambda self: 0.0)
     return probes
 
+
+def rehash(folder: Path, edit: Callable[[dict], None] | None = None) -> None:
+    """Apply ``edit`` to an artifact folder's manifest and re-sign every file (what an attacker would do)."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    if edit is not None:
+        edit(manifest)
+    names = [p.name for p in folder.iterdir() if p.name != "manifest.json"]
+    manifest["files"] = {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in names}
+    (folder / "manifest.json").write_text(json.dumps(manifest))

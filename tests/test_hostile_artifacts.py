@@ -10,7 +10,6 @@ learner and the folder exactly as they were.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import shutil
 import struct
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import rehash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -82,15 +82,6 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         )  # fmt: skip
     return folders
 
-
-def _rehash(folder: Path, edit: Callable[[dict], None] | None = None) -> None:
-    """Apply ``edit`` to the manifest and re-sign every file (what an attacker would do)."""
-    manifest = json.loads((folder / "manifest.json").read_text())
-    if edit is not None:
-        edit(manifest)
-    names = [p.name for p in folder.iterdir() if p.name != "manifest.json"]
-    manifest["files"] = {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in names}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _folder_bytes(folder: Path) -> dict[str, bytes]:
@@ -154,7 +145,7 @@ def _mixed(exports: dict[str, Path], base: str, other: str, names: tuple[str, ..
                     shutil.copy(path, folder / path.name)
         else:
             shutil.copy(exports[other] / name, folder / name)
-    _rehash(folder)
+    rehash(folder)
     return folder
 
 
@@ -320,7 +311,7 @@ def test_manifest_facts_the_graphs_state_are_checked(exports, tmp_path, live, ba
     edit(manifest)
     if manifest.get("replay") is None:
         (folder / "replay.npz").unlink()
-    _rehash(folder, lambda m: (m.clear(), m.update(manifest)))
+    rehash(folder, lambda m: (m.clear(), m.update(manifest)))
     _refused(folder, match, live)
 
 
@@ -330,7 +321,7 @@ def test_adamw_folder_claiming_sgd_is_refused_by_its_moments(exports, tmp_path, 
     for name in ("optimizer_model.onnx", "optimizer_model.web.onnx", "web.json", "replay.bin"):
         (folder / name).unlink(missing_ok=True)
     sgd = {"type": "sgd", "lr": 0.01, "momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0}
-    _rehash(folder, lambda m: (m.update(optimizer=sgd), m.pop("web", None)))
+    rehash(folder, lambda m: (m.update(optimizer=sgd), m.pop("web", None)))
     _refused(folder, r"checkpoint: optimizer state of 'model.0.bias' holds \['momentum0', 'momentum1'\]; sgd keeps", live)
 
 
@@ -378,7 +369,7 @@ def _surgery(exports: dict[str, Path], tmp_path: Path, change: Callable[[bytearr
     data = bytearray((folder / "checkpoint").read_bytes())
     change(data)
     (folder / "checkpoint").write_bytes(bytes(data))
-    _rehash(folder)
+    rehash(folder)
     return folder
 
 
@@ -416,7 +407,7 @@ def test_truncated_archives_are_refused(exports, tmp_path, live, name, match) ->
     folder = Path(shutil.copytree(exports["mlp3"], tmp_path / "cut"))
     data = (folder / name).read_bytes()
     (folder / name).write_bytes(data[: len(data) // 2])
-    _rehash(folder)
+    rehash(folder)
     _refused(folder, f"{name} is {match}: File is not a zip file", live)
 
 
@@ -482,7 +473,7 @@ def test_any_manifest_mutation_is_refused_or_harmless(exports, live, mutations) 
     highest class) raises nothing but InvalidBatchError."""
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(shutil.copytree(exports["mlp3"], Path(scratch) / "m"))
-        _rehash(folder, _both(*(_lenient(_edit(path, copy.deepcopy(value))) for path, value in mutations)))
+        rehash(folder, _both(*(_lenient(_edit(path, copy.deepcopy(value))) for path, value in mutations)))
         before, files = _snapshot(live), _folder_bytes(folder)
         try:
             device = OrtOnlineLearner.from_artifacts(folder)

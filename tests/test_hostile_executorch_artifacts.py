@@ -9,8 +9,6 @@ and the folder exactly as they were. Exporting takes most of a minute per model:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import rehash
 from torch import nn
 
 pytest.importorskip("executorch.extension.training")
@@ -61,14 +60,6 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folders["saved3"] = device.save(root / "saved3")
     return folders
 
-
-def _rehash(folder: Path, edit: Callable[[dict], None] | None = None) -> None:
-    manifest = json.loads((folder / "manifest.json").read_text())
-    if edit is not None:
-        edit(manifest)
-    names = [p.name for p in folder.iterdir() if p.name != "manifest.json"]
-    manifest["files"] = {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in names}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _snapshot(device: EtOnlineLearner) -> dict[str, Any]:
@@ -124,7 +115,7 @@ def test_a_program_of_another_export_is_refused(exports, tmp_path, live, other, 
     (folder / "replay.npz").unlink()  # so the buffer's own check is not what refuses it
     for name in ("model.pte", "model.ptd"):
         shutil.copy(exports[other] / name, folder / name)
-    _rehash(folder, lambda m: m.update(replay=None))
+    rehash(folder, lambda m: m.update(replay=None))
     _refused(folder, match, live)
 
 
@@ -163,7 +154,7 @@ def _io(edit: Callable[[dict], None]) -> Callable[[dict], None]:
 def test_manifest_io_is_checked_against_the_program(exports, tmp_path, live, edit, match) -> None:
     folder = _copy(exports, "mlp3", tmp_path)
     (folder / "replay.npz").unlink()
-    _rehash(folder, edit)
+    rehash(folder, edit)
     _refused(folder, match, live)
 
 
@@ -194,7 +185,7 @@ def _set(key: str, value: Callable[[np.ndarray], np.ndarray]) -> Callable[[dict[
 def test_saved_parameters_are_checked_against_the_program(exports, tmp_path, live, damage, match) -> None:
     folder = _copy(exports, "saved3", tmp_path)
     damage(folder)
-    _rehash(folder)
+    rehash(folder)
     _refused(folder, match, live)
 
 
@@ -204,7 +195,7 @@ def test_truncated_archives_are_refused(exports, tmp_path, live, name, match) ->
     folder = _copy(exports, "saved3", tmp_path)
     data = (folder / name).read_bytes()
     (folder / name).write_bytes(data[: len(data) // 2])
-    _rehash(folder)
+    rehash(folder)
     _refused(folder, match, live)
 
 

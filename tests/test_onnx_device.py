@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import rehash
 from torch import nn
 
 pytest.importorskip("onnxruntime.training")
@@ -50,15 +50,6 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _copy(folder: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(folder, tmp_path / "copy"))
 
-
-def _rehash(folder: Path, edit: Callable[[dict], None] | None = None) -> None:
-    """Apply ``edit`` to the manifest and recompute every file's hash (what an attacker would do)."""
-    manifest = json.loads((folder / "manifest.json").read_text())
-    if edit is not None:
-        edit(manifest)
-    names = [p.name for p in folder.iterdir() if p.name != "manifest.json"]
-    manifest["files"] = {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in names}
-    (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _batch(n: int = 5, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -160,7 +151,7 @@ def _external_in_constant(folder: Path) -> None:
 def test_hostile_files_are_refused_even_with_valid_hashes(artifacts: Path, tmp_path: Path, damage, match: str) -> None:
     folder = _copy(artifacts, tmp_path)
     damage(folder)
-    _rehash(folder)
+    rehash(folder)
     with pytest.raises(ArtifactError, match=match):
         OrtOnlineLearner.from_artifacts(folder)
 
@@ -209,7 +200,7 @@ def _set(path: str, value: object) -> Callable[[dict], None]:
 )
 def test_manifest_values_are_validated(artifacts: Path, tmp_path: Path, edit, match: str) -> None:
     folder = _copy(artifacts, tmp_path)
-    _rehash(folder, edit)
+    rehash(folder, edit)
     with pytest.raises(ArtifactError, match=match):
         OrtOnlineLearner.from_artifacts(folder)
 
@@ -237,7 +228,7 @@ def _replay(**changes: np.ndarray) -> Callable[[Path], None]:
 def test_replay_contents_are_validated(artifacts: Path, tmp_path: Path, damage, match: str) -> None:
     folder = _copy(artifacts, tmp_path)
     damage(folder)
-    _rehash(folder)
+    rehash(folder)
     with pytest.raises(ArtifactError, match=match):
         OrtOnlineLearner.from_artifacts(folder)
 
