@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +32,9 @@ import torch
 from torch import nn
 
 from taste_cl._batch import BatchLike
-from taste_cl.exceptions import MissingDependencyError, TasteCLError
+from taste_cl.adapters.flower.updates import ArraySpec, InvalidUpdateError, PersonalSpec, check_update, require_flwr
+from taste_cl.adapters.flower.updates import array_spec as _spec
+from taste_cl.adapters.flower.updates import personal_predicate as _personal_predicate
 from taste_cl.learner import OnlineLearner
 from taste_cl.monitor.evaluation import accuracy
 from taste_cl.state.checkpoint import decode_state, encode_state
@@ -63,43 +64,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PersonalSpec = Sequence[str] | Callable[[str], bool]
-ArraySpec = dict[str, tuple[tuple[int, ...], np.dtype]]
 _STATE_KEY = "taste_cl"
 _ARRAYS_KEY = "arrays"
 _METRICS_KEY = "metrics"
 
 
-class InvalidUpdateError(TasteCLError, ValueError):
-    """A model update has the wrong names, shapes or dtypes, or non-finite values."""
-
-
-def require_flwr() -> None:
-    """Import flwr with its telemetry (and Ray's usage stats) off, or raise an install hint.
-
-    Call it before any ``import flwr`` of your own: flwr reads the setting at import.
-    """
-    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # the simulation asks for no GPUs; opt in to Ray's future behaviour (leave the visible
-    # devices alone), which also silences its FutureWarning about the change
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    try:
-        import flwr  # noqa: F401
-    except ImportError as error:
-        raise MissingDependencyError("flwr", "federated") from error
-
-
 # ------------------------------------------------------------ shared / personal split
-def _personal_predicate(personal: PersonalSpec) -> Callable[[str], bool]:
-    if callable(personal):
-        return personal
-    if isinstance(personal, str) or not all(isinstance(p, str) for p in personal):
-        raise TypeError(f"personal must be a sequence of name prefixes or a predicate; got {personal!r}")
-    prefixes = tuple(personal)
-    return lambda name: name.startswith(prefixes)
-
-
 def shared_state(model: nn.Module, *, personal: PersonalSpec) -> dict[str, np.ndarray]:
     """The ``state_dict`` entries that the fleet shares, as numpy arrays (copies).
 
@@ -110,23 +80,6 @@ def shared_state(model: nn.Module, *, personal: PersonalSpec) -> dict[str, np.nd
     if not shared:
         raise ValueError(f"personal={personal!r} selects every state_dict entry: nothing left to share")
     return shared
-
-
-def _spec(arrays: Mapping[str, np.ndarray]) -> ArraySpec:
-    return {name: (tuple(a.shape), a.dtype) for name, a in arrays.items()}
-
-
-def check_update(arrays: Mapping[str, np.ndarray], expected: ArraySpec) -> None:
-    """Raise :class:`InvalidUpdateError` unless ``arrays`` match ``expected`` and are finite."""
-    missing, extra = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
-    if missing or extra:
-        raise InvalidUpdateError(f"update names do not match the shared part: missing {missing}, unexpected {extra}")
-    for name, (shape, dtype) in expected.items():
-        array = arrays[name]
-        if tuple(array.shape) != shape or array.dtype != dtype:
-            raise InvalidUpdateError(f"`{name}` must be {dtype} of shape {shape}; got {array.dtype} of shape {tuple(array.shape)}")
-        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
-            raise InvalidUpdateError(f"`{name}` has {int((~np.isfinite(array)).sum())} non-finite values")
 
 
 def load_shared(model: nn.Module, arrays: Mapping[str, np.ndarray], *, personal: PersonalSpec) -> None:
