@@ -6,6 +6,7 @@ transforms, the learner's data, and the choice of backend.
 - :mod:`.artifacts`: staged, hashed artifact folders and their manifest;
 - :mod:`.parity`: train in torch and in the backend from identical weights, compare;
 - :mod:`.transforms`: model rewrites a device backend needs (frozen BatchNorm, no dropout);
+- :mod:`.embeddings`: ``nn.EmbeddingBag`` as trainable gather/reduce ops, and the id bounds devices check;
 - :mod:`.learner_data`: what exporters read from an :class:`~taste_cl.OnlineLearner`.
 """
 

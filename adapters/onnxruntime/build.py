@@ -38,6 +38,7 @@ from torch import nn
 from taste_cl import __version__
 from taste_cl._batch import call_model
 from taste_cl.adapters.device.artifacts import ExportError, staged_folder, write_manifest
+from taste_cl.adapters.device.embeddings import index_bounds
 from taste_cl.adapters.device.learner_data import BufferedRows, task_targets
 from taste_cl.adapters.device.parity import (
     ParityReport,
@@ -171,8 +172,8 @@ def _export_dtype(tensor: torch.Tensor, what: str) -> torch.dtype:
     raise ExportError(f"{what} has dtype {tensor.dtype}, which the device runtime does not take")
 
 
-def _spec(name: str, dtype: torch.dtype, example: torch.Tensor) -> dict[str, Any]:
-    return device.TensorSpec(name, str(dtype).removeprefix("torch."), tuple(example.shape[1:])).as_json()
+def _spec(name: str, dtype: torch.dtype, example: torch.Tensor, bound: int | None = None) -> dict[str, Any]:
+    return device.TensorSpec(name, str(dtype).removeprefix("torch."), tuple(example.shape[1:]), bound).as_json()
 
 
 def _as_numpy(value: Any, dtype: torch.dtype) -> np.ndarray:
@@ -661,6 +662,7 @@ def export_model(
     running_stats = []
     if batchnorm == "batch":
         running_stats = _running_stats_outputs(graph, *_batchnorm_geometry(work, example_x))
+    bounds = index_bounds(work, partial(call_model, work, example_x), dict(zip(names, ex_inputs)))  # ids checked on the device
     initializers = [init.name for init in graph.graph.initializer]
     requires_grad = [_PREFIX + name for name in chosen]
     missing = [name for name in requires_grad if name not in initializers]
@@ -676,7 +678,7 @@ def export_model(
         "producer": f"taste_cl {__version__}",
         "opset": opset,
         "structure": structure,
-        "inputs": [_spec(name, d, t) for name, d, t in zip(names, dtypes, ex_inputs)],
+        "inputs": [_spec(name, d, t, bounds.get(name)) for name, d, t in zip(names, dtypes, ex_inputs)],
         "labels": _spec(device.LABEL_NAME, label_dtype, ex_labels),
         "output": device.TensorSpec(device.OUTPUT_NAME, "float32", tuple(output_shape)).as_json(),
         "loss": type(loss_fn).__name__,

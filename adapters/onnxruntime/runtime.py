@@ -25,6 +25,7 @@ import io
 import math
 import os
 import tempfile
+import sys
 import threading
 import time
 import zipfile
@@ -44,6 +45,7 @@ from taste_cl.adapters.device.artifacts import (
     write_manifest,
 )
 from taste_cl.adapters.onnxruntime.ort_checkpoint import CheckpointInfo, read_checkpoint
+from taste_cl.adapters.device.class_slots import ClassSlots, parse_active_classes
 from taste_cl.adapters.onnxruntime.proto import Signature, ValueInfo, check_no_external_data, read_signature
 from taste_cl.adapters.web.compat import REPLAY_BINARY, WEB_MANIFEST, WEB_OPTIMIZER_MODEL, add_web_artifacts
 from taste_cl.exceptions import InvalidBatchError, MissingDependencyError
@@ -84,6 +86,19 @@ MAX_INPUTS, MAX_DIM, MAX_ROW_ELEMENTS = 64, 1_000_000, 50_000_000
 
 
 def _ort() -> Any:
+class _WithoutTorchFrontend(importlib.abc.MetaPathFinder):
+    """Refuses ``onnxruntime.training`` while ``onnxruntime`` first loads.
+
+    Its import-time build check imports ORTModule, the PyTorch frontend, and with it torch
+    (~600 MB) wherever torch is installed; the runtime uses neither, and the check treats
+    the refusal as "no ORTModule".
+    """
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "onnxruntime.training" or name.startswith("onnxruntime.training."):
+            raise ImportError("the device runtime loads ONNX Runtime without its PyTorch frontend")
+
+
     """ONNX Runtime's training bindings (no torch), logging warnings and errors only."""
     try:
         from onnxruntime.capi import _pybind_state as C
@@ -93,6 +108,9 @@ def _ort() -> Any:
         raise MissingDependencyError("onnxruntime-training-cpu", "onnx")
     C.set_default_logger_severity(3)
     return C
+    finally:
+        if guard is not None:
+            sys.meta_path.remove(guard)
 
 
 # ------------------------------------------------------------------ manifest
@@ -105,11 +123,13 @@ class TensorSpec:
     shape: tuple[int, ...]
 
     def as_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": ["batch", *self.shape]}
+        bound = {} if self.bound is None else {"bound": self.bound}
+        return {"name": self.name, "dtype": self.dtype, "shape": ["batch", *self.shape], **bound}
 
 
 @dataclass(frozen=True)
 class RunningStat:
+    bound: int | None = None
     """A BatchNorm running statistic the training graph outputs and the device writes back.
 
     ``momentum`` is PyTorch's; ``per_sample`` the elements per channel of one sample (the
@@ -184,7 +204,12 @@ def _tensor(value: Any, what: str, dtypes: Sequence[str]) -> TensorSpec:
     dtype = value.get("dtype")
     if dtype not in dtypes:
         raise _fail(f"{what}.dtype", dtype, f"one of {tuple(dtypes)}")
-    return TensorSpec(_name(value.get("name"), f"{what}.name"), str(dtype), tuple(dims))
+    bound = value.get("bound")
+    if bound is not None and dtype not in ("int64", "int32"):
+        raise _fail(f"{what}.bound", bound, "absent for a non-integer input")
+    if bound is not None:
+        bound = _int(value, "bound", 1, 2**62, f"{what}.")
+    return TensorSpec(_name(value.get("name"), f"{what}.name"), str(dtype), tuple(dims), bound)
 
 
 def _optimizer(value: Any) -> dict[str, Any]:

@@ -20,6 +20,9 @@ and buffer (so names and values are unchanged):
   takes its output shape from the graph, where the batch axis is dynamic, and kills the
   process (SIGFPE) on the first training step; global pooling (``GlobalAveragePool``)
   trains and is kept.
+- ``EmbeddingBag``: gather, mask and reduce
+  (:class:`~taste_cl.adapters.device.embeddings.GatherEmbeddingBag`; the exporter refuses it
+  with a ``padding_idx`` and otherwise emits a ``Loop`` ONNX Runtime cannot differentiate).
 - ``Dropout`` is kept as it is; the parity gate's reference turns it off with the shared
   :func:`~taste_cl.adapters.device.transforms.disable_dropout` (re-exported here).
 
@@ -35,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from taste_cl.adapters.device.embeddings import GatherEmbeddingBag, check_rewritable
 from taste_cl.adapters.device.transforms import FrozenBatchNorm, disable_dropout
 
 __all__ = ["BATCHNORM_MODES", "apply_transforms", "check_equivalent", "disable_dropout", "eval_outputs"]
@@ -191,6 +195,9 @@ def apply_transforms(model: nn.Module, *, batchnorm: str = "frozen") -> list[str
             module.__class__ = _ExportLayerNorm
         elif kind in _POOLS:
             module.__class__ = _POOLS[kind]
+        elif kind is nn.EmbeddingBag:
+            check_rewritable(module, path or "<model>")
+            module.__class__ = GatherEmbeddingBag
         elif kind in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d) and batchnorm == "frozen":
             if module.running_mean is None:
                 raise ValueError(
