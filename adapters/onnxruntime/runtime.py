@@ -25,7 +25,6 @@ import io
 import math
 import os
 import tempfile
-import sys
 import threading
 import time
 import zipfile
@@ -45,7 +44,6 @@ from taste_cl.adapters.device.artifacts import (
     write_manifest,
 )
 from taste_cl.adapters.onnxruntime.ort_checkpoint import CheckpointInfo, read_checkpoint
-from taste_cl.adapters.device.class_slots import ClassSlots, parse_active_classes
 from taste_cl.adapters.onnxruntime.proto import Signature, ValueInfo, check_no_external_data, read_signature
 from taste_cl.adapters.web.compat import REPLAY_BINARY, WEB_MANIFEST, WEB_OPTIMIZER_MODEL, add_web_artifacts
 from taste_cl.exceptions import InvalidBatchError, MissingDependencyError
@@ -86,19 +84,6 @@ MAX_INPUTS, MAX_DIM, MAX_ROW_ELEMENTS = 64, 1_000_000, 50_000_000
 
 
 def _ort() -> Any:
-class _WithoutTorchFrontend(importlib.abc.MetaPathFinder):
-    """Refuses ``onnxruntime.training`` while ``onnxruntime`` first loads.
-
-    Its import-time build check imports ORTModule, the PyTorch frontend, and with it torch
-    (~600 MB) wherever torch is installed; the runtime uses neither, and the check treats
-    the refusal as "no ORTModule".
-    """
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
-        if name == "onnxruntime.training" or name.startswith("onnxruntime.training."):
-            raise ImportError("the device runtime loads ONNX Runtime without its PyTorch frontend")
-
-
     """ONNX Runtime's training bindings (no torch), logging warnings and errors only."""
     try:
         from onnxruntime.capi import _pybind_state as C
@@ -108,19 +93,20 @@ class _WithoutTorchFrontend(importlib.abc.MetaPathFinder):
         raise MissingDependencyError("onnxruntime-training-cpu", "onnx")
     C.set_default_logger_severity(3)
     return C
-    finally:
-        if guard is not None:
-            sys.meta_path.remove(guard)
 
 
 # ------------------------------------------------------------------ manifest
 @dataclass(frozen=True)
 class TensorSpec:
-    """One graph input or target: its name, dtype and shape without the batch axis."""
+    """One graph input or target: its name, dtype and shape without the batch axis.
+
+    ``bound``: an integer input of embedding ids takes values in ``[0, bound)`` (the table size).
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    bound: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         bound = {} if self.bound is None else {"bound": self.bound}
@@ -129,7 +115,6 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class RunningStat:
-    bound: int | None = None
     """A BatchNorm running statistic the training graph outputs and the device writes back.
 
     ``momentum`` is PyTorch's; ``per_sample`` the elements per channel of one sample (the
@@ -359,7 +344,17 @@ def _array(value: Any, spec: TensorSpec, what: str, n: int | None) -> np.ndarray
         raise InvalidBatchError(f"{what} has {array.shape[0]} rows, must have {n if n is not None else 'at least 1'}")
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise InvalidBatchError(f"{what} holds NaN or infinite values")
+    problem = _bad_ids(array, spec)
+    if problem:
+        raise InvalidBatchError(f"{what} holds {problem}")
     return np.ascontiguousarray(array, dtype=spec.dtype)
+
+
+def _bad_ids(array: np.ndarray, spec: TensorSpec) -> str | None:
+    """Why embedding ids are outside their table (ONNX Runtime's Gather wraps negative ids), or None."""
+    if spec.bound is None or not array.size or 0 <= array.min() <= array.max() < spec.bound:
+        return None
+    return f"ids in [{array.min()}, {array.max()}], must be in [0, {spec.bound - 1}] (the embedding table's rows)"
 
 
 def _leaves(x: Any, spec: DeviceSpec) -> list[Any]:
@@ -485,6 +480,9 @@ class NumpyReplay:
                 raise ArtifactError(f"{REPLAY_FILE}: array {key!r} is {array.dtype} {array.shape}, must be {dtype} {(size, *shape)}")
             if array.dtype.kind == "f" and not np.isfinite(array).all():
                 raise ArtifactError(f"{REPLAY_FILE}: array {key!r} holds NaN or infinite values")
+        bad_ids = [f"{key!r} holds {problem}" for key, item in zip(expected, spec.inputs) if (problem := _bad_ids(arrays[key], item))]
+        if bad_ids:
+            raise ArtifactError(f"{REPLAY_FILE}: array {bad_ids[0]}")
         y = arrays["y"]
         problem = _bad_labels(y, spec)
         if problem:
