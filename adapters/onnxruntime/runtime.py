@@ -539,7 +539,9 @@ class OrtSession:
         if outputs[:2] != [LOSS_NAME, OUTPUT_NAME] or [stat.output for stat in spec.running_stats] != outputs[2:]:
             raise ArtifactError(f"the training graph's outputs are {outputs}, not what the manifest describes")
         self.lr = spec.optimizer["lr"]
-        self.sgd_state = dict(sgd_state or {})
+        # own copies: the in-place update must not write into the caller's arrays (an exporter's torch buffers)
+        self.sgd_state = {name: np.array(value, np.float32) for name, value in (sgd_state or {}).items()}
+        self._scratch_buffer = np.empty(0, np.float32)
         self._C = C
 
     @property
@@ -563,13 +565,15 @@ class OrtSession:
         self.module.lazy_reset_grad()
         fetched = self._run(inputs, labels, True)
         loss = float(fetched[0])
-        grads = {name: self.state.get_parameter(name).grad.numpy() for name in self.spec.trainable}
-        skipped = not math.isfinite(loss) or not all(np.isfinite(g).all() for g in grads.values())
+        # views of ORT's own buffers (no copies): the update below writes the weights in place
+        params = [self.state.get_parameter(name) for name in self.spec.trainable]
+        grads = {name: param.grad.numpy() for name, param in zip(self.spec.trainable, params)}
+        skipped = not math.isfinite(loss) or not all(_finite(g) for g in grads.values())
         if not skipped:
             if self.optimizer is not None:
                 self.optimizer.optimizer_step()
             else:
-                self._sgd_step(grads)
+                self._sgd_step(grads, [param.data.numpy() for param in params])
             self._write_running_stats(fetched[2:], labels.shape[0])
         return fetched[1], loss, skipped
 
@@ -585,20 +589,39 @@ class OrtSession:
     def _write(self, name: str, value: np.ndarray) -> None:
         self.state.copy_parameter_from(name, self._C.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self._device))
 
-    def _sgd_step(self, grads: dict[str, np.ndarray]) -> None:
-        """PyTorch's SGD update (weight decay, momentum, dampening, Nesterov) in numpy."""
+    def _sgd_step(self, grads: dict[str, np.ndarray], weights: list[np.ndarray]) -> None:
+        """PyTorch's SGD update (weight decay, momentum, dampening, Nesterov) in numpy, in place.
+
+        ``grads`` and ``weights`` are views of ONNX Runtime's gradient and parameter buffers:
+        the gradients are scratch (the next step's ``lazy_reset_grad`` overwrites them) and the
+        weights are updated where ORT reads them, so a step copies no parameter. The operations
+        and their rounding are PyTorch's: ``buf = momentum * buf + (1 - dampening) * grad``,
+        then ``weight -= lr * step``.
+        """
         config = self.spec.optimizer
         momentum, dampening, decay = config["momentum"], config["dampening"], config["weight_decay"]
-        for name, grad in grads.items():
-            weight = self.state.get_parameter(name).data.numpy()
+        for (name, grad), weight in zip(grads.items(), weights):
             if decay:
-                grad = grad + decay * weight
+                grad += np.multiply(weight, decay, out=self._scratch(weight))
+            step = grad
             if momentum:
                 buffer = self.sgd_state.get(name)
-                buffer = grad.copy() if buffer is None else momentum * buffer + (1 - dampening) * grad
-                self.sgd_state[name] = buffer
-                grad = grad + momentum * buffer if config["nesterov"] else buffer
-            self._write(name, weight - self._lr * grad)
+                if buffer is None:
+                    buffer = self.sgd_state[name] = grad.copy()
+                else:
+                    buffer *= momentum
+                    buffer += grad if dampening == 0 else np.multiply(grad, 1 - dampening, out=self._scratch(grad))
+                step = buffer
+                if config["nesterov"]:
+                    step = np.multiply(buffer, momentum, out=self._scratch(grad))
+                    step += grad
+            weight -= np.multiply(step, self._lr, out=self._scratch(weight))
+
+    def _scratch(self, like: np.ndarray) -> np.ndarray:
+        """A reused float32 buffer shaped like ``like`` (one allocation, the largest parameter's size)."""
+        if self._scratch_buffer.size < like.size:
+            self._scratch_buffer = np.empty(like.size, np.float32)
+        return self._scratch_buffer[: like.size].reshape(like.shape)
 
     def predict(self, inputs: list[np.ndarray]) -> np.ndarray:
         labels = np.zeros((inputs[0].shape[0], *self.spec.labels.shape), self.spec.labels.dtype)
@@ -620,6 +643,11 @@ class OrtSession:
     def sgd_order(self) -> list[str]:
         """The trainable parameters that have an SGD momentum buffer, in a fixed order."""
         return [name for name in self.spec.trainable if name in self.sgd_state]
+
+
+def _finite(values: np.ndarray) -> bool:
+    """Whether every element is finite: one summing pass, the element-wise check only when the sum is not finite."""
+    return math.isfinite(float(values.sum())) or bool(np.isfinite(values).all())
 
 
 def _load_sgd_state(data: bytes, spec: DeviceSpec, manifest: Mapping[str, Any], shapes: dict[str, tuple]) -> dict:
