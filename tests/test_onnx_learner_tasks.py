@@ -119,14 +119,3 @@ def test_nested_inputs_are_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match=r"x\['pair'\] is a tuple, not a tensor: the device runtime takes a tensor or a flat"):
         learner.export_onnx(tmp_path / "art")
     assert not (tmp_path / "art").exists()
-
-
-def test_executorch_refuses_a_buffer_of_dict_inputs_before_lowering(tmp_path: Path) -> None:
-    pytest.importorskip("executorch")
-    torch.manual_seed(0)
-    model = TextClassifier(dim=16)
-    learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), replay=ReservoirReplay(16))
-    learner.observe(ZOO["text_transformer"].batch(8, 0))
-    with pytest.raises(ExportError, match=r"single-tensor inputs only .* this learner's inputs are a dict: pass include_replay=False"):
-        learner.export(tmp_path / "art", backend="executorch")
-    assert not (tmp_path / "art").exists()

@@ -46,6 +46,7 @@ from taste_cl.adapters.device.artifacts import (
     staged_folder,
     write_manifest,
 )
+from taste_cl.adapters.device.embeddings import index_bounds, rewrite_embedding_bags
 from taste_cl.adapters.device.learner_data import buffered_rows, synthetic_example, task_targets
 from taste_cl.adapters.device.parity import ParityReport, TorchTrainer, check_parity
 from taste_cl.adapters.device.trainable import freeze_untrained, trained_parameters
@@ -174,10 +175,12 @@ def _parity_batches(example: tuple[Any, torch.Tensor], steps: int) -> list[tuple
 
 def _prepare(model: nn.Module, trained: Sequence[str], transforms: Sequence[str]) -> tuple[nn.Module, list[str]]:
     """A float32 CPU copy of ``model`` in training mode, only ``trained`` requiring gradients
-    (the device's SGD never sees the rest), ``transforms`` applied; with the transforms that changed it."""
+    (the device's SGD never sees the rest), ``nn.EmbeddingBag`` rewritten (ExecuTorch 1.5 has no
+    ``_embedding_bag_backward``; the rewrite is exact) and ``transforms`` applied; with the transforms that changed it."""
     prepared = copy.deepcopy(model).cpu().float().train()
     freeze_untrained(prepared, trained)
-    return prepared, apply_transforms(prepared, transforms)
+    rewritten = ["rewrite_embedding_bags"] if rewrite_embedding_bags(prepared) else []
+    return prepared, rewritten + apply_transforms(prepared, transforms)
 
 
 def _reference(prepared: nn.Module, loss_fn: Callable[..., torch.Tensor], sgd: dict[str, Any]) -> TorchTrainer:
@@ -248,7 +251,8 @@ def export_model(
             "_native_batch_norm_legit_functional); pass transforms=('freeze_batchnorm',) to train it as an "
             "affine layer with frozen statistics, or use backend='onnxruntime'"
         )
-    spec = IOSpec.of(x, y, num_classes)
+    leaves = dict(x) if isinstance(x, Mapping) else {"input": x}
+    spec = IOSpec.of(x, y, num_classes, index_bounds(prepared, partial(call_model, prepared, x), leaves))
     start = time.perf_counter()
     lowered = _lower(prepared, loss_fn, x, y, max_batch_size)
     _check_kernels(lowered)
@@ -323,16 +327,6 @@ def _learner_example(learner: OnlineLearner, example: tuple[Any, Any] | None) ->
     return x, task_targets(learner.task, x, y, learner.output_shape)
 
 
-def _check_replay_exportable(x: Any) -> None:
-    """Refuse, before the slow lowering, a buffer the ExecuTorch folder cannot hold (structured inputs)."""
-    if isinstance(x, (Mapping, list, tuple)):
-        raise ExportError(
-            "the ExecuTorch backend ships replay buffers of single-tensor inputs only (its replay.npz and device "
-            f"buffer hold one array); this learner's inputs are a {type(x).__name__}: pass include_replay=False "
-            "(the device then trains without replay) or use backend='onnxruntime', which ships structured buffers"
-        )
-
-
 def _replay_writer(replay: ReplayStrategy | None) -> Callable[[Path], dict[str, Any]]:
     def write(stage: Path) -> dict[str, Any]:
         return {"replay": None if replay is None else save_replay(stage / REPLAY, replay)}
@@ -365,8 +359,6 @@ def export(
         base = _learner_example(learner, example)
         # the program outputs the tensor the learner trains on (the model's output picked by learner.output)
         model = selecting(model, learner.output, base[0] if learner.output_shape is None else None)
-        if replay is not None:
-            _check_replay_exportable(base[0])
         extra = {
             "batch_plan": None
             if plan is None

@@ -54,20 +54,22 @@ def executorch_runtime() -> Any:
 
 @dataclass(frozen=True)
 class LeafSpec:
-    """One tensor of a batch: the shape after the batch dimension and the dtype name."""
+    """One tensor of a batch: the shape after the batch dimension and the dtype name; ``bound``:
+    integer embedding ids take values in ``[0, bound)`` (checked before the program runs)."""
 
     shape: tuple[int, ...]
     dtype: str
+    bound: int | None = None
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> LeafSpec:
+    def of(cls, tensor: torch.Tensor, bound: int | None = None) -> LeafSpec:
         name = str(tensor.dtype).removeprefix("torch.")
         if name not in _DTYPES:
             raise ValueError(f"tensors of dtype {tensor.dtype} cannot be exported; use one of {sorted(_DTYPES)}")
-        return cls(tuple(int(d) for d in tensor.shape[1:]), name)
+        return cls(tuple(int(d) for d in tensor.shape[1:]), name, bound)
 
     def to_json(self) -> dict[str, Any]:
-        return {"shape": ["batch", *self.shape], "dtype": self.dtype}
+        return {"shape": ["batch", *self.shape], "dtype": self.dtype, **({} if self.bound is None else {"bound": self.bound})}
 
     @classmethod
     def from_json(cls, value: Any, what: str) -> LeafSpec:
@@ -76,7 +78,10 @@ class LeafSpec:
         shape = value["shape"][1:]
         if value["shape"][:1] != ["batch"] or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
             raise ValueError(f"manifest {what} shape {value['shape']!r} must be ['batch', positive ints...]")
-        return cls(tuple(shape), value["dtype"])
+        bound = value.get("bound")
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1 or value["dtype"].startswith("float")):
+            raise ValueError(f"manifest {what} bound {bound!r} must be null or, for integer ids, an int >= 1")
+        return cls(tuple(shape), value["dtype"], bound)
 
     def coerce(self, value: Any, name: str, n: int | None) -> torch.Tensor:
         """``value`` as a fresh tensor of this spec; :class:`InvalidBatchError` naming ``name`` otherwise."""
@@ -93,6 +98,10 @@ class LeafSpec:
         dtype = _DTYPES[self.dtype]
         if dtype.is_floating_point != (tensor.is_floating_point()):
             raise InvalidBatchError(f"{name} has dtype {tensor.dtype}, expected {self.dtype}")
+        if self.bound is not None and tensor.numel() and not 0 <= int(tensor.min()) <= int(tensor.max()) < self.bound:
+            raise InvalidBatchError(
+                f"{name} holds ids in [{int(tensor.min())}, {int(tensor.max())}], must be in [0, {self.bound - 1}] (the embedding table's rows)"
+            )
         tensor = tensor.to(dtype, copy=True).contiguous()
         if dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
             raise InvalidBatchError(f"{name} contains non-finite values (NaN or inf)")
@@ -109,11 +118,13 @@ class IOSpec:
     num_classes: int | None
 
     @classmethod
-    def of(cls, x: Any, y: torch.Tensor, num_classes: int | None) -> IOSpec:
+    def of(cls, x: Any, y: torch.Tensor, num_classes: int | None, bounds: Mapping[str, int] | None = None) -> IOSpec:
+        """The spec of an example batch; ``bounds``: embedding table sizes by input key (``"input"`` for a tensor ``x``)."""
+        bounds = bounds or {}
         if isinstance(x, Mapping):
             keys = tuple(str(k) for k in x)
-            return cls(keys, tuple(LeafSpec.of(x[k]) for k in keys), LeafSpec.of(y), num_classes)
-        return cls(None, (LeafSpec.of(x),), LeafSpec.of(y), num_classes)
+            return cls(keys, tuple(LeafSpec.of(x[k], bounds.get(k)) for k in keys), LeafSpec.of(y), num_classes)
+        return cls(None, (LeafSpec.of(x, bounds.get("input")),), LeafSpec.of(y), num_classes)
 
     def to_json(self) -> dict[str, Any]:
         return {
