@@ -34,7 +34,7 @@ from taste_cl.adapters.device.artifacts import (
     ExportError,
     read_manifest,
 )
-from taste_cl.adapters.device.learner_data import buffered_rows, synthetic_example
+from taste_cl.adapters.device.learner_data import BufferedRows, buffered_rows, synthetic_example
 from taste_cl.adapters.device.parity import ParityError, ParityReport, TrainingDivergesError
 from taste_cl.adapters.onnxruntime.build import (
     ReplayRows,
@@ -120,6 +120,10 @@ def export(
                 "the learner's buffer holds fewer than 2 rows and the learner was built without input_shape= and num_classes=: "
                 "pass example=(x, y) with at least 2 rows"
             )
+    if include_replay and rows is None and learner.replay is not None and learner.replay.capacity:
+        # an empty buffer still ships (its capacity and seed): the device rehearses once it holds rows
+        seed = learner.replay.state_dict().get("seed", 0)
+        rows = BufferedRows(index_batch(example[0], slice(0, 0)), example[1][:0], int(learner.replay.capacity), 0, int(seed))
     batches = None
     if rows is not None and len(rows) >= 2:
         steps = options.get("parity_steps", 3)

@@ -21,9 +21,11 @@ Install on a device (about 270 MB)::
 
 from __future__ import annotations
 
+import importlib.abc
 import io
 import math
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -83,12 +85,31 @@ MAX_CLASSES, MAX_ITERATIONS, MAX_REPLAY_BATCH, MAX_CAPACITY = 100_000, 1_000, 10
 MAX_INPUTS, MAX_DIM, MAX_ROW_ELEMENTS = 64, 1_000_000, 50_000_000
 
 
+class _WithoutTorchFrontend(importlib.abc.MetaPathFinder):
+    """Refuses ``onnxruntime.training`` while ``onnxruntime`` first loads.
+
+    Its import-time build check imports ORTModule, the PyTorch frontend, and with it torch
+    (~600 MB) wherever torch is installed; the runtime uses neither, and the check treats
+    the refusal as "no ORTModule".
+    """
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "onnxruntime.training" or name.startswith("onnxruntime.training."):
+            raise ImportError("the device runtime loads ONNX Runtime without its PyTorch frontend")
+
+
 def _ort() -> Any:
     """ONNX Runtime's training bindings (no torch), logging warnings and errors only."""
+    guard = _WithoutTorchFrontend() if "onnxruntime" not in sys.modules and "torch" not in sys.modules else None
+    if guard is not None:
+        sys.meta_path.insert(0, guard)
     try:
         from onnxruntime.capi import _pybind_state as C
     except ImportError as error:
         raise MissingDependencyError("onnxruntime-training-cpu", "onnx") from error
+    finally:
+        if guard is not None:
+            sys.meta_path.remove(guard)
     if not hasattr(C, "CheckpointState"):
         raise MissingDependencyError("onnxruntime-training-cpu", "onnx")
     C.set_default_logger_severity(3)
@@ -950,6 +971,28 @@ class OrtOnlineLearner:
         with self._lock:
             return self.session.parameters()
 
+    def load_parameters(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Overwrite parameters by their PyTorch names (a fleet's aggregate, say); frozen ones too.
+
+        Every array is checked first (a known name, the parameter's shape and dtype, finite
+        values), so a bad one raises ``ValueError`` and changes nothing. Optimizer state and
+        the buffer are kept.
+        """
+        with self._lock:
+            current = self.session.parameters()
+            by_torch_name = {torch_name: name for name, torch_name in self.spec.param_names.items()}
+            for name, value in arrays.items():
+                if name not in current:
+                    raise ValueError(f"`{name}` is not a parameter of this model; its parameters are {sorted(current)}")
+                value = np.asarray(value)
+                want = current[name]
+                if value.shape != want.shape or value.dtype != want.dtype:
+                    raise ValueError(f"`{name}` must be {want.dtype} of shape {want.shape}; got {value.dtype} of shape {value.shape}")
+                if not np.isfinite(value).all():
+                    raise ValueError(f"`{name}` holds NaN or infinite values")
+            for name, value in arrays.items():
+                self.session._write(by_torch_name[name], np.asarray(value))
+
     def observe(self, batch: Any) -> ObserveStats:
         """Train on one batch ``(x, y)`` (or ``{"x": x, "y": y}``) mixed with replay, then buffer it."""
         with self._lock:
@@ -1017,11 +1060,13 @@ class OrtOnlineLearner:
                 raise
         return target
 
-    def save(self, directory: str | os.PathLike[str]) -> Path:
+    def save(self, directory: str | os.PathLike[str], *, web: bool = True) -> Path:
         """Write weights, optimizer state and buffer as a new artifact folder that :meth:`from_artifacts` resumes.
 
         The folder is complete or absent (staged, then swapped into place); like an export it
-        is made loadable by the browser learner where the model allows (the manifest's ``"web"``).
+        is made loadable by the browser learner where the model allows (the manifest's
+        ``"web"``). ``web=False`` leaves the browser files out: faster, and it needs no
+        ``onnx`` and no ONNX Runtime training API (which imports torch where it is installed).
         """
         with self._lock, staged_folder(directory) as stage:
             for name in (TRAINING_MODEL, EVAL_MODEL, OPTIMIZER_MODEL):
@@ -1038,6 +1083,9 @@ class OrtOnlineLearner:
                 replay=self.replay.info() if self.replay is not None else None,
                 counters={"samples_seen": self.samples_seen, "steps": self.steps},
             )
+            if not web:
+                manifest["web"] = {"skipped": "saved with web=False"}
             write_manifest(stage, manifest)
-            add_web_artifacts(stage)
+            if web:
+                add_web_artifacts(stage)
         return Path(directory).absolute()
