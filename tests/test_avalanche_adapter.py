@@ -80,7 +80,7 @@ def test_core_and_adapter_imports_do_not_import_avalanche():
         "import sys, taste_cl, taste_cl.adapters.avalanche\n"
         "assert not any(m == 'avalanche' or m.startswith('avalanche.') for m in sys.modules), 'avalanche imported'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600)  # a hang guard: avalanche imports slowly on a loaded machine
 
 
 def test_missing_avalanche_raises_install_hint(monkeypatch):

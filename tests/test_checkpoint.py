@@ -67,7 +67,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=600)
     assert result.returncode == -signal.SIGKILL, result.stderr.decode()
     uninterrupted = tiny_learner()
     for seed in range(20):
