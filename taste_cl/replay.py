@@ -237,6 +237,15 @@ class BufferStorage:
         fields = {name: t[: self._size] for name, t in self._fields.items()}
         return x[0] if self._spec.is_tensor else unflatten(self._spec, x), self._y[: self._size], fields
 
+    def widen_field(self, name: str, columns: torch.Tensor) -> None:
+        """Append ``columns`` ``(len, k)`` to the per-sample rows of field ``name`` (DER++'s
+        logits when the classifier grows; see :mod:`taste_cl.learner.heads`)."""
+        store = self._fields[name]
+        wide = store.new_zeros((self.capacity, store.shape[1] + columns.shape[1]))
+        wide[:, : store.shape[1]] = store
+        wide[: self._size, store.shape[1] :] = columns
+        self._fields[name] = wide
+
     def gather_fields(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Return copies of the extra fields at ``slots``."""
         return {name: t.index_select(0, _on(slots, t)) for name, t in self._fields.items()}

@@ -146,6 +146,8 @@ def _class_targets(
             low, high = label_range(valid)
             if low < 0 or high >= num_classes:
                 extra = "" if ignore_index is None else f" (or {ignore_index}, ignored)"
+                if high >= num_classes and task == "classification":  # a class the model never saw
+                    extra += "; a class the model never saw needs a classifier that grows: OnlineLearner(..., max_classes=N), N above the label"
                 raise InvalidBatchError(f"y has label {low if low < 0 else high} out of range; labels must be in [0, {num_classes - 1}]{extra}")
     return y.to(device=device, dtype=torch.long, copy=True)
 

@@ -24,6 +24,7 @@ from torch import nn
 from taste_cl._batch import Inputs, Spec, as_tensor, batch_len, call_model, index_batch, leaves
 from taste_cl._checks import check_int
 from taste_cl.exceptions import InvalidBatchError
+from taste_cl.learner.heads import MAX_CLASSES, check_growable
 from taste_cl.outputs import OutputSelector, describe_output, select_checked
 from taste_cl.replay import ClassBalancedReplay, ReplayStrategy
 from taste_cl.tasks import Classification, Task, infer_task
@@ -72,10 +73,14 @@ def settle_first_batch(learner: OnlineLearner, x: Inputs, spec: Spec, raw_y: Any
     num_classes = task.num_classes(output_shape)
     if learner.num_classes is not None and num_classes != learner.num_classes:
         raise ValueError(f"model outputs {num_classes} logits but num_classes={learner.num_classes}")
-    y = task.to_targets(raw_y, n=n, output_shape=output_shape, dtype=dtype, device=device)
+    label_shape = output_shape
+    if learner.max_classes is not None:  # labels up to max_classes - 1: the classifier grows to them
+        check_growable(task, output_shape, learner.max_classes)
+        label_shape = (learner.max_classes,)
+    y = task.to_targets(raw_y, n=n, output_shape=label_shape, dtype=dtype, device=device)
     check_replay_fits(learner.replay, task)
     learner.strategy.check(task, learner.replay)
-    _check_scalar_loss(learner.loss_fn, out, y[:1])
+    _check_scalar_loss(learner.loss_fn, out, y[:1].clamp(max=output_shape[0] - 1) if label_shape != output_shape else y[:1])
     monitor = learner.monitor
     if task != monitor.task and (monitor.steps or monitor.samples_seen):
         raise ValueError(f"the monitor already scored {monitor.task!r}; this learner's task is {task!r}")
@@ -91,6 +96,7 @@ def check_arguments(
     train_iterations: int,
     num_classes: int | None,
     plugins: Sequence[LearnerPlugin],
+    max_classes: int | None = None,
 ) -> None:
     """The constructor's arguments that are checked on their own: types, ranges, unique plugin names."""
     if not isinstance(model, nn.Module):
@@ -101,6 +107,8 @@ def check_arguments(
     check_int("train_iterations", train_iterations, 1)
     if num_classes is not None and num_classes < 1:
         raise ValueError(f"`num_classes == {num_classes}`, must be >= 1")
+    if max_classes is not None and (check_int("max_classes", max_classes, 1) > MAX_CLASSES):
+        raise ValueError(f"`max_classes == {max_classes}`, must be <= {MAX_CLASSES}")
     names = [plugin.name for plugin in plugins]
     if len(set(names)) != len(names):
         raise ValueError(f"plugin names must be unique (they key checkpoint state); got {names}")

@@ -41,6 +41,7 @@ from taste_cl._batch import BatchLike, Inputs, Spec, batch_len, call_model, cat_
 from taste_cl.guards.update import UpdateGuard
 from taste_cl.learner.batching import BatchPlan, MicroBatcher, OnBatcher, plan_from, rescale_lr
 from taste_cl.learner.checks import check_arguments, check_optimizer_covers, check_replay_fits, settle_first_batch
+from taste_cl.learner.heads import plan_growth
 from taste_cl.learner.stats import ObserveStats, Totals
 from taste_cl.monitor.monitor import StabilityPlasticityMonitor
 from taste_cl.outputs import OutputLike, OutputSelector, resolve_output, select_checked
@@ -95,6 +96,11 @@ class OnlineLearner:
         classification for ``(n, C, t)`` outputs), MSE/L1/SmoothL1/Huber -> regression,
         BCE -> multi-label. For another loss, integer targets mean classification and
         float targets need ``task=``.
+    max_classes:
+        Let a classifier grow at run time, up to this many classes: a label at or above
+        the model's output width widens its last ``nn.Linear`` before the batch trains
+        (a class the pretrained model never saw; see :mod:`taste_cl.learner.heads`).
+        Default None: the width is fixed and a larger label is refused.
     replay:
         A :class:`~taste_cl.replay.ReplayStrategy`, or None to train on the stream only.
     replay_batch_size:
@@ -140,8 +146,9 @@ class OnlineLearner:
         task: Task | str | None = None,
         strategy: Strategy | str | None = None,
         output: OutputLike | None = None,
+        max_classes: int | None = None,
     ) -> None:
-        check_arguments(model, replay, replay_batch_size, train_iterations, num_classes, plugins)
+        check_arguments(model, replay, replay_batch_size, train_iterations, num_classes, plugins, max_classes)
         self.output: OutputSelector | None = resolve_output(output)  # settled on the first batch when None
         self.model = model
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
@@ -155,6 +162,7 @@ class OnlineLearner:
         self.replay_batch_size = replay_batch_size
         self.train_iterations = train_iterations
         self.num_classes = num_classes
+        self.max_classes = max_classes
         self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
         self.input_spec: Spec | None = None if self.input_shape is None else Spec("tensor", "float", "", self.input_shape)
         self.output_shape: tuple[int, ...] | None = None
@@ -424,12 +432,19 @@ class OnlineLearner:
         if self.output_shape is None:
             return x, self._first_batch(x, spec, raw_y)
         assert self.task is not None
-        return x, self.task.to_targets(raw_y, n=batch_len(x), output_shape=self.output_shape, dtype=dtype, device=device)
+        if self.max_classes is None:
+            return x, self.task.to_targets(raw_y, n=batch_len(x), output_shape=self.output_shape, dtype=dtype, device=device)
+        y = self.task.to_targets(raw_y, n=batch_len(x), output_shape=(self.max_classes,), dtype=dtype, device=device)
+        grow = plan_growth(self, x, y, self.output_shape, self.output)
+        if grow is not None:
+            grow()
+        return x, y
 
     def _first_batch(self, x: Inputs, spec: Spec, raw_y: Any) -> torch.Tensor:
         """Settle the task, input spec and output shape on the first batch (see
         :func:`~taste_cl.learner.checks.settle_first_batch`); commit them only if every check passes."""
         first = settle_first_batch(self, x, spec, raw_y)
+        grow = None if self.max_classes is None else plan_growth(self, x, first.targets, first.output_shape, first.output, first=True)
         self.monitor.set_task(first.task)
         self.task, self.input_spec, self.output_shape = first.task, first.spec, first.output_shape
         self.input_shape = first.spec.shape if first.spec.is_tensor else None
@@ -441,6 +456,8 @@ class OnlineLearner:
                 first.returned, first.output,
             )  # fmt: skip
         self.output = first.output
+        if grow is not None:
+            grow()
         return first.targets
 
     # ----------------------------------------------------------- checkpoints

@@ -26,7 +26,8 @@ samples, ``"auto"`` (default) uses ``"eval"`` only for models whose output chang
 train/eval mode (checked once, on a copy, on the first batch).
 
 Other components subscribe to its events (``drift_detected``, ``forgetting_rising``,
-``numerical_fault``, ``update_regressed``, the guard's ``update_rolled_back`` and the tuner's ``load_shift``) with :meth:`subscribe`.
+``numerical_fault``, ``update_regressed``, the guard's ``update_rolled_back``, the tuner's ``load_shift`` and a grown classifier's
+``classes_added``) with :meth:`subscribe`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ EVENT_NAMES = (
     "retuned",
     "update_regressed",
     "update_rolled_back",
+    "classes_added",
 )
 
 

@@ -26,6 +26,7 @@ from taste_cl._batch import Inputs, Spec, count_nonfinite, leaves, map_leaves, t
 from taste_cl._checks import INT_LIMIT
 from taste_cl.exceptions import CheckpointError
 from taste_cl.guards.update import UpdateGuard, hyperparameter_problem
+from taste_cl.learner.heads import MAX_CLASSES, grow_for_state
 from taste_cl.monitor.monitor import PREQUENTIAL_MODES, StabilityPlasticityMonitor
 from taste_cl.monitor.monitor import _parse_state as parse_monitor_state
 from taste_cl.outputs import restored_output
@@ -53,8 +54,8 @@ CONFIG_KEYS = {
     "optimizer_type",
 }
 """Keys of the ``config`` section; a new config entry is added here and checked in :func:`_config`."""
-OPTIONAL_CONFIG_KEYS = {"output"}
-"""``config`` keys that checkpoints written before them lack (``output``: None then)."""
+OPTIONAL_CONFIG_KEYS = {"output", "max_classes"}
+"""``config`` keys that checkpoints written before them lack (``output``, ``max_classes``: None then)."""
 MONITOR_CONFIG = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed", "prequential", "regression_threshold")
 _BUILTIN_REPLAY: dict[str, type[ReservoirReplay | ClassBalancedReplay]] = {
     "ReservoirReplay": ReservoirReplay,
@@ -262,9 +263,11 @@ def _config(ctx: _Context) -> Apply:
         raise _Invalid(str(error)) from error
     score_eval = config["score_eval"]
     strategy = learner.strategy
+    max_classes = _max_classes(config.get("max_classes"), ctx.num_classes)
 
     def apply() -> None:
         learner.output = output
+        learner.max_classes = max_classes
         learner.input_spec, learner.output_shape, learner.num_classes = ctx.input_spec, ctx.output_shape, ctx.num_classes
         learner.input_shape = shape
         learner.task = ctx.task if ctx.task is not None else learner.task
@@ -272,6 +275,13 @@ def _config(ctx: _Context) -> Apply:
         learner._score_eval = score_eval
 
     return apply
+
+
+def _max_classes(value: Any, num_classes: int | None) -> int | None:
+    """``config.max_classes``: None, or the bound a growing classifier's width stays within."""
+    if value is None:
+        return None
+    return _int("config.max_classes", value, num_classes or 1, MAX_CLASSES)
 
 
 def parse_task(value: Any) -> Task | None:
@@ -680,16 +690,30 @@ def _plugins(ctx: _Context) -> Apply:
 
 # ------------------------------------------------------------------------- entry
 def restore_state(learner: OnlineLearner, state: Any) -> None:
-    """Validate ``state`` against ``learner``, then apply it; all or nothing (see the module docstring)."""
-    applies = _parse_sections(learner, state)
-    _load_plugins(learner, state["plugins"])
+    """Validate ``state`` against ``learner``, then apply it; all or nothing (see the module docstring).
+
+    A checkpoint of a learner whose classifier grew (``max_classes``) first grows this
+    learner's to the same width (see :func:`~taste_cl.learner.heads.grow_for_state`), undone on any error."""
+    undo = grow_for_state(learner, state)
+    try:
+        applies = _parse_sections(learner, state)
+        _load_plugins(learner, state["plugins"])
+    except BaseException:
+        if undo is not None:
+            undo()
+        raise
     for apply in applies:
         apply()
 
 
 def validate_state(learner: OnlineLearner, state: Any) -> None:
     """Raise :class:`CheckpointError` unless ``state`` fits ``learner``; changes nothing."""
-    _parse_sections(learner, state)
+    undo = grow_for_state(learner, state)
+    try:
+        _parse_sections(learner, state)
+    finally:
+        if undo is not None:
+            undo()
 
 
 def _parse_sections(learner: OnlineLearner, state: Any) -> list[Apply]:
@@ -752,6 +776,7 @@ def build_parts(
         _int("config.replay_batch_size", config["replay_batch_size"])
         _int("config.train_iterations", config["train_iterations"], 1, 2**20)
         config = {**config, "task": parse_task(config["task"]), "strategy": parse_strategy(config["strategy"])}
+        _max_classes(config.get("max_classes"), None)  # the learner is built with it
         try:
             entries = 1 if config["input_spec"] is None else Spec.from_json(config["input_spec"]).entries
         except ValueError as error:
