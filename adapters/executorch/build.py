@@ -65,6 +65,7 @@ from taste_cl.adapters.executorch.runtime import (
     sgd_config,
 )
 from taste_cl.learner import OnlineLearner
+from taste_cl.learner.heads import reserved_slots
 from taste_cl.outputs import selecting
 from taste_cl.replay import ReplayStrategy
 
@@ -343,12 +344,15 @@ def export(
     lr: float | None = None,
     max_batch_size: int = 128,
     include_replay: bool = True,
+    reserved_classes: int = 0,
 ) -> Path:
     """Export an :class:`~taste_cl.OnlineLearner` for ExecuTorch training (see :func:`export_model`).
 
     The learning rate defaults to the learner's current one, which a batch plan has already
     scaled by its ``lr_scale`` (the plan is recorded; the device takes one step per
-    ``observe``); ``example`` defaults to the replay buffer's contents.
+    ``observe``); ``example`` defaults to the replay buffer's contents. ``reserved_classes``
+    widens the classifier by output slots the device activates on their first label (see
+    :mod:`taste_cl.adapters.device.class_slots`).
     """
     if not isinstance(learner, OnlineLearner):
         raise TypeError(f"learner must be a taste_cl.OnlineLearner; got {type(learner).__name__}")
@@ -359,6 +363,7 @@ def export(
         base = _learner_example(learner, example)
         # the program outputs the tensor the learner trains on (the model's output picked by learner.output)
         model = selecting(model, learner.output, base[0] if learner.output_shape is None else None)
+        active_classes = reserved_slots(model, optimizer, learner, reserved_classes, base[0])
         extra = {
             "batch_plan": None
             if plan is None
@@ -370,6 +375,7 @@ def export(
             "replay_batch_size": learner.replay_batch_size,
             "train_iterations": learner.train_iterations,
             "counters": {"samples_seen": learner.samples_seen, "steps": learner.steps},
+            **({} if active_classes is None else {"active_classes": active_classes}),
         }
     return export_model(
         model,
@@ -377,7 +383,7 @@ def export(
         optimizer,
         base,
         directory,
-        num_classes=learner.num_classes,
+        num_classes=learner.num_classes if active_classes is None else len(active_classes) + reserved_classes,
         transforms=transforms,
         lr=lr,
         max_batch_size=max_batch_size,

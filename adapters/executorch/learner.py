@@ -25,6 +25,7 @@ import torch
 
 from taste_cl._batch import split_batch
 from taste_cl.adapters.device.artifacts import ArtifactError, read_manifest, read_verified, staged_folder, write_manifest
+from taste_cl.adapters.device.class_slots import ClassSlots, parse_active_classes
 from taste_cl.adapters.executorch.replay import load_replay, save_replay
 from taste_cl.adapters.executorch.runtime import (
     BACKEND,
@@ -70,6 +71,8 @@ class EtOnlineLearner:
         counters = manifest.get("counters") or {}
         self.samples_seen = _count(counters.get("samples_seen", 0), "samples_seen", 0)
         self.steps = _count(counters.get("steps", 0), "steps", 0)
+        # reserved classifier slots activate on their first label (see adapters/device/class_slots.py)
+        self.classes = ClassSlots(parse_active_classes(manifest.get("active_classes"), self.spec.num_classes), self.spec.num_classes)
         self._lock = threading.RLock()
 
     @classmethod
@@ -127,6 +130,7 @@ class EtOnlineLearner:
             inputs = self.spec.flat_inputs(raw_x)
             n = inputs[0].shape[0]
             y = self.spec.targets(raw_y, n)
+            self.classes.activate(y.numpy())
             start = time.perf_counter()
             n_replay = min(self.replay_batch_size, len(self.replay)) if self.replay is not None else 0
             self.trainer.check_batch(n + n_replay)  # before the buffer draws: a refused batch changes nothing
@@ -175,12 +179,12 @@ class EtOnlineLearner:
     def _accuracy(self, outputs: torch.Tensor, y: torch.Tensor) -> float:
         if self.spec.num_classes is None or y.is_floating_point() or outputs.dim() != 2:
             return math.nan
-        return float((outputs.argmax(dim=1) == y).float().mean())
+        return float((self.classes.mask(outputs.numpy()).argmax(axis=1) == y.numpy()).mean())
 
     def predict(self, x: Any) -> np.ndarray:
-        """Model outputs for ``x``; changes no parameter."""
+        """Model outputs for ``x`` (reserved slots not yet in use: ``-inf``); changes no parameter."""
         with self._lock:
-            return self.trainer.predict(x)
+            return self.classes.mask(self.trainer.predict(x))
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write the program, the current parameters (``params.npz``) and the buffer as a new artifact folder.
@@ -199,6 +203,7 @@ class EtOnlineLearner:
                 optimizer={"type": "sgd", **self.trainer.sgd},
                 counters={"samples_seen": self.samples_seen, "steps": self.steps},
                 replay=None,
+                **self.classes.manifest(),
             )
             if self.replay is not None:
                 manifest["replay"] = save_replay(stage / REPLAY, self.replay)

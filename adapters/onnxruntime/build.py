@@ -597,6 +597,7 @@ def export_model(
     tolerance: float | None = None,
     opset: int = 17,
     task: Task | str | None = None,
+    active_classes: Sequence[int] | None = None,
 ) -> Path:
     """Write ONNX Runtime training artifacts for ``model`` trained with ``loss_fn`` and ``optimizer``.
 
@@ -617,7 +618,8 @@ def export_model(
     ``task`` (default: inferred from ``loss_fn`` and the output shape, as the learner does)
     validates and shapes every target batch like :class:`~taste_cl.OnlineLearner`'s: a
     regression target ``(n,)`` for an ``(n, 1)`` output is trained as ``(n, 1)`` (the device
-    takes either). Returns the published folder.
+    takes either). ``active_classes`` (classes in use when the classifier has reserved
+    slots) is recorded in the manifest. Returns the published folder.
     """
     _ort()
     if not isinstance(model, nn.Module):
@@ -697,6 +699,7 @@ def export_model(
         "counters": dict(counters or {"samples_seen": 0, "steps": 0}),
         "batch_size": batch_size,
         "replay": None,
+        **({} if active_classes is None else {"active_classes": list(active_classes)}),
     }
     feed = ([t.numpy() for t in ex_inputs], ex_labels.numpy())
     with staged_folder(directory) as stage:

@@ -51,6 +51,7 @@ from taste_cl.adapters.onnxruntime.runtime import (
     OrtOnlineLearner,
 )
 from taste_cl.learner import OnlineLearner
+from taste_cl.learner.heads import reserved_slots
 from taste_cl.outputs import selecting
 
 __all__ = [
@@ -82,6 +83,7 @@ def export(
     example: tuple[Any, Any] | None = None,
     optimizer: str | None = None,
     batch_size: int | None = None,
+    reserved_classes: int = 0,
     **options: Any,
 ) -> Path:
     """Export an :class:`~taste_cl.OnlineLearner` (model, loss, optimizer, counters, buffer).
@@ -91,7 +93,10 @@ def export(
     The parity gate trains on buffered rows. ``optimizer``
     (``"sgd"``/``"adamw"``) trains on the device with a fresh optimizer of that kind instead
     of the learner's (state not carried); ``batch_size`` (default: the tuned micro-batch)
-    is recorded in the manifest for the app. Every other keyword
+    is recorded in the manifest for the app. ``reserved_classes`` widens the exported
+    classifier by that many output slots that the device activates on their first label (a
+    class added after deployment, without a new export; see
+    :mod:`taste_cl.adapters.device.class_slots`). Every other keyword
     (``trainable``, ``batchnorm``, ``lr``, ``verify``, ``parity_steps``, ``tolerance``,
     ``opset``) goes to :func:`export_model`. Returns the published folder.
     """
@@ -130,6 +135,7 @@ def export(
         starts = [(i * _EXAMPLE_ROWS) % max(1, len(rows) - 1) for i in range(steps)]
         batches = [(index_batch(rows.x, slice(s, s + _EXAMPLE_ROWS)), rows.y[s : s + _EXAMPLE_ROWS]) for s in starts]
     model = selecting(model, output, example[0] if unsettled else None)  # the graph outputs the tensor the learner trains on
+    active_classes = reserved_slots(model, torch_optimizer, learner, reserved_classes, example[0])
     return export_model(
         model,
         learner.loss_fn,
@@ -143,5 +149,6 @@ def export(
         parity_batches=batches,
         batch_size=batch_size,
         task=task,
+        active_classes=active_classes,
         **options,
     )

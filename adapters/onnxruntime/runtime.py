@@ -45,6 +45,7 @@ from taste_cl.adapters.device.artifacts import (
     staged_folder,
     write_manifest,
 )
+from taste_cl.adapters.device.class_slots import ClassSlots, parse_active_classes
 from taste_cl.adapters.onnxruntime.ort_checkpoint import CheckpointInfo, read_checkpoint
 from taste_cl.adapters.onnxruntime.proto import Signature, ValueInfo, check_no_external_data, read_signature
 from taste_cl.adapters.web.compat import REPLAY_BINARY, WEB_MANIFEST, WEB_OPTIMIZER_MODEL, add_web_artifacts
@@ -168,6 +169,7 @@ class DeviceSpec:
     train_iterations: int
     samples_seen: int
     steps: int
+    active_classes: tuple[int, ...] | None = None  # classes in use when slots are reserved (see adapters/device/class_slots.py)
 
 
 def _fail(what: str, value: Any, rule: str) -> ArtifactError:
@@ -343,6 +345,7 @@ def parse_manifest(manifest: Mapping[str, Any]) -> DeviceSpec:
         train_iterations=_int(manifest, "train_iterations", 1, MAX_ITERATIONS),
         samples_seen=_int(counters, "samples_seen", 0, 2**62, "counters."),
         steps=_int(counters, "steps", 0, 2**62, "counters."),
+        active_classes=parse_active_classes(manifest.get("active_classes"), num_classes),
     )
 
 
@@ -945,6 +948,7 @@ class OrtOnlineLearner:
         self.replay_batch_size = loaded.spec.replay_batch_size
         self.train_iterations = loaded.spec.train_iterations
         self.num_classes = loaded.spec.num_classes
+        self.classes = ClassSlots(loaded.spec.active_classes, loaded.spec.num_classes)  # reserved slots activate on first use
         self.samples_seen = loaded.spec.samples_seen
         self.steps = loaded.spec.steps
         self._lock = threading.RLock()
@@ -999,6 +1003,7 @@ class OrtOnlineLearner:
             raw_x, raw_y = _split(batch)
             x = _features(raw_x, self.spec)
             y = _targets(raw_y, self.spec, x[0].shape[0])
+            self.classes.activate(y, self.spec.ignore_index)
             start = time.perf_counter()
             n = y.shape[0]
             n_replay = min(self.replay_batch_size, len(self.replay)) if self.replay is not None else 0
@@ -1021,7 +1026,7 @@ class OrtOnlineLearner:
             self.steps += 1
             accuracy = math.nan
             if self.num_classes is not None and stream_outputs is not None and not self.spec.labels.shape:
-                accuracy = float((stream_outputs.argmax(axis=1) == y).mean())
+                accuracy = float((self.classes.mask(stream_outputs).argmax(axis=1) == y).mean())
             return ObserveStats(
                 loss=sum(losses) / len(losses),
                 accuracy=accuracy,
@@ -1041,9 +1046,9 @@ class OrtOnlineLearner:
             return self.session.train_step(inputs, _targets(y, self.spec, inputs[0].shape[0]))
 
     def predict(self, x: Any) -> np.ndarray:
-        """Outputs for ``x`` from the eval graph; changes no state."""
+        """Outputs for ``x`` from the eval graph (reserved slots not yet in use: ``-inf``); changes no state."""
         with self._lock:
-            return self.session.predict(_features(x, self.spec))
+            return self.classes.mask(self.session.predict(_features(x, self.spec)))
 
     def export_inference_model(self, path: str | os.PathLike[str]) -> Path:
         """Atomically write an inference-only ONNX model with the current weights."""
@@ -1082,6 +1087,7 @@ class OrtOnlineLearner:
                 optimizer={**self.manifest["optimizer"], "lr": self.lr},
                 replay=self.replay.info() if self.replay is not None else None,
                 counters={"samples_seen": self.samples_seen, "steps": self.steps},
+                **self.classes.manifest(),
             )
             if not web:
                 manifest["web"] = {"skipped": "saved with web=False"}
