@@ -11,9 +11,16 @@ first whose export passes its parity gate; the manifest's ``"selection"`` record
 chosen backend and why each earlier one was refused.
 
 Options are passed to each backend that accepts them (``transforms`` and
-``max_batch_size`` only reach ExecuTorch; ``trainable``, ``batchnorm``, ``optimizer``,
-``opset`` only ONNX Runtime; ``example`` and ``lr`` both); an option no tried backend
-accepts is a ``TypeError``.
+``max_batch_size`` only reach ExecuTorch; ``batchnorm``, ``optimizer``, ``opset`` only
+ONNX Runtime; ``example``, ``lr`` and ``trainable`` both); an option no tried backend
+accepts is a ``TypeError``. ``trainable`` (parameter names, or an attached
+:class:`~taste_cl.elastic.ElasticTrainer`: its current selection) exports only those
+tensors as trainable: a smaller gradient graph and optimizer state, a faster device step.
+
+The trainable set is fixed per artifact folder (ONNX Runtime builds the gradient graph and
+the optimizer state for exactly those tensors; ExecuTorch lowers a program whose gradients
+are those tensors'), so the device does not re-select on its own: to change the selection,
+export again from the learner (weights, buffer and counters travel with it).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from taste_cl.adapters.device.artifacts import (
 __all__ = ["AUTO_ORDER", "BACKENDS", "export"]
 
 BACKENDS = ("onnxruntime", "executorch")
-# ONNX Runtime first, measured (`taste-cl bench device --zoo`, 1 thread, batch 32, see
+# ONNX Runtime first, measured (`taste-cl bench device --models mlp cnn`, 1 thread, batch 32, see
 # docs/executorch.md): on the models both runtimes train, its SGD step ran 2.4x (MLP) and
 # 1.4x (stride-2 CNN) eager PyTorch's samples/s, ExecuTorch's (the Python runtime's
 # portable kernels) 0.33x and 0.08x, and its export took under a second against 10-20 s.

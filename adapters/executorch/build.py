@@ -49,7 +49,7 @@ from taste_cl.adapters.device.artifacts import (
 from taste_cl.adapters.device.embeddings import index_bounds, rewrite_embedding_bags
 from taste_cl.adapters.device.learner_data import buffered_rows, synthetic_example, task_targets
 from taste_cl.adapters.device.parity import ParityReport, TorchTrainer, check_parity
-from taste_cl.adapters.device.trainable import freeze_untrained, trained_parameters
+from taste_cl.adapters.device.trainable import freeze_untrained, selected_parameters, selection_record, trained_parameters
 from taste_cl.adapters.device.transforms import apply_transforms, needed_transforms
 from taste_cl.adapters.executorch.replay import save_replay
 from taste_cl.adapters.executorch.runtime import (
@@ -340,6 +340,7 @@ def export(
     directory: str | os.PathLike[str],
     *,
     example: tuple[Any, Any] | None = None,
+    trainable: Any = None,
     transforms: Sequence[str] = (),
     lr: float | None = None,
     max_batch_size: int = 128,
@@ -350,7 +351,11 @@ def export(
 
     The learning rate defaults to the learner's current one, which a batch plan has already
     scaled by its ``lr_scale`` (the plan is recorded; the device takes one step per
-    ``observe``); ``example`` defaults to the replay buffer's contents. ``reserved_classes``
+    ``observe``); ``example`` defaults to the replay buffer's contents. ``trainable``
+    (parameter names, or an attached :class:`~taste_cl.elastic.ElasticTrainer`: its current
+    selection) trains only those tensors on the device (see
+    :func:`~taste_cl.adapters.device.trainable.selected_parameters`; the manifest's
+    ``trainable_selection`` records it). ``reserved_classes``
     widens the classifier by output slots the device activates on their first label (see
     :mod:`taste_cl.adapters.device.class_slots`).
     """
@@ -358,6 +363,9 @@ def export(
         raise TypeError(f"learner must be a taste_cl.OnlineLearner; got {type(learner).__name__}")
     with learner._lock:
         model, optimizer = copy.deepcopy((learner.model, learner.optimizer))  # the optimizer tells what trains
+        chosen = selected_parameters(learner, trainable)
+        selection = selection_record(learner, trainable, chosen)
+        freeze_untrained(model, chosen)  # units an ElasticTrainer switched off for now train unless left out
         plan = learner.batch_plan
         replay = copy.deepcopy(learner.replay) if include_replay else None
         base = _learner_example(learner, example)
@@ -375,6 +383,7 @@ def export(
             "replay_batch_size": learner.replay_batch_size,
             "train_iterations": learner.train_iterations,
             "counters": {"samples_seen": learner.samples_seen, "steps": learner.steps},
+            **({} if selection is None else {"trainable_selection": selection}),
             **({} if active_classes is None else {"active_classes": active_classes}),
         }
     return export_model(

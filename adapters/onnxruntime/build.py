@@ -584,6 +584,7 @@ def export_model(
     directory: str | os.PathLike[str],
     *,
     trainable: Sequence[str] | None = None,
+    extra: dict[str, Any] | None = None,
     batchnorm: str = "frozen",
     lr: float | None = None,
     replay: ReplayRows | None = None,
@@ -603,7 +604,9 @@ def export_model(
 
     ``example`` is one batch ``(x, y)`` (``x`` a tensor, a dict or a list/tuple of tensors;
     at least 2 rows): it fixes the input names, dtypes and shapes (batch axis dynamic).
-    The model, optimizer and their state are copied, never changed. ``batch_size`` is
+    The model, optimizer and their state are copied, never changed. ``trainable`` (names of
+    parameters the optimizer holds; default: those it holds that require gradients) are the
+    tensors the device trains, the rest frozen; ``extra`` adds keys to the manifest. ``batch_size`` is
     recorded in the manifest for the app. ``batchnorm``:
     ``"frozen"`` (running statistics fixed, affine part trains) or ``"batch"`` (batch
     statistics, running statistics written back after each device step). Unless
@@ -693,6 +696,7 @@ def export_model(
         "transforms": transforms,
         "param_names": param_names,
         "trainable": requires_grad,
+        **(extra or {}),
         "running_stats": running_stats,
         "replay_batch_size": replay_batch_size,
         "train_iterations": train_iterations,

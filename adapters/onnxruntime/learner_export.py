@@ -36,6 +36,7 @@ from taste_cl.adapters.device.artifacts import (
 )
 from taste_cl.adapters.device.learner_data import BufferedRows, buffered_rows, synthetic_example
 from taste_cl.adapters.device.parity import ParityError, ParityReport, TrainingDivergesError
+from taste_cl.adapters.device.trainable import freeze_untrained, selected_parameters, selection_record
 from taste_cl.adapters.onnxruntime.build import (
     ReplayRows,
     UnsupportedOperatorError,
@@ -81,6 +82,7 @@ def export(
     *,
     include_replay: bool = True,
     example: tuple[Any, Any] | None = None,
+    trainable: Any = None,
     optimizer: str | None = None,
     batch_size: int | None = None,
     reserved_classes: int = 0,
@@ -90,14 +92,18 @@ def export(
 
     ``example`` defaults to up to 8 buffered rows; a learner with fewer (one that has not
     observed yet) gets 8 seeded rows built from its ``input_shape`` and ``num_classes``.
-    The parity gate trains on buffered rows. ``optimizer``
+    The parity gate trains on buffered rows. ``trainable`` (parameter names, or an attached
+    :class:`~taste_cl.elastic.ElasticTrainer`: its current selection) exports only those
+    tensors as trainable, the rest frozen (see
+    :func:`~taste_cl.adapters.device.trainable.selected_parameters`); the manifest's
+    ``trainable_selection`` records it. ``optimizer``
     (``"sgd"``/``"adamw"``) trains on the device with a fresh optimizer of that kind instead
     of the learner's (state not carried); ``batch_size`` (default: the tuned micro-batch)
     is recorded in the manifest for the app. ``reserved_classes`` widens the exported
     classifier by that many output slots that the device activates on their first label (a
     class added after deployment, without a new export; see
     :mod:`taste_cl.adapters.device.class_slots`). Every other keyword
-    (``trainable``, ``batchnorm``, ``lr``, ``verify``, ``parity_steps``, ``tolerance``,
+    (``batchnorm``, ``lr``, ``verify``, ``parity_steps``, ``tolerance``,
     ``opset``) goes to :func:`export_model`. Returns the published folder.
     """
     if not isinstance(learner, OnlineLearner):
@@ -106,6 +112,9 @@ def export(
         raise ValueError(f"`optimizer == {optimizer!r}`, must be None, 'sgd' or 'adamw'")
     with learner._lock:  # a consistent snapshot; the export itself runs without the lock
         model, torch_optimizer = copy.deepcopy((learner.model, learner.optimizer))
+        chosen = selected_parameters(learner, trainable)
+        selection = selection_record(learner, trainable, chosen)
+        freeze_untrained(model, chosen)  # units an ElasticTrainer switched off for now train unless left out
         rows = buffered_rows(learner.replay)
         task = learner.task
         counters = {"samples_seen": learner.samples_seen, "steps": learner.steps}
@@ -149,6 +158,8 @@ def export(
         parity_batches=batches,
         batch_size=batch_size,
         task=task,
+        trainable=chosen,
+        extra=None if selection is None else {"trainable_selection": selection},
         active_classes=active_classes,
         **options,
     )
