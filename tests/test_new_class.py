@@ -172,6 +172,15 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path, save_at):
     assert resumed_state == straight_state
 
 
+def test_a_bare_linear_model_grows_and_its_checkpoint_loads(tmp_path):
+    torch.manual_seed(0)
+    learner = OnlineLearner(nn.Linear(8, 2), max_classes=4)
+    learner.observe(_batch([0, 1, 3], seed=0))
+    learner.save(tmp_path)
+    restored = OnlineLearner.load(tmp_path, model=nn.Linear(8, 2))
+    assert restored.model.out_features == 4 and torch.equal(restored.model.weight, learner.model.weight)
+
+
 def test_a_grown_checkpoint_that_does_not_fit_leaves_the_model_as_it_was(tmp_path):
     learner = _learner()
     learner.observe(_batch([0, 1, 4], seed=0))
@@ -281,7 +290,10 @@ def _exported(tmp_path, backend: str) -> tuple[OnlineLearner, Any]:
     learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), replay=ReservoirReplay(64), replay_batch_size=8)
     for step in range(15):
         learner.observe(_batch([0, 1, 2], seed=step))
-    return learner, learner.export(tmp_path / "artifacts", backend=backend, reserved_classes=2)
+    rng = torch.get_rng_state()
+    folder = learner.export(tmp_path / "artifacts", backend=backend, reserved_classes=2)
+    assert torch.equal(torch.get_rng_state(), rng)  # the new rows' draw leaves the learner's random stream alone
+    return learner, folder
 
 
 def _device_learns_a_new_class(device_type: Any, folder: Any, tmp_path: Any) -> None:

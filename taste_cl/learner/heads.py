@@ -291,14 +291,15 @@ def grow_for_state(learner: OnlineLearner, state: Any) -> Undo | None:
         linear = learner.model.get_submodule(name)
     except AttributeError:
         return None
-    weight = saved.get(f"{name}.weight")
+    keys = {f"{name}.{p}" if name else p for p in ("weight", "bias")}  # name "": the model is the nn.Linear
+    weight = saved.get(f"{name}.weight" if name else "weight")
     if not isinstance(linear, nn.Linear) or not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (shape[0], linear.in_features):
         return None
-    if shape[0] <= linear.out_features or not set(differing) <= {f"{name}.weight", f"{name}.bias"}:
+    if shape[0] <= linear.out_features or not set(differing) <= keys:
         return None
     try:
-        undo_head = widen(find_head(learner.model, linear.out_features), shape[0], optimizer=learner.optimizer)
-    except ValueError:
+        undo_head = widen(Head(name, linear), shape[0], optimizer=learner.optimizer)
+    except ValueError:  # optimizer state the rows cannot be added to: the validation names the mismatch
         return None
     before = learner.output_shape, learner.num_classes
     if learner.output_shape is not None:
@@ -326,5 +327,6 @@ def reserved_slots(model: nn.Module, optimizer: torch.optim.Optimizer | None, le
         raise ValueError(f"reserved_classes adds classifier outputs; this learner has no classifier {what}")
     if width + reserved > MAX_CLASSES:
         raise ValueError(f"`reserved_classes == {reserved}`, must keep the classes within {MAX_CLASSES}; the model has {width}")
-    widen(find_head(model, width, x), width + reserved, optimizer=optimizer)
+    with torch.random.fork_rng(devices=[]):  # the new rows' draw leaves the learner's random stream as it was
+        widen(find_head(model, width, x), width + reserved, optimizer=optimizer)
     return list(range(width))
