@@ -1,6 +1,6 @@
 """A learner's state on disk: the checkpoint format and the validate-then-apply restore.
 
-- :mod:`.checkpoint`: JSON header plus safetensors buffers, atomic writes, no pickle;
+- :mod:`.checkpoint`: JSON header plus safetensors buffers, no pickle; :mod:`.files`: atomic writes (no torch);
 - :mod:`.restore`: check a decoded state against the live learner, then apply all of it or nothing.
 """
 
@@ -21,7 +21,7 @@ __getattr__ = lazy_getattr(
     {
         "CHECKPOINT_FILE": "taste_cl.state.checkpoint",
         "CheckpointLimits": "taste_cl.state.checkpoint",
-        "atomic_write_bytes": "taste_cl.state.checkpoint",
+        "atomic_write_bytes": "taste_cl.state.files",
         "decode_state": "taste_cl.state.checkpoint",
         "encode_state": "taste_cl.state.checkpoint",
         "read_checkpoint": "taste_cl.state.checkpoint",

@@ -34,7 +34,7 @@ __getattr__ = lazy_getattr(
         "TunerCacheWarning": "taste_cl.tuning.tuner",
         "TuningError": "taste_cl.tuning.searcher",
         "TuningResult": "taste_cl.tuning.searcher",
-        "TuningWarning": "taste_cl.tuning.tuner",
+        "TuningWarning": "taste_cl.tuning.searcher",
         "candidate_batch_sizes": "taste_cl.tuning.searcher",
         "lr_scale_for": "taste_cl.tuning.tuner",
         "max_batch_for_memory": "taste_cl.tuning.tuner",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from taste_cl.state.checkpoint import atomic_write_bytes
+from taste_cl.state.files import atomic_write_bytes
 from taste_cl.tuning.fingerprint import default_cache_dir
 
 __all__ = ["MAX_SAMPLES_PER_S", "CachedSurface", "Observation", "SurrogateCache", "TunerCacheWarning", "check_observations"]

@@ -2,6 +2,8 @@
 
 The batch-size tuner and the elastic profiler both cache measurements; a cached
 measurement is reusable only for the same model signature on the same hardware.
+Importing this module needs no torch (the device tuner keys its cache with
+:func:`runtime_fingerprint`); the torch keys import it when called.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ import os
 import platform
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
-import torch
-from torch import nn
 
-__all__ = ["default_cache_dir", "hardware_fingerprint", "model_signature"]
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["default_cache_dir", "hardware_fingerprint", "model_signature", "runtime_fingerprint"]
 
 
 def default_cache_dir() -> Path:
@@ -54,15 +59,25 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _machine() -> dict[str, object]:
+    return {"cpu": _cpu_model(), "machine": platform.machine(), "cores": psutil.cpu_count(logical=True)}
+
+
 def hardware_fingerprint(*, load: str | None = None) -> str:
     """Hash of CPU model, core and torch thread counts, torch version and (optionally) a load bucket."""
+    import torch
+
     payload = {
-        "cpu": _cpu_model(),
-        "machine": platform.machine(),
-        "cores": psutil.cpu_count(logical=True),
+        **_machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "load": load,
     }
     return _digest(payload)
+
+
+def runtime_fingerprint(runtime: str, *, load: str | None = None) -> str:
+    """Hash of CPU model, core count, a device runtime's name and version (``"onnxruntime 1.19.2"``)
+    and (optionally) a load bucket; no torch."""
+    return _digest({**_machine(), "runtime": runtime, "load": load})

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from taste_cl._batch import batch_len, call_model, index_batch
 from taste_cl.tasks import infer_task
+from taste_cl.tuning.searcher import thread_options, timed_rate
 
 __all__ = ["ProbeRunner", "Samples", "max_batch_for_memory", "measure_throughput", "num_threads", "preserved_rng", "thread_options", "timed_rate"]
 
@@ -91,12 +91,6 @@ def preserved_rng(*owners: object) -> Iterator[None]:
         random.setstate(saved[2])
         for generator, state in zip(generators, states):
             generator.set_state(state)
-
-
-def thread_options() -> list[int]:
-    """Intra-op thread counts worth trying here: powers of two below the usable cores, and the cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return sorted({1, cores} | {2**k for k in range(cores.bit_length()) if 2**k < cores})
 
 
 class ProbeRunner:
@@ -203,29 +197,6 @@ class ProbeRunner:
             if switched:  # a new thread count's first step starts its pool: on a busy machine that can take a
                 self._step(x, y)  # whole scheduler period, which must not end the probe as if every step did
             return timed_rate(lambda: self._step(x, y), batch_size, min_time=min_time, min_steps=min_steps, stop_below=stop_below)
-
-
-def timed_rate(step: Callable[[], float], batch_size: int, *, min_time: float, min_steps: int = 3, stop_below: float | None = None) -> float:
-    """The probe's timing rule (see :meth:`ProbeRunner.measure`) over ``step``, a callable that runs
-    one training step and returns its seconds; shared with the tuner's offline replay."""
-    warm = step()
-    if stop_below is not None and warm >= min_time / 3 and batch_size / warm < stop_below / 2:
-        return batch_size / warm
-    times: list[float] = []
-    while len(times) < min_steps or sum(times) < min_time:
-        times.append(step())
-        slow = stop_below is not None and batch_size / _typical(times) < stop_below
-        if slow and sum(times) >= min_time / 3:
-            break
-    return batch_size / _typical(times)
-
-
-def _typical(times: list[float]) -> float:
-    """The lower-quartile step time: on a shared, oversubscribed CPU a step is often held
-    for a whole scheduler period, which a median over a few dozen milliseconds still
-    catches; the lower quartile keeps the step's own cost and still sees a slowdown that
-    hits every step (too many threads under a busy neighbour)."""
-    return sorted(times)[len(times) // 4]
 
 
 def measure_throughput(

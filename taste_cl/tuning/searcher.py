@@ -22,17 +22,28 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
+from taste_cl._checks import check_int
+from taste_cl.tuning.cache import MAX_SAMPLES_PER_S, CachedSurface, SurrogateCache, check_observations
 from taste_cl.tuning.search import GridSearch, Point
 
-if TYPE_CHECKING:
-    from taste_cl.tuning.cache import SurrogateCache
-
-__all__ = ["ProbeSearch", "Prober", "TuningError", "TuningResult", "candidate_batch_sizes"]
+__all__ = [
+    "ProbeSearch",
+    "Prober",
+    "TuningError",
+    "TuningResult",
+    "TuningWarning",
+    "candidate_batch_sizes",
+    "result_from_state",
+    "split_plan",
+    "thread_options",
+    "timed_rate",
+]
 
 logger = logging.getLogger(__name__)
 Observation = tuple[int, int, float]  # (batch size, threads, samples/s)
@@ -44,10 +55,15 @@ _STEEP_STRIDE, _STEEP_SLOPE = 4.0, 0.25  # ... or 2 octaves while the rate still
 _REACH = 0.7  # the initial design spans the cheapest 70 % of the candidates (octaves)
 _MIN_GAIN = 0.02  # a probe must be expected to raise the best log-rate by this much (about 2 %)
 _CONFIRM_ROUNDS = 3  # interleaved windows of work in which more threads must beat one thread
+_SPLIT_GAIN = 1.1  # micro-batches must beat one effective-batch step by this factor to be used
 
 
 class TuningError(RuntimeError):
     """No batch size could be tuned (every probe failed, or no samples to probe with)."""
+
+
+class TuningWarning(UserWarning):
+    """A (re)tune failed; the learner kept its previous plan and the tuner will retry."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +90,55 @@ class TuningResult:
     def predicted_step_time(self) -> float:
         """Seconds one training step at ``batch_size`` should take."""
         return self.batch_size / self.samples_per_s
+
+
+def result_from_state(saved: Any) -> TuningResult:
+    """A :class:`TuningResult` from checkpoint values, each checked (ValueError naming the field)."""
+    names = set(TuningResult.__dataclass_fields__)
+    if not isinstance(saved, dict) or set(saved) != names:
+        raise ValueError(f"tuner state result must have exactly the keys {sorted(names)}")
+    for label in ("batch_size", "threads", "min_batch_size"):
+        check_int(f"tuner state result.{label}", saved[label], 1)
+    probes = check_observations([list(p) for p in saved["probes"]] if isinstance(saved["probes"], (list, tuple)) else None, limit=4096)
+    for label in ("samples_per_s", "seconds"):
+        value = saved[label]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"tuner state result.{label} must be a finite number >= 0; got {value!r}")
+    if not isinstance(saved["key"], str) or not isinstance(saved["warm"], bool):
+        raise ValueError("tuner state result.key must be a str and result.warm a bool")  # noqa: TRY004 - one error type for bad state
+    candidates = saved["candidates"]
+    if not isinstance(candidates, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in candidates):
+        raise ValueError("tuner state result.candidates must be a list of ints >= 1")
+    infeasible = saved["infeasible"]
+    if not isinstance(infeasible, list) or not all(isinstance(i, (list, tuple)) and len(i) == 3 for i in infeasible):
+        raise ValueError("tuner state result.infeasible must be a list of (batch, threads, reason)")
+    top = saved["top_samples_per_s"]
+    if top is not None and (isinstance(top, bool) or not isinstance(top, (int, float)) or not 0 < top <= MAX_SAMPLES_PER_S):
+        raise ValueError(f"tuner state result.top_samples_per_s must be None or a rate in (0, {MAX_SAMPLES_PER_S:g}]; got {top!r}")
+    return TuningResult(
+        saved["batch_size"],
+        float(saved["samples_per_s"]),
+        probes,
+        float(saved["seconds"]),
+        saved["warm"],
+        saved["key"],
+        list(candidates),
+        saved["threads"],
+        saved["min_batch_size"],
+        [(int(b), int(t), str(r)) for b, t, r in infeasible],
+        None if top is None else float(top),
+    )
+
+
+def split_plan(result: TuningResult, effective: int) -> tuple[int, int] | None:
+    """``(micro_batch, accumulation_steps)`` that split a step of ``effective`` samples into balanced
+    micro-batches of at most the tuned size, or None when one step of ``effective`` is as fast: the
+    tuned size must be smaller and at least ``_SPLIT_GAIN`` (10 %) faster than the anchor measured."""
+    top = result.top_samples_per_s
+    if result.batch_size >= effective or (top is not None and result.samples_per_s < _SPLIT_GAIN * top):
+        return None
+    accumulation = math.ceil(effective / result.batch_size)
+    return max(math.ceil(effective / accumulation), result.min_batch_size), accumulation
 
 
 def candidate_batch_sizes(max_batch_size: int, *, per_octave: int = 4, min_batch_size: int = 1) -> list[int]:
@@ -143,8 +208,6 @@ class ProbeSearch:
         rate = statistics.fmean(r for b, t, r in known + observations if (b, t) == (batch, best_threads))
         at_top = [r for b, t, r in known + observations if b == candidates[-1] and t == best_threads]
         if observations:
-            from taste_cl.tuning.cache import CachedSurface  # the cache module needs torch (atomic writes)
-
             self.cache.save(key, CachedSurface(minimum, known + observations))
         infeasible += [(b, t, why) for (b, t), why in search.infeasible.items()]
         result = TuningResult(
@@ -316,3 +379,32 @@ class ProbeSearch:
     def _measure(self, runner: Prober, point: Point, stop_below: float | None) -> float:
         """A full probe at ``point`` (``min_probe_time``), stopping early below ``stop_below``."""
         return runner.measure(point[0], threads=point[1] if self.tune_threads else None, min_time=self.min_probe_time, stop_below=stop_below)
+
+
+def timed_rate(step: Callable[[], float], batch_size: int, *, min_time: float, min_steps: int = 3, stop_below: float | None = None) -> float:
+    """The probe's timing rule (see :meth:`ProbeRunner.measure`) over ``step``, a callable that runs
+    one training step and returns its seconds; shared with the tuner's offline replay."""
+    warm = step()
+    if stop_below is not None and warm >= min_time / 3 and batch_size / warm < stop_below / 2:
+        return batch_size / warm
+    times: list[float] = []
+    while len(times) < min_steps or sum(times) < min_time:
+        times.append(step())
+        slow = stop_below is not None and batch_size / _typical(times) < stop_below
+        if slow and sum(times) >= min_time / 3:
+            break
+    return batch_size / _typical(times)
+
+
+def _typical(times: list[float]) -> float:
+    """The lower-quartile step time: on a shared, oversubscribed CPU a step is often held
+    for a whole scheduler period, which a median over a few dozen milliseconds still
+    catches; the lower quartile keeps the step's own cost and still sees a slowdown that
+    hits every step (too many threads under a busy neighbour)."""
+    return sorted(times)[len(times) // 4]
+
+
+def thread_options() -> list[int]:
+    """Intra-op thread counts worth trying here: powers of two below the usable cores, and the cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return sorted({1, cores} | {2**k for k in range(cores.bit_length()) if 2**k < cores})

@@ -40,11 +40,9 @@ from torch.utils._pytree import tree_flatten
 from taste_cl._batch import batch_len, index_batch
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.tuning.cache import (
-    MAX_SAMPLES_PER_S,
     CachedSurface,
     SurrogateCache,
     TunerCacheWarning,
-    check_observations,
 )
 from taste_cl.tuning.fingerprint import hardware_fingerprint, model_signature
 from taste_cl.tuning.load import LoadMeter, LoadShiftDetector, load_bucket
@@ -57,7 +55,15 @@ from taste_cl.tuning.probe import (
     preserved_rng,
     thread_options,
 )
-from taste_cl.tuning.searcher import ProbeSearch, TuningError, TuningResult, candidate_batch_sizes
+from taste_cl.tuning.searcher import (
+    ProbeSearch,
+    TuningError,
+    TuningResult,
+    TuningWarning,
+    candidate_batch_sizes,
+    result_from_state,
+    split_plan,
+)
 
 if TYPE_CHECKING:
     from taste_cl.learner import ObserveStats, OnlineLearner
@@ -81,11 +87,6 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 LrRule = str | Callable[[float], float]
 _LINEAR_OPTIMIZERS = (torch.optim.SGD, torch.optim.ASGD)
 _LR_RULES = ("auto", "linear", "sqrt", "none")
-_SPLIT_GAIN = 1.1  # micro-batches must beat one effective-batch step by this factor to be used
-
-
-class TuningWarning(UserWarning):
-    """A (re)tune failed; the learner kept its previous plan and the tuner will retry."""
 
 
 def lr_scale_for(optimizer: torch.optim.Optimizer, ratio: float, rule: LrRule = "auto") -> float:
@@ -375,14 +376,12 @@ class BatchSizeTuner(LearnerPlugin):
         """
         reference = self.reference_ or result.batch_size
         effective = max(self.effective_batch_size or reference, result.min_batch_size)
-        top = result.top_samples_per_s
-        if result.batch_size >= effective or (top is not None and result.samples_per_s < _SPLIT_GAIN * top):
+        split = split_plan(result, effective)
+        if split is None:
             if self.effective_batch_size is None:
                 return None
-            micro, accumulation = effective, 1
-        else:
-            accumulation = math.ceil(effective / result.batch_size)
-            micro = max(math.ceil(effective / accumulation), result.min_batch_size)
+            split = effective, 1
+        micro, accumulation = split
         return micro, accumulation, lr_scale_for(optimizer, micro * accumulation / reference, self.lr_rule)
 
     def _retune(self, learner: OnlineLearner, reason: str) -> None:
@@ -452,7 +451,7 @@ class BatchSizeTuner(LearnerPlugin):
         (``ValueError`` naming the field). The result's observations re-seed a missing cache."""
         if not isinstance(state, dict) or set(state) != {"result", "reference", "history", "observes"}:
             raise ValueError("batch_size_tuner state must have keys result, reference, history, observes")
-        result = None if state["result"] is None else _result_from_state(state["result"])
+        result = None if state["result"] is None else result_from_state(state["result"])
         reference, observes, history = state["reference"], state["observes"], state["history"]
         _int_arg("tuner state reference", reference, 1, optional=True)
         _int_arg("tuner state observes", observes, 0)
@@ -463,44 +462,6 @@ class BatchSizeTuner(LearnerPlugin):
         self.history_.extend(dict(entry) for entry in history)
         if result is not None and result.probes and not self.cache.path(result.key).exists():
             self.cache.save(result.key, CachedSurface(result.min_batch_size, list(result.probes)))
-
-
-def _result_from_state(saved: Any) -> TuningResult:
-    """A :class:`TuningResult` from checkpoint values, each checked (ValueError naming the field)."""
-    names = set(TuningResult.__dataclass_fields__)
-    if not isinstance(saved, dict) or set(saved) != names:
-        raise ValueError(f"tuner state result must have exactly the keys {sorted(names)}")
-    for label in ("batch_size", "threads", "min_batch_size"):
-        _int_arg(f"tuner state result.{label}", saved[label], 1)
-    probes = check_observations([list(p) for p in saved["probes"]] if isinstance(saved["probes"], (list, tuple)) else None, limit=4096)
-    for label in ("samples_per_s", "seconds"):
-        value = saved[label]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"tuner state result.{label} must be a finite number >= 0; got {value!r}")
-    if not isinstance(saved["key"], str) or not isinstance(saved["warm"], bool):
-        raise ValueError("tuner state result.key must be a str and result.warm a bool")  # noqa: TRY004 - one error type for bad state
-    candidates = saved["candidates"]
-    if not isinstance(candidates, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in candidates):
-        raise ValueError("tuner state result.candidates must be a list of ints >= 1")
-    infeasible = saved["infeasible"]
-    if not isinstance(infeasible, list) or not all(isinstance(i, (list, tuple)) and len(i) == 3 for i in infeasible):
-        raise ValueError("tuner state result.infeasible must be a list of (batch, threads, reason)")
-    top = saved["top_samples_per_s"]
-    if top is not None and (isinstance(top, bool) or not isinstance(top, (int, float)) or not 0 < top <= MAX_SAMPLES_PER_S):
-        raise ValueError(f"tuner state result.top_samples_per_s must be None or a rate in (0, {MAX_SAMPLES_PER_S:g}]; got {top!r}")
-    return TuningResult(
-        saved["batch_size"],
-        float(saved["samples_per_s"]),
-        probes,
-        float(saved["seconds"]),
-        saved["warm"],
-        saved["key"],
-        list(candidates),
-        saved["threads"],
-        saved["min_batch_size"],
-        [(int(b), int(t), str(r)) for b, t, r in infeasible],
-        None if top is None else float(top),
-    )
 
 
 def _cache_key(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, x: Any, hardware: str, *, tune_threads: bool) -> str:
