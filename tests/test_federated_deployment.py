@@ -13,11 +13,16 @@ import torch
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before flwr is first imported
 pytest.importorskip("flwr")
 
+import flwr.server.strategy as legacy_strategies
+
 from taste_cl.adapters.flower import app as flower_app
 from taste_cl.adapters.flower import secagg as flower_secagg
 from taste_cl.adapters.flower.app import FleetConfig
+from taste_cl.adapters.flower import deployment as flower_deployment
 from taste_cl.adapters.flower.deployment import LoopbackDeployment, _app_module, _pyproject
 from taste_cl.adapters.flower.fleet import InvalidUpdateError
+from taste_cl.adapters.flower.tls import write_node_key
+from taste_cl.benchmarks.federated.deployment import _simulate
 from taste_cl.datasets import make_mlp
 
 
@@ -33,6 +38,9 @@ def test_fleet_config_round_trips_through_the_run_config() -> None:
         ({"method": "fedrep"}, r"`method == 'fedrep'`, must be one of"),
         ({"privacy": "on"}, r"`privacy == 'on'`, must be one of"),
         ({"clip": 0.0}, r"`clip == 0.0`, must be > 0"),
+        ({"server": "fedprox"}, r"`server == 'fedprox'`, must be one of"),
+        ({"server_momentum": 1.0}, r"`server_momentum == 1.0`, must be in \[0, 1\)"),
+        ({"server_eta": 0.0}, r"`server_eta == 0.0`, must be > 0"),
         ({"personal": ","}, r"must name at least one state_dict prefix"),
         ({"secagg": True, "devices": 2}, r"`devices == 2` with `secagg=True`, must be >= 3"),
         ({"secagg": True, "privacy": "central"}, r"the server cannot clip updates it cannot see"),
@@ -56,8 +64,8 @@ def test_generated_app_carries_the_config_as_its_run_config() -> None:
 @pytest.mark.parametrize(
     ("privacy", "wrapper"),
     [
-        ("off", "FedAvg"),
-        ("local", "FedAvg"),  # LocalDpMod works on the device alone
+        ("off", "FedAvgM"),
+        ("local", "FedAvgM"),  # LocalDpMod works on the device alone
         ("central", "DifferentialPrivacyServerSideFixedClipping"),
         ("client", "DifferentialPrivacyClientSideFixedClipping"),
     ],
@@ -65,8 +73,29 @@ def test_generated_app_carries_the_config_as_its_run_config() -> None:
 def test_privacy_option_picks_flowers_wrapper(privacy: str, wrapper: str) -> None:
     guard = flower_app._strategy(FleetConfig(privacy=privacy, clip=0.5, noise=0.3))
     assert type(guard.strategy).__name__ == wrapper
-    if wrapper != "FedAvg":
+    if wrapper != "FedAvgM":
         assert (guard.strategy.clipping_norm, guard.strategy.noise_multiplier) == (0.5, 0.3)
+        assert type(guard.strategy.strategy).__name__ == "FedAvgM"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "strategy", "setting"),
+    [
+        ({}, "FedAvgM", ("server_momentum", 0.5)),  # FedPer needs server momentum to beat local-only at 10 x 10
+        ({"method": "fedbabu"}, "FedAvg", None),  # FedBABU's body overshoots with momentum
+        ({"server": "fedadam", "server_eta": 0.01}, "FedAdam", ("eta", 0.01)),
+        ({"server": "fedavgm", "server_momentum": 0.9, "method": "fedbabu"}, "FedAvgM", ("server_momentum", 0.9)),
+        ({"server": "fedavg"}, "FedAvg", None),
+    ],
+)
+def test_server_option_picks_flowers_strategy_in_both_apps(kwargs: dict[str, object], strategy: str, setting: tuple[str, float] | None) -> None:
+    cfg = FleetConfig(**kwargs)  # type: ignore[arg-type]
+    plain = flower_app._strategy(cfg).strategy
+    legacy = flower_secagg._strategy_class(cfg.aggregator)(FleetConfig(**{**cfg.__dict__, "secagg": True}), _FakeGrid())
+    assert type(plain).__name__ == strategy and type(legacy).__name__ == f"SecAgg{strategy}"
+    assert isinstance(legacy, getattr(legacy_strategies, strategy))
+    if setting is not None:
+        assert getattr(plain, setting[0]) == getattr(legacy, setting[0]) == setting[1]
 
 
 def test_fedbabu_finetune_moves_only_a_copy_of_the_head() -> None:
@@ -126,7 +155,7 @@ def test_secagg_strategy_checks_the_secure_aggregate() -> None:
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
     cfg = FleetConfig(secagg=True)
-    strategy = flower_secagg._strategy_class()(cfg, _FakeGrid())
+    strategy = flower_secagg._strategy_class(cfg.aggregator)(cfg, _FakeGrid())
     good = [a.astype(np.float64) + 0.5 for a in flower_secagg._initial(cfg).values()]
 
     def replies(arrays: list[np.ndarray]) -> list[tuple[None, FitRes]]:
@@ -150,17 +179,91 @@ def test_deployment_refuses_bad_arguments() -> None:
         LoopbackDeployment(3, timeout_s=-1)
 
 
+class _Launch:
+    """Records what a deployment would start, starting nothing."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, deployment: LoopbackDeployment) -> None:
+        self.commands: list[list[str]] = []
+        self.registered: list[str] = []
+        monkeypatch.setattr(flower_deployment, "_wait_for_port", lambda *args: None)
+        monkeypatch.setattr(deployment, "_spawn", lambda name, args: self.commands.append(args) or _Proc())
+        monkeypatch.setattr(deployment, "register", lambda keys, deadline=None: self.registered.extend(k.public_key.name for k in keys))
+
+
+class _Proc:
+    pid = 2**22 + 1  # no such process
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
+def test_deployment_is_secure_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    deployment = LoopbackDeployment(2, keep=True)
+    launch = _Launch(monkeypatch, deployment)
+    deployment.start()
+    try:
+        assert deployment.work is not None and deployment.tls is not None
+        link, *nodes = launch.commands
+        assert link[0] == "flower-superlink" and "--insecure" not in link and "--enable-supernode-auth" in link
+        assert link[link.index("--ssl-ca-certfile") + 1] == str(deployment.tls.ca_cert)
+        assert launch.registered == ["supernode-0.pub", "supernode-1.pub"]  # before any SuperNode starts
+        for i, node in enumerate(nodes):
+            assert "--insecure" not in node and node[node.index("--root-certificates") + 1] == str(deployment.tls.ca_cert)
+            assert node[node.index("--auth-supernode-private-key") + 1] == str(deployment.keys[i].private_key)
+        home = (deployment.work / "flwr-home" / "config.toml").read_text()
+        assert f'root-certificates = "{deployment.tls.ca_cert}"' in home and "insecure" not in home
+        with pytest.raises(ValueError, match="needs a key"):
+            deployment.supernode_args(0, None)
+        assert "--root-certificates" not in deployment.supernode_args(0, deployment.keys[0], trust_ca=False)
+    finally:
+        deployment.keep = False
+        deployment.stop()
+
+
+def test_insecure_deployment_only_when_asked_and_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    deployment = LoopbackDeployment(2, insecure=True)
+    launch = _Launch(monkeypatch, deployment)
+    with pytest.warns(UserWarning, match="insecure deployment: no TLS .* no SuperNode authentication"):
+        deployment.start()
+    try:
+        assert all("--insecure" in command for command in launch.commands) and not launch.registered
+        assert deployment.tls is None and not any("--ssl-certfile" in c or "--auth-supernode-private-key" in c for c in launch.commands)
+    finally:
+        deployment.stop()
+    with pytest.raises(TypeError, match="insecure must be a bool"):
+        LoopbackDeployment(2, insecure="yes")  # type: ignore[arg-type]
+
+
+def _exit_log(proc: object, log: object, timeout: float) -> tuple[int, str]:
+    code = proc.wait(timeout=timeout)  # type: ignore[attr-defined]
+    return code, log.read_text(errors="replace")  # type: ignore[attr-defined]
+
+
 @pytest.mark.slow
 def test_superlink_and_three_supernodes_on_loopback() -> None:
-    """2 rounds of FedPer across 3 SuperNode processes: shared weights agree, personal ones differ, no process left."""
+    """2 rounds of FedPer across 3 SuperNode processes over TLS with SuperNode authentication.
+
+    A SuperNode with an unregistered key and one that does not trust the run's CA are
+    refused; shared weights agree, personal ones differ, the run equals the simulation,
+    no process is left.
+    """
     config = FleetConfig(devices=3, rounds=2, personal="4.", evaluate_every_round=False)
     deployment = LoopbackDeployment(3, timeout_s=420)
     with deployment:
+        assert deployment.work is not None
         started = deployment.pids
         assert len(started) >= 4  # a SuperLink and three SuperNodes, plus their helpers
+        stranger = write_node_key(deployment.work / "tls", "stranger")  # never registered
+        unregistered = deployment._spawn("stranger", deployment.supernode_args(0, stranger, max_retries=1))
+        no_ca = deployment._spawn("no-ca", deployment.supernode_args(1, deployment.keys[1], trust_ca=False, max_retries=1))
         result, server, devices = deployment.run(config)
+        code, log = _exit_log(unregistered, deployment.work / "stranger.log", 120)
+        assert code != 0 and "Failed to activate SuperNode" in log
+        code, log = _exit_log(no_ca, deployment.work / "no-ca.log", 120)
+        assert code != 0 and "CERTIFICATE_VERIFY_FAILED" in log
         started = deployment.pids
     assert not [pid for pid in started if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert _simulate(config)["evaluations"] == result["evaluations"]
     assert [r["accepted"] for r in result["rounds"]] == [3, 3]
     assert sorted(devices) == [0, 1, 2]
     assert set(server) == {"0.weight", "0.bias", "2.weight", "2.bias"}

@@ -3,7 +3,8 @@
 - :mod:`.fleet`: shared/personal state, the ClientApp, the validating aggregation, the simulation;
 - :mod:`.app`: the digits fleet as one Flower App (the same apps for simulation and deployment);
 - :mod:`.secagg`: the fleet under SecAgg+ secure aggregation;
-- :mod:`.deployment`: a real SuperLink and SuperNodes as processes on loopback.
+- :mod:`.deployment`: a real SuperLink and SuperNodes as processes on loopback;
+- :mod:`.tls`: the run's TLS certificates and SuperNode authentication keys.
 """
 
 from taste_cl._lazy import lazy_getattr

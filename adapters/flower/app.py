@@ -8,6 +8,9 @@ Options, all from the run config (:class:`FleetConfig`):
 - ``method``: ``fedper`` (the personal part trains on the device and never leaves it)
   or ``fedbabu`` (the personal part, the head, stays frozen at its common initialisation
   during federated rounds; each device fine-tunes it locally before predicting).
+- ``server``: how the server moves the shared part, with Flower's own strategies:
+  ``fedavg``, ``fedavgm`` (server momentum) or ``fedadam``; ``auto`` picks FedAvgM for
+  FedPer and FedAvg for FedBABU, the settings measured to beat local-only learning.
 - ``privacy``: ``off``; ``central`` (Flower's ``DifferentialPrivacyServerSideFixedClipping``:
   the server clips each update and adds Gaussian noise to the aggregate); ``client``
   (``DifferentialPrivacyClientSideFixedClipping`` + ``fixedclipping_mod``: devices clip,
@@ -70,6 +73,7 @@ __all__ = ["FleetConfig", "client_app", "evaluate_device", "fit_device", "make_f
 
 METHODS = ("fedper", "fedbabu")
 PRIVACY = ("off", "central", "client", "local")
+SERVERS = ("auto", "fedavg", "fedavgm", "fedadam")
 
 
 @dataclass(frozen=True)
@@ -79,10 +83,14 @@ class FleetConfig:
     ``personal`` holds comma-separated ``state_dict`` name prefixes kept on the device
     (the head for FedBABU). ``clip`` is the L2 clipping norm of a model update,
     ``noise`` the noise multiplier (central/client DP), ``epsilon``/``delta`` the
-    per-round budget of local DP. With ``evaluate_every_round=False`` devices are
+    per-round budget of local DP. ``server`` is the server's optimizer
+    (:attr:`aggregator`), ``server_momentum`` FedAvgM's momentum and ``server_eta``
+    FedAdam's step size. With ``evaluate_every_round=False`` devices are
     evaluated after the last round only (fewer messages, hence fewer ClientApp process
     starts in a deployment). ``finetune_steps`` of SGD at ``finetune_lr`` adapt
-    the FedBABU head before each evaluation. ``secagg`` runs the same devices under
+    the FedBABU head on the device's own observed data before each evaluation (the
+    head starts from its random initialisation: 30 steps left it underfit, 0.677
+    own-class accuracy at 3 devices x 2 rounds against 0.962 after 300). ``secagg`` runs the same devices under
     Flower's SecAgg+ protocol (:mod:`taste_cl.adapters.flower.secagg`): the server sees
     only the sum of the updates; it needs at least 3 devices and cannot be combined
     with ``privacy="central"`` (the server would have to clip single updates).
@@ -97,7 +105,10 @@ class FleetConfig:
     noise: float = 0.1
     epsilon: float = 10.0
     delta: float = 1e-5
-    finetune_steps: int = 30
+    server: str = "auto"
+    server_momentum: float = 0.5
+    server_eta: float = 0.03
+    finetune_steps: int = 300
     finetune_lr: float = 0.1
     evaluate_every_round: bool = True
     secagg: bool = False
@@ -112,7 +123,11 @@ class FleetConfig:
             raise ValueError(f"`method == {self.method!r}`, must be one of {METHODS}")
         if self.privacy not in PRIVACY:
             raise ValueError(f"`privacy == {self.privacy!r}`, must be one of {PRIVACY}")
-        for name in ("clip", "epsilon", "delta", "finetune_lr"):
+        if self.server not in SERVERS:
+            raise ValueError(f"`server == {self.server!r}`, must be one of {SERVERS}")
+        if not 0.0 <= float(self.server_momentum) < 1.0:
+            raise ValueError(f"`server_momentum == {self.server_momentum!r}`, must be in [0, 1)")
+        for name in ("clip", "epsilon", "delta", "finetune_lr", "server_eta"):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"`{name} == {getattr(self, name)!r}`, must be > 0")
         if not float(self.noise) >= 0 or self.finetune_steps < 0:
@@ -123,6 +138,19 @@ class FleetConfig:
             raise ValueError(f"`devices == {self.devices}` with `secagg=True`, must be >= 3 (with 2 the average reveals the other update)")
         if self.secagg and self.privacy == "central":
             raise ValueError("`privacy == 'central'` with `secagg=True`: the server cannot clip updates it cannot see; use 'client' or 'local'")
+
+    @property
+    def aggregator(self) -> str:
+        """The server's strategy: ``server``, or for ``"auto"`` FedAvgM with FedPer and FedAvg with FedBABU.
+
+        FedBABU trains the body against a fixed head; with server momentum the body
+        overshoots in a few rounds (3 devices x 2 rounds: 0.758 own-class accuracy with
+        FedAvgM against 0.962 with FedAvg and 0.830 local only), while FedPer needs the
+        momentum at 10 devices x 10 rounds (FedAvg 0.766, FedAvgM 0.822, local only 0.786).
+        """
+        if self.server != "auto":
+            return self.server
+        return "fedavg" if self.method == "fedbabu" else "fedavgm"
 
     @property
     def prefixes(self) -> list[str]:
@@ -279,15 +307,22 @@ def _privacy_mod(fixed: FleetConfig | None) -> Callable[..., Message]:
 
 
 def _strategy(cfg: FleetConfig) -> Any:
-    """FedAvg over every device, inside the configured DP wrapper, inside :class:`ValidatingStrategy`."""
+    """Flower's FedAvg, FedAvgM or FedAdam over every device, inside the configured DP wrapper, inside :class:`ValidatingStrategy`."""
     from flwr.serverapp.strategy import (
         DifferentialPrivacyClientSideFixedClipping,
         DifferentialPrivacyServerSideFixedClipping,
+        FedAdam,
         FedAvg,
+        FedAvgM,
     )
 
     n = cfg.devices
-    inner: Any = FedAvg(min_train_nodes=n, min_evaluate_nodes=n, min_available_nodes=n)
+    nodes: dict[str, Any] = {"min_train_nodes": n, "min_evaluate_nodes": n, "min_available_nodes": n}
+    inner: Any = FedAvg(**nodes)
+    if cfg.aggregator == "fedavgm":
+        inner = FedAvgM(**nodes, server_momentum=cfg.server_momentum)
+    elif cfg.aggregator == "fedadam":
+        inner = FedAdam(**nodes, eta=cfg.server_eta)
     if cfg.privacy == "central":
         inner = DifferentialPrivacyServerSideFixedClipping(inner, cfg.noise, cfg.clip, n)
     elif cfg.privacy == "client":

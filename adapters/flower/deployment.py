@@ -1,15 +1,22 @@
 """A Flower deployment on loopback: one SuperLink and N SuperNodes as real processes.
 
 :class:`LoopbackDeployment` starts ``flower-superlink`` and ``flower-supernode``
-(flwr 1.42: one insecure HTTP port per SuperLink for its Fleet, Control and Runtime
-APIs; one Runtime port per SuperNode) on free ports of 127.0.0.1, each SuperNode with
+(flwr 1.42: one HTTPS port per SuperLink for its Fleet, Control and Runtime APIs; one
+Runtime port per SuperNode) on free ports of 127.0.0.1, each SuperNode with
 ``--node-config "partition-id=i num-partitions=N"``, then submits the digits fleet app
 (:mod:`taste_cl.adapters.flower.app`) with ``flwr run --stream`` and waits for it,
 bounded by ``timeout_s``. Flower's own logs go to files in the work folder unless
 ``verbose``. On exit, normal or not (Ctrl-C included), it stops every process it
 started *and their descendants* by PID: SuperLink and SuperNode start their
 ``flower-superexec`` in a new session, so killing a process group is not enough.
-Insecure mode is only for loopback; a real fleet needs TLS and SuperNode auth.
+
+Secure by default, also on loopback (:mod:`taste_cl.adapters.flower.tls`): a CA and a
+SuperLink certificate for 127.0.0.1 are generated for the run, the SuperLink serves TLS
+with ``--enable-supernode-auth``, every SuperNode gets its own EC key, registered with
+``flwr supernode register`` before it starts, and verifies the SuperLink against the
+run's CA. A SuperNode whose key is not registered, or that does not trust the CA, is
+refused. ``insecure=True`` (plain HTTP, any SuperNode may join) only when asked for,
+with a warning.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -30,11 +38,17 @@ import psutil
 from taste_cl._checks import check_int
 from taste_cl.adapters.flower.app import FleetConfig, read_outputs
 from taste_cl.adapters.flower.fleet import require_flwr
+from taste_cl.adapters.flower.tls import NodeKey, TlsFiles, write_certificates, write_node_key
 from taste_cl.exceptions import TasteCLError
 
 __all__ = ["DeploymentError", "LoopbackDeployment", "free_port"]
 
 _APP_MODULE = "taste_cl_fleet_app"
+_HOSTS = ["127.0.0.1", "localhost"]
+INSECURE_WARNING = (
+    "insecure deployment: no TLS (traffic in clear text) and no SuperNode authentication "
+    "(any process that reaches the port may join the fleet); use it only to debug on loopback"
+)
 
 
 class DeploymentError(TasteCLError, RuntimeError):
@@ -105,14 +119,20 @@ class LoopbackDeployment:
     ...     result, server, devices = fleet.run(FleetConfig(devices=3, rounds=2))
 
     ``timeout_s`` bounds startup plus each run. The work folder (logs, app, Flower
-    home) is a fresh temporary folder, removed on exit unless ``keep``.
+    home, the run's certificates and SuperNode keys) is a fresh temporary folder,
+    removed on exit unless ``keep``. TLS and SuperNode authentication are on unless
+    ``insecure=True``, which warns.
     """
 
-    def __init__(self, devices: int, *, timeout_s: float = 300.0, verbose: bool = False, keep: bool = False) -> None:
+    def __init__(self, devices: int, *, timeout_s: float = 300.0, verbose: bool = False, keep: bool = False, insecure: bool = False) -> None:
         check_int("devices", devices, 1)
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"`timeout_s == {timeout_s!r}`, must be a number > 0")
-        self.devices, self.timeout_s, self.verbose, self.keep = devices, float(timeout_s), verbose, keep
+        if not isinstance(insecure, bool):
+            raise TypeError(f"insecure must be a bool; got {type(insecure).__name__}")
+        self.devices, self.timeout_s, self.verbose, self.keep, self.insecure = devices, float(timeout_s), verbose, keep, insecure
+        self.tls: TlsFiles | None = None  # the run's CA and SuperLink certificate, made at start()
+        self.keys: list[NodeKey] = []  # the registered SuperNodes' keys, by partition
         self.work: Path | None = None
         self.port = 0  # the SuperLink's port, chosen at start()
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -152,42 +172,97 @@ class LoopbackDeployment:
         return proc
 
     def start(self) -> LoopbackDeployment:
-        """Start the SuperLink, wait until it listens, then start the SuperNodes."""
+        """Start the SuperLink, wait until it listens, register the SuperNodes' keys, start the SuperNodes."""
         require_flwr()
         if self.procs:
             raise DeploymentError("this deployment is already started")
+        if self.insecure:
+            warnings.warn(INSECURE_WARNING, UserWarning, stacklevel=2)
         self.work = Path(tempfile.mkdtemp(prefix="taste-cl-fleet-"))
         deadline = time.monotonic() + self.timeout_s
         try:
             self.port = free_port()
             home = self.work / "flwr-home"
             home.mkdir()
+            link = ["flower-superlink", "--insecure"]
+            trust = "insecure = true"
+            if not self.insecure:
+                self.tls = write_certificates(self.work / "tls", hosts=_HOSTS)
+                link = ["flower-superlink", *self._tls_args(), "--enable-supernode-auth"]
+                trust = f"root-certificates = {_toml(str(self.tls.ca_cert))}"
             (home / "config.toml").write_text(
-                f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
+                f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{self.port}"\n{trust}\n'
             )
-            link = self._spawn(
-                "superlink",
-                ["flower-superlink", "--insecure", "--port", str(self.port), "--disable-runtime-dependency-installation"],
-            )
-            _wait_for_port(self.port, deadline, link, self.work / "superlink.log")
+            proc = self._spawn("superlink", [*link, "--port", str(self.port), "--disable-runtime-dependency-installation"])
+            _wait_for_port(self.port, deadline, proc, self.work / "superlink.log")
+            if not self.insecure:
+                self.keys = [write_node_key(self.work / "tls", f"supernode-{i}") for i in range(self.devices)]
+                self.register(self.keys, deadline)
             for i in range(self.devices):
-                self._spawn(
-                    f"supernode-{i}",
-                    [
-                        "flower-supernode",
-                        "--insecure",
-                        "--superlink",
-                        f"127.0.0.1:{self.port}",
-                        "--port",
-                        str(free_port()),
-                        "--node-config",
-                        f"partition-id={i} num-partitions={self.devices}",
-                    ],
-                )
+                self._spawn(f"supernode-{i}", self.supernode_args(i, self.keys[i] if self.keys else None))
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _tls_args(self) -> list[str]:
+        assert self.tls is not None
+        return ["--ssl-ca-certfile", str(self.tls.ca_cert), "--ssl-certfile", str(self.tls.server_cert), "--ssl-keyfile", str(self.tls.server_key)]
+
+    def supernode_args(self, partition: int, key: NodeKey | None, *, trust_ca: bool = True, max_retries: int | None = None) -> list[str]:
+        """The ``flower-supernode`` command for device ``partition``: TLS against the run's CA, signed with ``key``.
+
+        ``trust_ca=False`` leaves the run's CA out (the SuperNode then checks the
+        SuperLink against the system's CAs, as a stranger would); ``max_retries``
+        bounds its connection attempts (default: Flower's, unbounded).
+        """
+        if self.insecure:
+            security = ["--insecure"]
+        else:
+            if key is None:
+                raise ValueError("a SuperNode of a secure deployment needs a key (NodeKey)")
+            assert self.tls is not None
+            security = ["--root-certificates", str(self.tls.ca_cert)] if trust_ca else []
+            security += ["--auth-supernode-private-key", str(key.private_key)]
+        retries = [] if max_retries is None else ["--max-retries", str(max_retries)]
+        return [
+            "flower-supernode",
+            *security,
+            *retries,
+            "--superlink",
+            f"127.0.0.1:{self.port}",
+            "--port",
+            str(free_port()),
+            "--node-config",
+            f"partition-id={partition} num-partitions={self.devices}",
+        ]
+
+    def register(self, keys: list[NodeKey], deadline: float | None = None) -> None:
+        """Register SuperNode public keys with the SuperLink (``flwr supernode register``, all at once)."""
+        if self.work is None or not self.procs:
+            raise DeploymentError("start the deployment first (use it as a context manager)")
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
+        clis = [
+            subprocess.Popen(
+                [str(self._bin / "flwr"), "supernode", "register", str(key.public_key), "loopback"],
+                env=self._env(),
+                cwd=self.work,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            for key in keys
+        ]
+        failures = []
+        for key, cli in zip(keys, clis):
+            try:
+                out, _ = cli.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+            except subprocess.TimeoutExpired:
+                cli.kill()
+                out, _ = cli.communicate()
+            if cli.returncode != 0:
+                failures.append(f"{key.public_key.name}: {out.decode(errors='replace').strip()[-400:]}")
+        if failures:
+            raise DeploymentError("could not register SuperNode keys with the SuperLink: " + "; ".join(failures))
 
     def run(self, config: FleetConfig) -> tuple[dict[str, Any], dict[str, Any], dict[int, dict[str, Any]]]:
         """Submit one run of the fleet app with ``config`` and wait for it (``read_outputs``' triple)."""

@@ -159,21 +159,29 @@ class _CountingGrid:
         return getattr(self._grid, name)
 
 
-def _strategy_class() -> type:
-    from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
-    from flwr.server.strategy import FedAvg
+@functools.lru_cache(maxsize=3)
+def _strategy_class(aggregator: str) -> type:
+    """The SecAgg+ server strategy on Flower's legacy ``FedAvg``, ``FedAvgM`` or ``FedAdam`` (``FleetConfig.aggregator``)."""
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+    from flwr.server.strategy import FedAdam, FedAvg, FedAvgM
 
-    class SecAggFedAvg(FedAvg):
-        """Legacy FedAvg for SecAgg+: the replies already carry the securely averaged shared part.
+    base: Any = {"fedavg": FedAvg, "fedavgm": FedAvgM, "fedadam": FedAdam}[aggregator]
+
+    class SecAggStrategy(base):
+        """Legacy strategy for SecAgg+: the replies already carry the securely averaged shared part.
 
         SecAgg+ puts its average into every reply; this strategy checks that aggregate
-        (shape, finiteness, magnitude), casts it to the shared dtypes, and keeps the
+        (shape, finiteness, magnitude), hands it to the base strategy's server step
+        (FedAvg keeps it; FedAvgM and FedAdam move from the previous model towards it,
+        as in the plain app), casts the result to the shared dtypes, and keeps the
         bookkeeping of the plain app (``rounds``, ``dropped``, ``evaluations``).
         """
 
         def __init__(self, cfg: FleetConfig, grid: _CountingGrid) -> None:
             n = cfg.devices
+            options = {"fedavgm": {"server_momentum": cfg.server_momentum}, "fedadam": {"eta": cfg.server_eta}}.get(aggregator, {})
             super().__init__(
+                **options,
                 fraction_fit=1.0,
                 fraction_evaluate=1.0,
                 min_fit_clients=n,
@@ -225,7 +233,9 @@ def _strategy_class() -> type:
                 logger.warning("round %d: kept the previous model, the secure aggregate is invalid: %s", server_round, problem)
                 self.dropped.append(DroppedUpdate(server_round, -1, f"aggregate: {problem}"))
                 return None, {}
-            return ndarrays_to_parameters(list(aggregate.values())), {}
+            average = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(list(aggregate.values())), 1, {})
+            stepped, _ = super().aggregate_fit(server_round, [(results[0][0], average)], [])
+            return ndarrays_to_parameters(list(_named(self.cfg, parameters_to_ndarrays(stepped)).values())), {}
 
         def configure_evaluate(self, server_round: int, parameters: Any, client_manager: Any) -> Any:
             if not self.cfg.evaluate_every_round and server_round != self.cfg.rounds:
@@ -241,7 +251,8 @@ def _strategy_class() -> type:
             losses = [res.loss for _, res in results]
             return (float(np.mean(losses)) if losses else None), {}
 
-    return SecAggFedAvg
+    SecAggStrategy.__name__ = SecAggStrategy.__qualname__ = f"SecAgg{base.__name__}"
+    return SecAggStrategy
 
 
 def _server_main(fixed: FleetConfig | None, grid: Grid, context: Context) -> None:
@@ -254,7 +265,7 @@ def _server_main(fixed: FleetConfig | None, grid: Grid, context: Context) -> Non
 
     cfg = fixed if fixed is not None else FleetConfig.from_run_config(context.run_config)
     counting = _CountingGrid(grid)
-    strategy = _strategy_class()(cfg, counting)
+    strategy = _strategy_class(cfg.aggregator)(cfg, counting)
     outer: Any = strategy
     if cfg.privacy == "client":  # devices clip (fixedclipping_mod); the server noises the secure sum
         outer = DifferentialPrivacyClientSideFixedClipping(strategy, cfg.noise, cfg.clip, cfg.devices)

@@ -3,7 +3,8 @@
 Starts one ``flower-superlink`` and ``--devices`` ``flower-supernode`` processes on
 127.0.0.1 (free ports), each SuperNode holding its own non-IID digits partition, runs
 the fleet app with ``flwr run`` and stops every process it started, also on Ctrl-C or
-SIGTERM. Flower's logs stay in files unless ``--verbose``. Needs
+SIGTERM. TLS (a CA made for the run) and SuperNode authentication (each SuperNode's key
+registered with the SuperLink) are on unless ``--insecure``. Flower's logs stay in files unless ``--verbose``. Needs
 ``pip install 'taste-cl[federated]'``.
 """
 
@@ -34,6 +35,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--personal", default="4.", help="comma-separated state_dict prefixes kept on the device")
     parser.add_argument(
+        "--server",
+        choices=["auto", "fedavg", "fedavgm", "fedadam"],
+        default="auto",
+        help="server strategy (Flower's): auto = FedAvgM for FedPer, FedAvg for FedBABU",
+    )
+    parser.add_argument("--server-momentum", type=float, default=0.5, help="FedAvgM server momentum")
+    parser.add_argument("--server-eta", type=float, default=0.03, help="FedAdam server step size")
+    parser.add_argument(
         "--privacy",
         choices=["off", "central", "client", "local"],
         default="off",
@@ -52,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for startup and for the run")
     parser.add_argument("--out", default=None, help="write the run's result JSON to this file")
     parser.add_argument("--verbose", action="store_true", help="show Flower's logs instead of writing them to files")
+    parser.add_argument("--insecure", action="store_true", help="no TLS and no SuperNode authentication (warns; only to debug on this machine)")
     return parser
 
 
@@ -68,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             rounds=args.rounds,
             method=args.method,
             personal=args.personal,
+            server=args.server,
+            server_momentum=args.server_momentum,
+            server_eta=args.server_eta,
             privacy=args.privacy,
             secagg=args.secagg,
             evaluate_every_round=not args.evaluate_last_only,
@@ -76,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             epsilon=args.epsilon,
             seed=args.seed,
         )
-        deployment = LoopbackDeployment(args.devices, timeout_s=args.timeout, verbose=args.verbose)
+        deployment = LoopbackDeployment(args.devices, timeout_s=args.timeout, verbose=args.verbose, insecure=args.insecure)
     except ValueError as error:
         parser.error(str(error))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the with-block: processes stop
