@@ -4,7 +4,10 @@
 - :mod:`.app`: the digits fleet as one Flower App (the same apps for simulation and deployment);
 - :mod:`.secagg`: the fleet under SecAgg+ secure aggregation;
 - :mod:`.deployment`: a real SuperLink and SuperNodes as processes on loopback;
-- :mod:`.tls`: the run's TLS certificates and SuperNode authentication keys.
+- :mod:`.tls`: the run's TLS certificates and SuperNode authentication keys;
+- :mod:`.updates`: what travels (the shared/personal split, update checks), numpy only;
+- :mod:`.device_client`, :mod:`.device_data`, :mod:`.device_server`: devices that train
+  the exported artifacts without torch (the ClientApp, its data, the server's export).
 """
 
 from taste_cl._lazy import lazy_getattr

@@ -18,6 +18,10 @@ Options, all from the run config (:class:`FleetConfig`):
   its own update, so even the server sees only noised updates).
 - ``secagg``: the same devices under Flower's SecAgg+ secure aggregation, served by
   the legacy-API twin of this app in :mod:`taste_cl.adapters.flower.secagg`.
+- ``device``: ``torch`` (each device trains an eager PyTorch :class:`OnlineLearner`) or
+  ``artifacts`` (what real devices run: the server exports the model once, parity-gated,
+  and each device trains the ONNX Runtime artifacts with the torch-free device learner,
+  :mod:`taste_cl.adapters.flower.device_client`; only the shared tensors travel).
 
 The module-level ``server_app`` and ``client_app`` read their :class:`FleetConfig`
 from the run config (``flwr run``); :func:`make_fleet_apps` builds a pair with a fixed
@@ -33,6 +37,8 @@ import copy
 import dataclasses
 import functools
 import json
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -59,6 +65,7 @@ from taste_cl.adapters.flower.fleet import (
     require_flwr,
     shared_state,
 )
+from taste_cl.adapters.flower.updates import privacy_mod
 from taste_cl.monitor.evaluation import accuracy
 
 if TYPE_CHECKING:
@@ -74,6 +81,7 @@ __all__ = ["FleetConfig", "client_app", "evaluate_device", "fit_device", "make_f
 METHODS = ("fedper", "fedbabu")
 PRIVACY = ("off", "central", "client", "local")
 SERVERS = ("auto", "fedavg", "fedavgm", "fedadam")
+DEVICES = ("torch", "artifacts")
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,8 @@ class FleetConfig:
     Flower's SecAgg+ protocol (:mod:`taste_cl.adapters.flower.secagg`): the server sees
     only the sum of the updates; it needs at least 3 devices and cannot be combined
     with ``privacy="central"`` (the server would have to clip single updates).
+    ``device="artifacts"`` trains the exported ONNX Runtime artifacts on every device
+    without torch (not with ``secagg``, whose legacy-API app trains PyTorch).
     """
 
     devices: int = 3
@@ -112,6 +122,7 @@ class FleetConfig:
     finetune_lr: float = 0.1
     evaluate_every_round: bool = True
     secagg: bool = False
+    device: str = "torch"
     seed: int = 0
     out_dir: str = ""
 
@@ -123,6 +134,10 @@ class FleetConfig:
             raise ValueError(f"`method == {self.method!r}`, must be one of {METHODS}")
         if self.privacy not in PRIVACY:
             raise ValueError(f"`privacy == {self.privacy!r}`, must be one of {PRIVACY}")
+        if self.device not in DEVICES:
+            raise ValueError(f"`device == {self.device!r}`, must be one of {DEVICES}")
+        if self.secagg and self.device != "torch":
+            raise ValueError(f"`device == {self.device!r}` with `secagg=True`: the SecAgg+ app trains PyTorch; use device='torch'")
         if self.server not in SERVERS:
             raise ValueError(f"`server == {self.server!r}`, must be one of {SERVERS}")
         if not 0.0 <= float(self.server_momentum) < 1.0:
@@ -294,14 +309,11 @@ def _privacy_mod(fixed: FleetConfig | None) -> Callable[..., Message]:
 
     def mod(msg: Message, context: Context, call_next: Callable[..., Message]) -> Message:
         from flwr.app import MessageType
-        from flwr.clientapp.mod import LocalDpMod, fixedclipping_mod
 
         cfg = _config(fixed, context)
-        if msg.metadata.message_type != MessageType.TRAIN or cfg.privacy in ("off", "central"):
+        if msg.metadata.message_type != MessageType.TRAIN:
             return call_next(msg, context)
-        if cfg.privacy == "client":
-            return fixedclipping_mod(msg, context, call_next)
-        return LocalDpMod(cfg.clip, cfg.clip, cfg.epsilon, cfg.delta)(msg, context, call_next)
+        return privacy_mod(cfg.privacy, cfg.clip, cfg.epsilon, cfg.delta)(msg, context, call_next)
 
     return mod
 
@@ -339,14 +351,29 @@ def _strategy(cfg: FleetConfig) -> Any:
 
 
 def _server_main(fixed: FleetConfig | None, grid: Grid, context: Context) -> None:
-    from flwr.app import Array, ArrayRecord
+    from flwr.app import Array, ArrayRecord, ConfigRecord
 
     cfg = _config(fixed, context)
     fleet = _fleet(cfg.devices, cfg.rounds, cfg.seed)
-    initial = shared_state(fleet.build_learner(0).model, personal=cfg.prefixes)
     guard = _strategy(cfg)
     start = time.perf_counter()
-    result = guard.start(grid=grid, initial_arrays=ArrayRecord({k: Array(v) for k, v in initial.items()}), num_rounds=cfg.rounds)
+    settings: dict[str, Any] = {}
+    folder = Path(cfg.out_dir) / "artifacts" if cfg.out_dir else Path(tempfile.mkdtemp(prefix="taste-cl-fleet-"))
+    try:
+        if cfg.device == "artifacts":  # exported once; each device reads it (a real fleet would ship it)
+            from taste_cl.adapters.flower.device_server import export_fleet
+
+            initial = export_fleet(cfg, fleet, folder)
+            settings = {**cfg.to_run_config(), "artifacts": str(folder)}  # the device's settings
+        else:
+            initial = shared_state(fleet.build_learner(0).model, personal=cfg.prefixes)
+        record = ArrayRecord({k: Array(v) for k, v in initial.items()})
+        result = guard.start(
+            grid=grid, initial_arrays=record, num_rounds=cfg.rounds, train_config=ConfigRecord(settings), evaluate_config=ConfigRecord(settings)
+        )
+    finally:
+        if not cfg.out_dir:
+            shutil.rmtree(folder, ignore_errors=True)
     if cfg.out_dir:
         final = _record_to_numpy(result.arrays)
         write_outputs(cfg, final, time.perf_counter() - start, guard.rounds, guard.dropped, guard.evaluations)
@@ -374,15 +401,28 @@ def write_outputs(
 
 
 def make_fleet_apps(config: FleetConfig | None = None) -> tuple[ServerApp, ClientApp]:
-    """A ``(ServerApp, ClientApp)`` pair; with ``config=None`` both read the run config."""
+    """A ``(ServerApp, ClientApp)`` pair; with ``config=None`` both read the run config.
+
+    The ClientApp is the PyTorch one, or with ``config.device == "artifacts"`` the
+    device-runtime one (:mod:`.device_client`, which takes its settings from each message).
+    """
     require_flwr()
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
 
     if config is not None and not (isinstance(config, FleetConfig) and not config.secagg):
         raise TypeError(f"config must be a FleetConfig with secagg=False (see flower_secagg), or None; got {config!r}")
-    capp = ClientApp(mods=[_privacy_mod(config)])
     sapp = ServerApp()
+
+    @sapp.main()
+    def main(grid: Grid, context: Context) -> None:
+        _server_main(config, grid, context)
+
+    if config is not None and config.device == "artifacts":
+        from taste_cl.adapters.flower.device_client import make_device_client_app
+
+        return sapp, make_device_client_app()
+    capp = ClientApp(mods=[_privacy_mod(config)])
 
     @capp.train()
     def train(msg: Message, context: Context) -> Message:
@@ -391,10 +431,6 @@ def make_fleet_apps(config: FleetConfig | None = None) -> tuple[ServerApp, Clien
     @capp.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
         return _evaluate(config, msg, context)
-
-    @sapp.main()
-    def main(grid: Grid, context: Context) -> None:
-        _server_main(config, grid, context)
 
     return sapp, capp
 

@@ -44,6 +44,7 @@ from taste_cl.exceptions import TasteCLError
 __all__ = ["DeploymentError", "LoopbackDeployment", "free_port"]
 
 _APP_MODULE = "taste_cl_fleet_app"
+_CLIENT_MODULE = "taste_cl_fleet_client"  # device="artifacts": the ClientApp process imports only this (no torch)
 _HOSTS = ["127.0.0.1", "localhost"]
 INSECURE_WARNING = (
     "insecure deployment: no TLS (traffic in clear text) and no SuperNode authentication "
@@ -90,7 +91,7 @@ def _pyproject(config: FleetConfig) -> str:
         'publisher = "taste-cl"',
         "[tool.flwr.app.components]",
         f'serverapp = "{_APP_MODULE}:server_app"',
-        f'clientapp = "{_APP_MODULE}:client_app"',
+        f'clientapp = "{_CLIENT_MODULE if config.device == "artifacts" else _APP_MODULE}:client_app"',
         "[tool.flwr.app.config]",
     ]
     for key, value in config.to_run_config().items():
@@ -102,6 +103,11 @@ def _app_module(config: FleetConfig) -> str:
     """The app module's source: the plain app, or the SecAgg+ one (each process imports only its own)."""
     module = "secagg" if config.secagg else "app"
     return f"from taste_cl.adapters.flower.{module} import client_app, server_app\n\n__all__ = ['client_app', 'server_app']\n"
+
+
+def _client_module() -> str:
+    """The device-runtime ClientApp's module source: it imports numpy, flwr and ONNX Runtime, never torch."""
+    return "from taste_cl.adapters.flower.device_client import client_app\n\n__all__ = ['client_app']\n"
 
 
 def _toml(value: Any) -> str:
@@ -278,6 +284,8 @@ class LoopbackDeployment:
         app.mkdir()
         (app / "pyproject.toml").write_text(_pyproject(config))
         (app / f"{_APP_MODULE}.py").write_text(_app_module(config))
+        if config.device == "artifacts":
+            (app / f"{_CLIENT_MODULE}.py").write_text(_client_module())
         log = None if self.verbose else open(out / "flwr-run.log", "wb")  # noqa: SIM115
         try:
             cli = subprocess.Popen(

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from taste_cl.exceptions import MissingDependencyError, TasteCLError
 
-__all__ = ["ArraySpec", "InvalidUpdateError", "PersonalSpec", "check_update", "personal_predicate", "require_flwr"]
+if TYPE_CHECKING:
+    from flwr.app import Message
+
+__all__ = ["ArraySpec", "InvalidUpdateError", "PersonalSpec", "check_update", "personal_predicate", "privacy_mod", "require_flwr"]
 
 PersonalSpec = Sequence[str] | Callable[[str], bool]
 ArraySpec = dict[str, tuple[tuple[int, ...], np.dtype]]
@@ -67,3 +71,23 @@ def check_update(arrays: Mapping[str, np.ndarray], expected: ArraySpec) -> None:
             raise InvalidUpdateError(f"`{name}` must be {dtype} of shape {shape}; got {array.dtype} of shape {tuple(array.shape)}")
         if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
             raise InvalidUpdateError(f"`{name}` has {int((~np.isfinite(array)).sum())} non-finite values")
+
+
+def privacy_mod(privacy: str, clip: float, epsilon: float, delta: float) -> Callable[..., Message]:
+    """Flower's client mod for the fleet's ``privacy`` setting, applied to train messages.
+
+    ``client``: ``fixedclipping_mod`` (the device clips to the norm the server sends);
+    ``local``: ``LocalDpMod`` (the device clips to ``clip`` and adds noise for
+    ``(epsilon, delta)``); ``off`` and ``central`` (the server's job): nothing.
+    """
+    from flwr.clientapp.mod import LocalDpMod, fixedclipping_mod
+
+    if privacy == "client":
+        return fixedclipping_mod
+    if privacy == "local":
+        return LocalDpMod(clip, clip, epsilon, delta)
+    return _pass_through
+
+
+def _pass_through(msg: Message, context: Any, call_next: Callable[..., Message]) -> Message:
+    return call_next(msg, context)

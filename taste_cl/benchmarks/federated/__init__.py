@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from taste_cl.adapters.flower.device_data import round_batches, round_bounds
 from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.benchmarks.federated.tables import accuracy_table, rounds_table
 from taste_cl.cli.demo import build_digits_learner
@@ -54,15 +55,11 @@ class Fleet:
 
     def train_batches(self, partition: int, server_round: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The device's stream slice for ``server_round`` (1-based), in class order."""
-        x, y = self.x_train[partition], self.y_train[partition]
-        bounds = np.linspace(0, x.shape[0], self.num_rounds + 1).astype(int)
-        lo, hi = bounds[server_round - 1], bounds[server_round]
-        return [(x[s : min(s + self.batch_size, hi)], y[s : min(s + self.batch_size, hi)]) for s in range(lo, hi, self.batch_size)]
+        return round_batches(self.x_train[partition], self.y_train[partition], self.num_rounds, self.batch_size, server_round)
 
     def seen(self, partition: int, server_round: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything the device observed in rounds ``1..server_round`` (it stays on the device)."""
-        bounds = np.linspace(0, self.x_train[partition].shape[0], self.num_rounds + 1).astype(int)
-        hi = bounds[server_round]
+        hi = round_bounds(self.x_train[partition].shape[0], self.num_rounds, server_round)[1]
         return self.x_train[partition][:hi], self.y_train[partition][:hi]
 
     def eval_sets(self, partition: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -126,6 +123,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for startup and for each run (--deployment)")
     parser.add_argument("--no-simulation", action="store_true", help="skip the simulation twin of the FedPer run (--deployment)")
     parser.add_argument("--no-secagg", action="store_true", help="skip the FedPer + SecAgg+ run (--deployment)")
+    parser.add_argument(
+        "--device",
+        choices=["artifacts", "torch"],
+        default="artifacts",
+        help="what a SuperNode trains: the exported ONNX Runtime artifacts without torch, or eager PyTorch (--deployment; SecAgg+ runs PyTorch)",
+    )
+    parser.add_argument("--compare-torch", action="store_true", help="add the FedPer run with PyTorch ClientApps, side by side (--deployment)")
+    parser.add_argument("--simulation-devices", type=int, default=None, help="also simulate FedPer with this many devices, up to 200 (--deployment)")
     parser.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM server momentum (0 = FedAvg)")
     parser.add_argument("--client-cpus", type=float, default=1.0, help="CPU share of one simulated device")
     args = parse(parser, argv)
@@ -134,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             setattr(args, name, deployed if args.deployment else default)
     if not 1 <= args.devices <= 20:
         parser.error(f"`--devices == {args.devices}`, must be in [1, 20]")
+    if args.simulation_devices is not None and not 1 <= args.simulation_devices <= 200:
+        parser.error(f"`--simulation-devices == {args.simulation_devices}`, must be in [1, 200]")
     if args.rounds < 1:
         parser.error(f"`--rounds == {args.rounds}`, must be >= 1")
     if args.deployment:

@@ -59,6 +59,8 @@ def _per_round(result: dict[str, Any]) -> dict[str, float]:
         "bytes_up": float(np.mean([r["bytes_up"] for r in rounds])),
         "seconds": float(result["seconds"]) / len(rounds),
         "dropped": float(sum(r["dropped"] for r in rounds)),
+        "client_rss_mb": float(np.nanmax([r["max_client_rss_mb"] for r in rounds])),
+        "client_train_s": float(np.nanmean([r["mean_client_train_s"] for r in rounds])),
     }
 
 
@@ -94,6 +96,7 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
         noise=args.noise,
         epsilon=args.epsilon,
         evaluate_every_round=False,
+        device=args.device,
     )
     variants = {
         "fedper": base,
@@ -101,7 +104,9 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
         f"fedper+dp-{args.privacy}": FleetConfig(**{**base.__dict__, "privacy": args.privacy}),
     }
     if not args.no_secagg:
-        variants["fedper+secagg"] = FleetConfig(**{**base.__dict__, "secagg": True})
+        variants["fedper+secagg"] = FleetConfig(**{**base.__dict__, "secagg": True, "device": "torch"})
+    if args.compare_torch and args.device != "torch":
+        variants["fedper (torch ClientApp)"] = FleetConfig(**{**base.__dict__, "device": "torch"})
     local = run_local(make_fleet(args.devices, num_rounds=args.rounds, seed=args.seed))
     results: dict[str, dict[str, Any]] = {}
     servers: dict[str, dict[str, np.ndarray]] = {}
@@ -112,6 +117,8 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
             results[name], servers[name], _ = deployment.run(config)
     deployment_s = time.perf_counter() - start
     simulated = None if args.no_simulation else _simulate(base)
+    wide = args.simulation_devices not in (None, args.devices) and not args.no_simulation
+    wide_sim = _simulate(FleetConfig(**{**base.__dict__, "devices": args.simulation_devices})) if wide else None
     names = list(variants)
     final = {n: last_evaluation(r) for n, r in results.items()}
     if simulated is not None:
@@ -126,10 +133,14 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
     stats = {n: _per_round(r) for n, r in results.items()}
     if simulated is not None:
         stats["fedper (simulation)"] = _per_round(simulated)
+    if wide_sim is not None:
+        stats[f"fedper (simulation, {args.simulation_devices} devices)"] = _per_round(wide_sim)
+        wide_means = {k: float(np.mean([m[k] for m in last_evaluation(wide_sim).values()])) for k in ("accuracy-all", "accuracy-own")}
+        print(f"simulation with {args.simulation_devices} devices: mean per-device accuracy {wide_means}\n")
     print(
         format_table(
-            ["variant", "bytes down/round", "bytes up/round", "seconds/round", "dropped"],
-            [[n, s["bytes_down"], s["bytes_up"], s["seconds"], s["dropped"]] for n, s in stats.items()],
+            ["variant", "bytes down/round", "bytes up/round", "seconds/round", "dropped", "client RSS MB", "client train s"],
+            [[n, s["bytes_down"], s["bytes_up"], s["seconds"], s["dropped"], s["client_rss_mb"], s["client_train_s"]] for n, s in stats.items()],
         )
     )
     print()
@@ -160,6 +171,7 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
             "local": {str(d): v for d, v in local.items()},
             "deployment": results,
             "simulation": simulated,
+            "wide_simulation": wide_sim,
             "per_round": stats,
             "mean_accuracy": means,
             "deployment_seconds": deployment_s,

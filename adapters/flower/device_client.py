@@ -1,0 +1,169 @@
+"""The fleet's ClientApp as a device runs it: the exported artifacts train, torch is never imported.
+
+A real device has no PyTorch: it trains the on-device artifacts the server exported once
+(:func:`taste_cl.adapters.flower.device_server.export_fleet`, parity-gated) with the
+torch-free :class:`~taste_cl.adapters.onnxruntime.runtime.OrtOnlineLearner`. This module
+imports numpy, psutil, flwr and (on first use) ``onnxruntime`` only, so a ``flwr-clientapp``
+process running it stays small. Per message the node:
+
+1. opens its learner: the server's folder in the first round, afterwards its own saved
+   folder, kept in the node's ``context.state`` (personal tensors, replay buffer, optimizer
+   state and counters never leave the device);
+2. checks the shared arrays it received against its own shared part and loads them by name;
+3. ``train``: observes its stream slice for the round (test-then-train with replay) and
+   replies with its shared tensors only; ``evaluate``: scores its held-out sets, for
+   FedBABU after ``finetune-steps`` SGD steps of the head on a throwaway copy.
+
+Everything the node needs comes in the message's config record (the server sends its
+:class:`~taste_cl.adapters.flower.app.FleetConfig` plus the ``artifacts`` folder), and its
+data from ``<artifacts>/data/partition-<id>.npz`` (on loopback the server writes every
+device's partition there; on a real fleet the data is the device's own).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import psutil
+
+from taste_cl.adapters.device.artifacts import check_plain_name
+from taste_cl.adapters.device.loader import load_learner
+from taste_cl.adapters.flower.device_data import DATA_FOLDER, FINETUNE_FOLDER, TRAIN_FOLDER, DeviceData
+from taste_cl.adapters.flower.updates import check_update, personal_predicate, privacy_mod, require_flwr
+
+if TYPE_CHECKING:
+    from flwr.app import ConfigRecord, Context, Message
+    from flwr.clientapp import ClientApp
+
+__all__ = ["client_app", "make_device_client_app"]
+
+STATE_KEY = "taste_cl-device"
+
+
+# ------------------------------------------------------------------------ the node
+def _settings(msg: Message) -> ConfigRecord:
+    return msg.content.config_records["config"]
+
+
+def _partition(context: Context, settings: Mapping[str, Any]) -> int:
+    partition = int(cast(int, context.node_config["partition-id"]))
+    devices = int(settings["devices"])
+    if not 0 <= partition < devices:
+        raise ValueError(f"node config `partition-id == {partition}`, must be in [0, devices={devices})")
+    return partition
+
+
+def _open(context: Context, settings: Mapping[str, Any], work: Path) -> Any:
+    """The node's learner: its saved folder from ``context.state``, else the server's artifacts."""
+    saved = context.state.config_records.get(STATE_KEY)
+    if saved is None:
+        return load_learner(Path(str(settings["artifacts"])) / TRAIN_FOLDER)
+    folder = work / "state"
+    folder.mkdir()
+    for name, data in saved.items():
+        (folder / check_plain_name(name)).write_bytes(cast(bytes, data))
+    return load_learner(folder)  # every file is hash-checked against the manifest before use
+
+
+def _persist(context: Context, learner: Any, work: Path) -> None:
+    from flwr.app import ConfigRecord
+
+    folder = learner.save(work / "saved", web=False)  # no browser files: they need onnx (and, installed, torch)
+    context.state[STATE_KEY] = ConfigRecord({path.name: path.read_bytes() for path in sorted(folder.iterdir())})
+
+
+def _is_personal(settings: Mapping[str, Any]) -> Callable[[str], bool]:
+    return personal_predicate([p for p in str(settings["personal"]).split(",") if p])
+
+
+def _load_shared(learner: Any, msg: Message, is_personal: Callable[[str], bool]) -> None:
+    """Check the received arrays against this device's shared part, then load them (a bad update changes nothing)."""
+    shared = {name: array.numpy() for name, array in msg.content.array_records["arrays"].items()}
+    own = {name: value for name, value in learner.parameters().items() if not is_personal(name)}
+    check_update(shared, {name: (value.shape, value.dtype) for name, value in own.items()})
+    learner.load_parameters(shared)
+
+
+def _data(settings: Mapping[str, Any], partition: int) -> DeviceData:
+    return DeviceData.load(Path(str(settings["artifacts"])) / DATA_FOLDER / f"partition-{partition}.npz")
+
+
+def _train(msg: Message, context: Context) -> Message:
+    from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+
+    settings = _settings(msg)
+    partition, is_personal = _partition(context, settings), _is_personal(settings)
+    with tempfile.TemporaryDirectory(prefix="taste-cl-device-") as tmp:
+        learner = _open(context, settings, Path(tmp))
+        _load_shared(learner, msg, is_personal)
+        start, samples = time.perf_counter(), 0
+        for batch in _data(settings, partition).batches(int(cast(int, settings["server-round"]))):
+            samples += learner.observe(batch).samples
+        seconds = time.perf_counter() - start
+        _persist(context, learner, Path(tmp))
+        shared = {name: value for name, value in learner.parameters().items() if not is_personal(name)}
+    metrics = {"num-examples": max(samples, 1), "train-seconds": seconds, "rss-mb": psutil.Process().memory_info().rss / 2**20}
+    content = {"arrays": ArrayRecord({k: Array(v) for k, v in shared.items()}), "metrics": MetricRecord(metrics)}
+    return Message(content=RecordDict(content), reply_to=msg)
+
+
+def _finetuned(learner: Any, settings: Mapping[str, Any], data: DeviceData, server_round: int) -> Any:
+    """A copy of the device model whose head took ``finetune-steps`` SGD steps on everything seen (FedBABU)."""
+    tuner = load_learner(Path(str(settings["artifacts"])) / FINETUNE_FOLDER)  # only the head trains in these artifacts
+    tuner.load_parameters(learner.parameters())
+    tuner.lr = float(settings["finetune-lr"])
+    x, y = data.seen(server_round)
+    rng = np.random.default_rng(int(settings["seed"]))
+    for _ in range(int(settings["finetune-steps"])):
+        idx = rng.integers(0, y.shape[0], size=min(32, y.shape[0]))
+        tuner.train_step(x[idx], y[idx])
+    return tuner
+
+
+def _evaluate(msg: Message, context: Context) -> Message:
+    from flwr.app import Message, MetricRecord, RecordDict
+
+    settings = _settings(msg)
+    partition, server_round = _partition(context, settings), int(cast(int, settings["server-round"]))
+    data = _data(settings, partition)
+    with tempfile.TemporaryDirectory(prefix="taste-cl-device-") as tmp:
+        learner = _open(context, settings, Path(tmp))
+        _load_shared(learner, msg, _is_personal(settings))
+        if settings["out-dir"] and server_round == int(settings["rounds"]):
+            np.savez(Path(str(settings["out-dir"])) / f"device-{partition}.npz", **learner.parameters())  # type: ignore[arg-type]
+        model = _finetuned(learner, settings, data, server_round) if settings["method"] == "fedbabu" else learner
+        metrics: dict[str, Any] = {"partition-id": partition}
+        for name, (x, y) in data.eval_sets().items():
+            metrics[f"accuracy-{name}"] = float((model.predict(x).argmax(axis=1) == y).mean()) if y.shape[0] else float("nan")
+            metrics["num-examples"] = int(y.shape[0])
+    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+
+
+def _privacy(msg: Message, context: Context, call_next: Callable[..., Message]) -> Message:
+    """The client-side privacy the server asked for in the train config (see :func:`privacy_mod`)."""
+    from flwr.app import MessageType
+
+    if msg.metadata.message_type != MessageType.TRAIN:
+        return call_next(msg, context)
+    settings = _settings(msg)
+    mod = privacy_mod(str(settings["privacy"]), float(settings["clip"]), float(settings["epsilon"]), float(settings["delta"]))
+    return mod(msg, context, call_next)
+
+
+def make_device_client_app() -> ClientApp:
+    """The device-runtime ClientApp (its settings arrive with each message, so one app serves every run)."""
+    require_flwr()
+    from flwr.clientapp import ClientApp
+
+    app = ClientApp(mods=[_privacy])
+    app.train()(_train)
+    app.evaluate()(_evaluate)
+    return app
+
+
+client_app = make_device_client_app()

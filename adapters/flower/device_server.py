@@ -1,0 +1,66 @@
+"""The server's side of a fleet of device runtimes: export the starting model once, parity-gated.
+
+With ``FleetConfig(device="artifacts")`` the ServerApp calls :func:`export_fleet` before
+the first round. It writes, under one folder that every device can read:
+
+- ``train/``: ONNX Runtime training artifacts of the fleet's reference learner (model,
+  loss, SGD, an empty replay buffer of the learner's capacity), published only if the
+  device trains like PyTorch (the parity gate of :func:`taste_cl.adapters.device.export`);
+  for FedBABU the head is frozen in them (it stays at its common initialisation during
+  federated rounds);
+- ``finetune/`` (FedBABU only): the same model with only the head trainable, plain SGD at
+  ``finetune_lr``, which each device uses on a throwaway copy before it is evaluated;
+- ``data/partition-<id>.npz``: each device's partition (loopback only: on a real fleet
+  the data is the device's own).
+
+Only ONNX Runtime artifacts are written: its runtime imports no torch, which is the point
+(the ExecuTorch runtime's Python bindings import torch).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from taste_cl.adapters.device import export
+from taste_cl.adapters.flower.device_data import DATA_FOLDER, FINETUNE_FOLDER, TRAIN_FOLDER, DeviceData
+from taste_cl.adapters.flower.updates import personal_predicate
+from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
+
+if TYPE_CHECKING:
+    from taste_cl.adapters.flower.app import FleetConfig
+    from taste_cl.benchmarks.federated import Fleet
+
+__all__ = ["export_fleet"]
+
+_EXAMPLE_ROWS = 8
+
+
+def export_fleet(cfg: FleetConfig, fleet: Fleet, folder: Path) -> dict[str, np.ndarray]:
+    """Write the fleet's artifacts and data under ``folder``; return the initial shared arrays by name."""
+    learner = fleet.build_learner(0)
+    is_personal = personal_predicate(cfg.prefixes)
+    names = [name for name, _ in learner.model.named_parameters()]
+    personal = [name for name in names if is_personal(name)]
+    example = (fleet.x_train[0][:_EXAMPLE_ROWS], fleet.y_train[0][:_EXAMPLE_ROWS])
+    frozen_head = cfg.method == "fedbabu"
+    trainable = [name for name in names if not is_personal(name)] if frozen_head else None
+    export(learner, folder / TRAIN_FOLDER, backend="onnxruntime", example=example, trainable=trainable)
+    if frozen_head:
+        if not personal:
+            raise ValueError(f"`personal == {cfg.personal!r}` names no parameter: FedBABU needs a head to fine-tune")
+        export(
+            learner, folder / FINETUNE_FOLDER, backend="onnxruntime", example=example, trainable=personal,
+            optimizer="sgd", lr=cfg.finetune_lr, include_replay=False,
+        )  # fmt: skip
+    (folder / DATA_FOLDER).mkdir()
+    for partition in range(cfg.devices):
+        own = np.asarray(fleet.classes[partition])
+        DeviceData(
+            fleet.x_train[partition].numpy(), fleet.y_train[partition].numpy(), fleet.x_test.numpy(), fleet.y_test.numpy(),
+            own, fleet.num_rounds, fleet.batch_size,
+        ).save(folder / DATA_FOLDER / f"partition-{partition}.npz")  # fmt: skip
+    device = OrtOnlineLearner.from_artifacts(folder / TRAIN_FOLDER)
+    return {name: value for name, value in device.parameters().items() if not is_personal(name)}

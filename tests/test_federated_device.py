@@ -1,0 +1,140 @@
+"""A fleet of device runtimes: SuperNodes train the exported artifacts without torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before flwr is first imported
+pytest.importorskip("flwr")
+pytest.importorskip("onnxruntime.training")
+
+from taste_cl.adapters.flower.app import FleetConfig, _fleet
+from taste_cl.adapters.flower.deployment import LoopbackDeployment, _pyproject
+from taste_cl.adapters.flower.device_server import export_fleet
+from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+@pytest.fixture(scope="module")
+def fedbabu(tmp_path_factory: pytest.TempPathFactory) -> tuple[FleetConfig, Path, dict[str, np.ndarray]]:
+    """The server's export for a 2-device FedBABU fleet: train and fine-tune artifacts, each device's data."""
+    cfg = FleetConfig(devices=2, rounds=2, method="fedbabu", device="artifacts")
+    folder = tmp_path_factory.mktemp("fleet")
+    return cfg, folder, export_fleet(cfg, _fleet(cfg.devices, cfg.rounds, cfg.seed), folder)
+
+
+def test_server_exports_the_shared_part_and_an_empty_buffer_of_the_learners_capacity(fedbabu) -> None:
+    cfg, folder, initial = fedbabu
+    assert set(initial) == SHARED
+    device = OrtOnlineLearner.from_artifacts(folder / "train")
+    assert device.replay is not None and (device.replay.capacity, len(device.replay)) == (200, 0)
+    assert sorted(device.spec.param_names[n] for n in device.spec.trainable) == sorted(SHARED)  # FedBABU: the head is frozen
+    tuner = OrtOnlineLearner.from_artifacts(folder / "finetune")
+    assert sorted(tuner.spec.param_names[n] for n in tuner.spec.trainable) == ["4.bias", "4.weight"] and tuner.lr == cfg.finetune_lr
+    assert sorted(p.name for p in (folder / "data").iterdir()) == ["partition-0.npz", "partition-1.npz"]
+
+
+def test_load_parameters_checks_everything_first_and_changes_nothing_on_error(fedbabu) -> None:
+    device = OrtOnlineLearner.from_artifacts(fedbabu[1] / "train")
+    before = device.parameters()
+    good = np.full_like(before["0.bias"], 0.5)
+    for bad, match in (
+        ({"0.bias": good, "nope": good}, "`nope` is not a parameter"),
+        ({"0.bias": good, "2.bias": good[:3]}, r"`2\.bias` must be float32 of shape \(128,\)"),
+        ({"0.bias": good, "4.bias": np.full(10, np.nan, np.float32)}, "NaN or infinite"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            device.load_parameters(bad)
+        assert all(np.array_equal(v, before[k]) for k, v in device.parameters().items())
+    device.load_parameters({"0.bias": good, "4.bias": np.ones(10, np.float32)})  # frozen parameters load too
+    assert np.array_equal(device.parameters()["0.bias"], good) and np.array_equal(device.parameters()["4.bias"], np.ones(10, np.float32))
+
+
+def test_device_config_is_validated() -> None:
+    with pytest.raises(ValueError, match=r"`device == 'gpu'`, must be one of"):
+        FleetConfig(device="gpu")
+    with pytest.raises(ValueError, match="the SecAgg\\+ app trains PyTorch; use device='torch'"):
+        FleetConfig(devices=3, secagg=True, device="artifacts")
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib")
+def test_artifacts_app_takes_its_client_from_the_torch_free_module() -> None:
+    import tomllib
+
+    components = tomllib.loads(_pyproject(FleetConfig(device="artifacts")))["tool"]["flwr"]["app"]["components"]
+    assert components == {"serverapp": "taste_cl_fleet_app:server_app", "clientapp": "taste_cl_fleet_client:client_app"}
+
+
+def test_device_client_app_trains_and_evaluates_without_importing_torch(fedbabu, tmp_path: Path) -> None:
+    """The ClientApp itself in a fresh process: two rounds, the node's state kept, FedBABU's evaluation, and torch never imported.
+
+    Nothing is blocked (torch is installed here): a blocked import inside a library's
+    ``try/except ImportError`` (ONNX Runtime's build check has one) would go unnoticed.
+    """
+    cfg, folder, initial = fedbabu
+    np.savez(tmp_path / "shared.npz", **initial)
+    settings = {**cfg.to_run_config(), "artifacts": str(folder)}
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import numpy as np, psutil
+        from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+        from flwr.supercore.task_identity import TaskIdentity
+        from taste_cl.adapters.flower.device_client import client_app
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 7, 1  # what flwr-clientapp sets
+        shared = dict(np.load({str(tmp_path / "shared.npz")!r}))
+        context = Context(run_id=1, node_id=7, node_config={{"partition-id": 1}}, state=RecordDict(), run_config={{}})
+
+        def send(kind, server_round, arrays):
+            config = ConfigRecord({{**{settings!r}, "server-round": server_round}})
+            content = RecordDict({{"arrays": ArrayRecord({{k: Array(v) for k, v in arrays.items()}}), "config": config}})
+            reply = client_app(Message(content=content, dst_node_id=7, message_type=kind), context)
+            assert not reply.has_error(), reply.error
+            return reply.content
+
+        first = send("train", 1, shared)
+        back = {{k: a.numpy() for k, a in first.array_records["arrays"].items()}}
+        assert sorted(back) == {sorted(SHARED)!r} and not np.array_equal(back["0.weight"], shared["0.weight"])
+        assert first.metric_records["metrics"]["num-examples"] > 0
+        assert "taste_cl-device" in context.state.config_records  # replay, head, optimizer state stay on the node
+        send("train", 2, back)
+        metrics = send("evaluate", 2, back).metric_records["metrics"]
+        assert metrics["partition-id"] == 1 and 0.5 < metrics["accuracy-own"] <= 1.0, dict(metrics)
+        assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
+        print("rss-mb", psutil.Process().memory_info().rss / 2**20)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split("rss-mb")[-1]) <= 300
+
+
+@pytest.mark.slow
+def test_device_runtime_supernodes_equal_the_simulation_and_stay_small() -> None:
+    """3 SuperNode processes x 2 rounds of FedPer on the device runtime: no torch, <= 300 MB each, as in Flower's simulation."""
+    from taste_cl.benchmarks.federated.deployment import _simulate
+
+    config = FleetConfig(devices=3, rounds=2, device="artifacts", evaluate_every_round=False)
+    with LoopbackDeployment(3, timeout_s=600) as deployment:
+        result, server, devices = deployment.run(config)
+    assert [r["accepted"] for r in result["rounds"]] == [3, 3] and set(server) == SHARED
+    assert max(r["max_client_rss_mb"] for r in result["rounds"]) <= 300
+    for state in devices.values():
+        for name, array in server.items():
+            np.testing.assert_array_equal(state[name], array)
+    simulated = _simulate(config)
+    fleet = _fleet(config.devices, config.rounds, config.seed)
+    for d, metrics in result["evaluations"]["2"].items():
+        twin = simulated["evaluations"]["2"][d]
+        for name, (_, y) in fleet.eval_sets(int(d)).items():  # at most one held-out sample apart (aggregation order)
+            assert abs(metrics[f"accuracy-{name}"] - twin[f"accuracy-{name}"]) <= 1.0 / y.shape[0] + 1e-9
