@@ -22,7 +22,10 @@ Run: ``taste-cl bench device`` (needs the ``[onnx]`` and ``[executorch]`` extras
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
+import gc
 import statistics
 import sys
 import tempfile
@@ -100,8 +103,13 @@ def _resident_kib() -> tuple[int, int] | None:
 def peak_step_mib(step: Callable[[], Any], calls: int = 2) -> float | None:
     """Peak resident memory (MiB) above the level before ``calls`` calls of ``step``; None where /proc cannot tell.
 
-    The kernel's high-water mark is reset first (``/proc/self/clear_refs``), so the peak is this step's own.
+    The kernel's high-water mark is reset first (``/proc/self/clear_refs``), so the peak is this step's own,
+    after the C heap's free memory is handed back (glibc's ``malloc_trim``), so a step reusing memory
+    an earlier export freed still counts it.
     """
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     try:
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")
