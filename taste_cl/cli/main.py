@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "online-digits": ("taste_cl.benchmarks.online_digits", "split-digits stream: reservoir replay vs no replay"),
     "onnx": ("taste_cl.benchmarks.onnx_training", "ONNX Runtime training step vs torch eager step (extra [onnx])"),
     "overhead": ("taste_cl.benchmarks.overhead", "per-observe overhead: observe variants vs the raw torch loop, phases, FLOP/s"),
+    "personalize": ("taste_cl.benchmarks.personalize", "personalize a pretrained CNN: last layer, bias-only, LoRA, ElasticTrainer, full fine-tuning"),
     "report": ("taste_cl.benchmarks.report", "the README performance table from the benchmarks' JSON results"),
     "soak": ("taste_cl.benchmarks.soak", "long stream: resident memory and history sizes stay bounded"),
     "strategies": ("taste_cl.benchmarks.strategies", "ER, ER-ACE, DER++, LwF and Avalanche's ER_ACE/DER on split digits and a drifting stream"),

@@ -1,0 +1,496 @@
+"""Personalize a pretrained CNN for simulated users: last layer, bias-only, LoRA, ElasticTrainer and full fine-tuning.
+
+A 6-conv CNN (two convs at full 32x32 resolution, then stride-2 convs; no pooling, no
+BatchNorm, so both device runtimes can train every layer) is pretrained inside the
+benchmark on generated 3x32x32 images of 8 base classes (two strokes on a 3x3 grid, as
+in ``taste-cl bench elastic``; nothing is downloaded), with a 10-wide head: outputs 8
+and 9 are reserved and never trained on. Each simulated user then brings shifted data:
+a fixed transform of every image (rotation, blur, colour tint, translation,
+dimming), a subset of the base classes (``--user-classes``) and one class of their
+own, a new arrangement labelled 8 or 9. Each method personalizes a copy of the
+pretrained model with :meth:`OnlineLearner.observe` on the same stream (same batches in
+the same order, SGD with momentum 0.9, no replay):
+
+- ``last_layer``: the head only (weight and bias), backbone frozen;
+- ``bias_only``: TinyTL's FT-Bias: every bias plus the whole head (weight too: the
+  user's new class needs its weights), every other weight frozen;
+- ``lora``: peft LoRA (rank ``--lora-rank``, alpha twice the rank) on every conv, plus
+  the whole head, base weights frozen;
+- ``elastic_0.5``, ``elastic_0.3``: :class:`ElasticTrainer` at rho 0.5 and 0.3 over all
+  parameters (tensor units, reselecting every ``--reselect-every`` steps, profile cached
+  for the run);
+- ``full``: every parameter.
+
+Each method's learning rate is the best of ``--lrs`` on a validation user (own shift,
+classes and new class; not among the reported users) by held-out accuracy. Reported per
+method, mean over users: lift (user's held-out accuracy minus the pretrained model's, in
+points), retention (accuracy on held-out base data after personalization, unshifted, all
+8 base classes), time per ``observe`` (the methods' observes alternate round by round,
+``_common.alternating_rounds``, so load hits all alike; median, and the mean including
+elastic probe steps), speedup vs full, training memory (``measure_training_memory``:
+saved activations + gradients + optimizer state of one real step; parameters not
+included), trainable parameters (elastic: those of its final selection, out of all), and
+the on-device artifact size of the first user's personalized learner exported with
+``backend="onnxruntime"`` and ``"executorch"`` (sum of the folder's files; a refusal is
+reported in the table). Writes ``personalize.json`` and ``personalize.png``.
+Run: ``taste-cl bench personalize [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import tempfile
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from taste_cl import ElasticTrainer, OnlineLearner
+from taste_cl._report import format_number, format_table
+from taste_cl.benchmarks._common import alternating_rounds, base_parser, parse, save_figure, save_result
+from taste_cl.benchmarks.elastic import arrangements, render
+from taste_cl.elastic import measure_training_memory
+
+__all__ = ["METHODS", "SHIFTS", "User", "build_cnn", "main", "make_users", "parse_args", "prepare", "run", "trainable_count"]
+
+BASE_CLASSES = 8  # trained in pretraining; outputs 8 and 9 are reserved for the users' own classes
+OUTPUTS = 10
+METHODS = ("last_layer", "bias_only", "lora", "elastic_0.5", "elastic_0.3", "full")
+BACKENDS = ("onnxruntime", "executorch")
+MOMENTUM = 0.9
+
+
+def _rotate(x: torch.Tensor, degrees: float = 25.0) -> torch.Tensor:
+    angle = torch.tensor(degrees * torch.pi / 180)
+    theta = torch.tensor([[torch.cos(angle), -torch.sin(angle), 0.0], [torch.sin(angle), torch.cos(angle), 0.0]])
+    grid = nn.functional.affine_grid(theta.expand(x.shape[0], 2, 3), list(x.shape), align_corners=False)
+    return nn.functional.grid_sample(x, grid, align_corners=False)
+
+
+# a user's fixed transform of every image: their camera, their pen, their screen
+SHIFTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "rotated": _rotate,
+    "blurred": lambda x: nn.functional.avg_pool2d(x, 3, stride=1, padding=1),
+    "tinted": lambda x: 0.6 * x[:, [2, 0, 1]] + 0.2,
+    "translated": lambda x: x.roll((4, 4), dims=(2, 3)),
+    "dimmed": lambda x: 0.5 * x,
+}
+# the validation user (learning rates are chosen on it): rotated the other way, colour channels swapped
+VALIDATION_SHIFT = "rotated_-15_swapped"
+
+
+def _validation_shift(x: torch.Tensor) -> torch.Tensor:
+    return _rotate(x, -15.0)[:, [1, 2, 0]]
+
+
+@dataclass(frozen=True)
+class User:
+    """One simulated user: a shift, the base classes they use, their own class's label, their data."""
+
+    shift: str
+    classes: tuple[int, ...]
+    own_label: int
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+
+def build_cnn(width: int = 16, *, outputs: int = OUTPUTS) -> nn.Sequential:
+    """Six 3x3 convs (two at full resolution, stride 2 at the 3rd and 5th), global average pool, linear head.
+
+    Named modules (``conv1`` ... ``conv6``, ``head``), so peft targets them by name.
+    """
+    layers: list[tuple[str, nn.Module]] = []
+    channels, out = 3, width
+    for i in range(6):
+        stride = 2 if i in (2, 4) else 1
+        out = width * 2 ** ((i >= 2) + (i >= 4))
+        layers += [(f"conv{i + 1}", nn.Conv2d(channels, out, 3, stride=stride, padding=1)), (f"relu{i + 1}", nn.ReLU())]
+        channels = out
+    layers += [("pool", nn.AdaptiveAvgPool2d(1)), ("flatten", nn.Flatten()), ("head", nn.Linear(channels, outputs))]
+    return nn.Sequential(OrderedDict(layers))
+
+
+def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        hits = torch.cat([model(chunk).argmax(1) for chunk in x.split(512)]) == y
+    model.train(was_training)
+    return float(hits.float().mean())
+
+
+def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int, batch_size: int, seed: int) -> None:
+    """AdamW on the base classes, label smoothing 0.1 and weight decay keeping the logits moderate.
+
+    (SGD takes several times the steps on this norm-free CNN; without smoothing and decay the
+    logits grow into the hundreds and SGD fine-tuning on shifted data diverges at any useful rate.)
+    """
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        rows = torch.randint(0, x.shape[0], (batch_size,), generator=generator)
+        loss = nn.functional.cross_entropy(model(x[rows]), y[rows], label_smoothing=0.1)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _user(
+    shift: str,
+    transform: Callable[[torch.Tensor], torch.Tensor],
+    base: Sequence[Any],
+    own: Any,
+    index: int,
+    args: argparse.Namespace,
+    generator: torch.Generator,
+) -> User:
+    classes = tuple(sorted(torch.randperm(BASE_CLASSES, generator=generator)[: args.user_classes].tolist()))
+    own_label = BASE_CLASSES + index % (OUTPUTS - BASE_CLASSES)
+    kinds = [base[c] for c in classes] + [own]
+    labels = torch.tensor([*classes, own_label])
+
+    def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, local = render(kinds, n, generator=generator)
+        return transform(x), labels[local]
+
+    train, test = sample(args.user_samples), sample(args.test_samples)
+    return User(shift, classes, own_label, *train, *test)
+
+
+def make_users(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor], User, list[User]]:
+    """Base data (train and held-out), the validation user and ``args.users`` users."""
+    generator = torch.Generator().manual_seed(args.seed)
+    kinds = arrangements(BASE_CLASSES + args.users + 1, generator=generator)
+    base, own = kinds[:BASE_CLASSES], kinds[BASE_CLASSES:]
+    x, y = render(base, args.pretrain_samples, generator=generator)
+    test_x, test_y = render(base, args.test_samples, generator=generator)
+    data = {"x": x, "y": y, "test_x": test_x, "test_y": test_y}
+    validation = _user(VALIDATION_SHIFT, _validation_shift, base, own[-1], 0, args, generator)
+    shifts = list(SHIFTS)
+    users = [_user(shifts[i % len(shifts)], SHIFTS[shifts[i % len(shifts)]], base, own[i], i, args, generator) for i in range(args.users)]
+    return data, validation, users
+
+
+def _lora(model: nn.Module, rank: int) -> nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as error:  # pragma: no cover - depends on the installed extras
+        raise ImportError("the lora method needs peft: pip install 'taste-cl[peft]'") from error
+    convs = [name for name, module in model.named_modules() if isinstance(module, nn.Conv2d)]
+    wrapped = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=convs))
+    for name, parameter in wrapped.named_parameters():
+        if name.endswith(("head.weight", "head.bias")):
+            parameter.requires_grad_(True)
+    return wrapped
+
+
+def prepare(method: str, pretrained: nn.Module, lr: float, args: argparse.Namespace, cache_dir: str | None) -> OnlineLearner:
+    """A learner personalizing a copy of ``pretrained`` with ``method`` (see the module docstring)."""
+    model = copy.deepcopy(pretrained)
+    plugins: list[ElasticTrainer] = []
+    if method in ("last_layer", "bias_only"):
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(name.startswith("head.") or (method == "bias_only" and name.endswith(".bias")))
+    elif method == "lora":
+        model = _lora(model, args.lora_rank)
+    elif method.startswith("elastic_"):
+        rho = float(method.removeprefix("elastic_"))
+        plugins.append(ElasticTrainer(rho=rho, reselect_every=args.reselect_every, cache_dir=cache_dir, clock=args.clock))
+    elif method != "full":
+        raise ValueError(f"`method == {method!r}`, must be one of {list(METHODS)}")
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=MOMENTUM)
+    return OnlineLearner(model, optimizer=optimizer, plugins=plugins)
+
+
+def _batches(user: User, args: argparse.Namespace, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``args.steps`` batches of the user's training samples, reshuffled every pass."""
+    generator = torch.Generator().manual_seed(seed)
+    batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+    while len(batches) < args.steps:
+        order = torch.randperm(user.train_y.shape[0], generator=generator)
+        for rows in order.split(args.batch_size):
+            if rows.numel() == args.batch_size and len(batches) < args.steps:
+                batches.append((user.train_x[rows], user.train_y[rows]))
+    return batches
+
+
+def trainable_count(learner: OnlineLearner) -> int:
+    """Parameters this learner's optimizer updates now (an elastic selection: its current units)."""
+    held = {id(p) for group in learner.optimizer.param_groups for p in group["params"]}
+    return sum(p.numel() for p in learner.model.parameters() if p.requires_grad and id(p) in held)
+
+
+def _personalize(
+    methods: dict[str, OnlineLearner], batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Every method observes the same batches, alternating round by round; wall and CPU seconds per observe."""
+    cpu: dict[str, list[float]] = {name: [] for name in methods}
+
+    def step(name: str, learner: OnlineLearner) -> Callable[[], None]:
+        stream = iter(batches)
+
+        def observe() -> None:
+            start = time.process_time()
+            learner.observe(next(stream))
+            cpu[name].append(time.process_time() - start)
+
+        return observe
+
+    wall = alternating_rounds({name: step(name, learner) for name, learner in methods.items()}, steps=1, repeats=len(batches) - 1)
+    return wall, {name: times[1:] for name, times in cpu.items()}  # the first observe (profiling) is not timed
+
+
+def _export_size(learner: OnlineLearner, backend: str, example: tuple[torch.Tensor, torch.Tensor], folder: Path) -> dict[str, Any]:
+    """Bytes of the artifact folder and how many tensors it trains, or why the export was refused."""
+    try:
+        path = learner.export(folder / backend, backend=backend, example=example)
+    except Exception as error:  # noqa: BLE001 - any refusal (not installed, unsupported, parity) is a table cell
+        return {"bytes": None, "refused": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    from taste_cl.adapters.device.artifacts import read_manifest
+
+    manifest = read_manifest(path)
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return {"bytes": size, "trainable_tensors": len(manifest.get("trainable", [])), "refused": None}
+
+
+def personalize_user(
+    user: User,
+    pretrained: nn.Module,
+    base: dict[str, torch.Tensor],
+    lrs: dict[str, float],
+    args: argparse.Namespace,
+    *,
+    cache_dir: str | None,
+    export_to: Path | None,
+) -> dict[str, dict[str, Any]]:
+    """Personalize every method on ``user``'s stream; per-method results."""
+    before = _accuracy(pretrained, user.test_x, user.test_y)
+    learners = {method: prepare(method, pretrained, lrs[method], args, cache_dir) for method in lrs}
+    candidates = {method: trainable_count(learner) for method, learner in learners.items()}
+    batches = _batches(user, args, args.seed + 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        wall, cpu = _personalize(learners, batches)
+    notes = list(dict.fromkeys(str(w.message) for w in caught))
+    for note in notes:
+        if not note.startswith("ElasticTrainer"):
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
+    probe = batches[0]
+    results: dict[str, dict[str, Any]] = {}
+    for method, learner in learners.items():
+        after = _accuracy(learner.model, user.test_x, user.test_y)
+        results[method] = {
+            "lr": lrs[method],
+            "accuracy_before": before,
+            "accuracy_after": after,
+            "lift_points": 100 * (after - before),
+            "retention": _accuracy(learner.model, base["test_x"], base["test_y"]),
+            "median_step_s": statistics.median(wall[method]),
+            "mean_step_s": statistics.fmean(wall[method]),
+            "cpu_median_step_s": statistics.median(cpu[method]),
+            "cpu_mean_step_s": statistics.fmean(cpu[method]),
+            "trainable_params": trainable_count(learner),
+            "candidate_params": candidates[method],
+            "training_memory_bytes": measure_training_memory(learner.model, *probe, learner.loss_fn, learner.optimizer)["total"],
+        }
+        plugin = next((p for p in learner.plugins if isinstance(p, ElasticTrainer)), None)
+        if plugin is not None:  # what its final selection trains, and what it said (e.g. that no selection fits rho)
+            sizes = dict(learner.model.named_parameters())
+            results[method].update(
+                selected=list(plugin.selected),
+                trainable_params=sum(sizes[name].numel() for name in plugin.selected),
+                warnings=[note for note in notes if note.startswith("ElasticTrainer") and f"rho={plugin.rho}" in note],
+            )
+        if export_to is not None:
+            example = (probe[0][:8], probe[1][:8])
+            results[method]["artifacts"] = {b: _export_size(learner, b, example, export_to / method) for b in args.backends}
+    return results
+
+
+def choose_lrs(validation: User, pretrained: nn.Module, args: argparse.Namespace, cache_dir: str | None) -> dict[str, dict[float, float]]:
+    """Held-out accuracy of the validation user after personalization, per method and learning rate."""
+    batches = _batches(validation, args, args.seed + 2)
+    scores: dict[str, dict[float, float]] = {method: {} for method in args.methods}
+    for lr in args.lrs:
+        learners = {method: prepare(method, pretrained, lr, args, cache_dir) for method in args.methods}
+        for batch in batches:
+            for learner in learners.values():
+                learner.observe(batch)
+        for method, learner in learners.items():
+            scores[method][lr] = _accuracy(learner.model, validation.test_x, validation.test_y)
+    return scores
+
+
+def summarize(users: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Mean over users of each method's numbers; speedups: full's mean step time over the method's."""
+    pooled: dict[str, dict[str, Any]] = {m: {k: statistics.fmean(u[m][k] for u in users) for k in _MEANS} for m in users[0]}
+    for m, row in pooled.items():
+        for name, key in (("speedup", "median_step_s"), ("speedup_with_probes", "mean_step_s"), ("cpu_speedup", "cpu_median_step_s")):
+            row[name] = pooled["full"][key] / row[key] if "full" in pooled else None
+        row["lr"] = users[0][m]["lr"]
+        row["artifacts"] = users[0][m].get("artifacts")
+        row["warnings"] = list(dict.fromkeys(note for u in users for note in u[m].get("warnings", [])))
+    return pooled
+
+
+_MEANS = (
+    "lift_points", "retention", "accuracy_before", "accuracy_after", "median_step_s", "mean_step_s", "cpu_median_step_s",
+    "cpu_mean_step_s", "trainable_params", "candidate_params", "training_memory_bytes",
+)  # fmt: skip
+
+
+def _artifact_cell(artifacts: dict[str, Any] | None, backend: str) -> str:
+    if artifacts is None or backend not in artifacts:
+        return "not run"
+    entry = artifacts[backend]
+    return f"{entry['bytes'] / 1024:.0f} KiB" if entry["bytes"] is not None else f"refused ({entry['refused'][:60]})"
+
+
+def _times(ratio: float | None) -> str | None:
+    return None if ratio is None else f"{ratio:.2f}x"
+
+
+def table(summary: dict[str, dict[str, Any]]) -> str:
+    """The aligned table of :func:`summarize`'s output."""
+    headers = ["method", "lr", "trainable", "lift (pts)", "retention", "ms/step", "speedup", "w/ probes", "train MiB", "ORT", "ExecuTorch"]
+    rows = [
+        [
+            m, s["lr"], f"{s['trainable_params']:,.0f}", f"{s['lift_points']:+.1f}", s["retention"], 1000 * s["median_step_s"],
+            _times(s["speedup"]), _times(s["speedup_with_probes"]), s["training_memory_bytes"] / 2**20,
+            _artifact_cell(s["artifacts"], "onnxruntime"), _artifact_cell(s["artifacts"], "executorch"),
+        ]
+        for m, s in summary.items()
+    ]  # fmt: skip
+    return format_table(headers, rows)
+
+
+def _plot(summary: dict[str, dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for method, s in summary.items():
+        left.scatter(s["speedup"] or 1.0, s["lift_points"], s=40)
+        left.annotate(method, (s["speedup"] or 1.0, s["lift_points"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    left.set_xlabel("step speedup vs full fine-tuning")
+    left.set_ylabel("lift on the user's held-out data (points)")
+    left.grid(alpha=0.3)
+    names = list(summary)
+    right.barh(names, [summary[m]["retention"] for m in names])
+    right.set_xlabel("retention: base-data accuracy after personalization")
+    right.grid(alpha=0.3, axis="x")
+    return save_figure(fig, path, dpi=120)
+
+
+def headline(summary: dict[str, dict[str, Any]], users: int) -> str:
+    """One line for the README's performance table."""
+    full = summary.get("full")
+    parts = [
+        f"{m} {s['lift_points']:+.1f} pts"
+        + ("" if s["speedup"] is None or m == "full" else f" at {format_number(s['speedup'])}x")
+        + f", {format_number(s['trainable_params'] / full['trainable_params']) if full else '-'} of full's params"
+        for m, s in summary.items()
+    ]
+    return f"lift over the pretrained CNN, mean of {users} users; step speedup vs full: " + "; ".join(parts)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The benchmark's options, checked (``--quick`` applied, lists split)."""
+    parser = base_parser("personalize", __doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="a small configuration (2 users, 24 steps, 2 learning rates, ONNX Runtime only) for a smoke test"
+    )
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated from {', '.join(METHODS)}")
+    parser.add_argument("--users", type=int, default=4, help="simulated users (their mean is reported)")
+    parser.add_argument("--user-classes", type=int, default=4, help="base classes each user uses (plus their own class)")
+    parser.add_argument("--user-samples", type=int, default=256, help="training samples each user has")
+    parser.add_argument("--test-samples", type=int, default=500, help="held-out samples per user and of the base data")
+    parser.add_argument("--steps", type=int, default=48, help="observes per user and method")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per observe")
+    parser.add_argument("--lrs", default="0.001,0.003,0.01,0.03", help="learning rates tried on the validation user (one value: no sweep)")
+    parser.add_argument("--width", type=int, default=16, help="channels of the CNN's first convs (doubling twice)")
+    parser.add_argument("--pretrain-steps", type=int, default=250, help="pretraining steps (batch 64)")
+    parser.add_argument("--pretrain-samples", type=int, default=4000, help="base-class training images")
+    parser.add_argument("--lora-rank", type=int, default=4, help="LoRA rank r (alpha 2r)")
+    parser.add_argument("--reselect-every", type=int, default=16, help="ElasticTrainer: steps between reselections")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="ElasticTrainer's profiling clock")
+    parser.add_argument("--backends", default="onnxruntime,executorch", help="device backends to export with ('none': no export)")
+    args = parse(parser, argv)
+    if args.quick:
+        args.users, args.steps, args.lrs, args.backends = min(args.users, 2), min(args.steps, 24), "0.01,0.03", "onnxruntime"
+        args.pretrain_steps, args.test_samples = min(args.pretrain_steps, 200), min(args.test_samples, 300)
+    args.methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    args.lrs = [float(v) for v in args.lrs.split(",")]
+    args.backends = [] if args.backends == "none" else args.backends.split(",")
+    if any(b not in BACKENDS for b in args.backends):
+        parser.error(f"`--backends {','.join(args.backends)}`: choose from {', '.join(BACKENDS)} or 'none'")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark with command-line ``argv``."""
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Pretrain, choose learning rates, personalize every user; print, plot and save."""
+    start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    data, validation, users = make_users(args)
+    pretrained = build_cnn(args.width)
+    pretrain(pretrained, data["x"], data["y"], steps=args.pretrain_steps, batch_size=64, seed=args.seed)
+    base_accuracy = _accuracy(pretrained, data["test_x"], data["test_y"])
+    print(f"pretrained on {BASE_CLASSES} base classes: held-out accuracy {base_accuracy:.3f} ({time.perf_counter() - start:.0f} s)")
+    with tempfile.TemporaryDirectory(prefix="taste_cl_personalize_") as scratch:
+        cache_dir = str(Path(scratch) / "elastic_cache")
+        if len(args.lrs) > 1:
+            sweep = choose_lrs(validation, pretrained, args, cache_dir)
+            lrs = {m: max(scores, key=lambda lr: scores[lr]) for m, scores in sweep.items()}
+        else:
+            sweep, lrs = {}, dict.fromkeys(args.methods, args.lrs[0])
+        print("learning rates (validation user): " + ", ".join(f"{m} {lr:g}" for m, lr in lrs.items()))
+        exports = Path(scratch) / "artifacts" if args.backends else None  # the first user's learners are exported
+        per_user = [
+            personalize_user(user, pretrained, data, lrs, args, cache_dir=cache_dir, export_to=exports if i == 0 else None)
+            for i, user in enumerate(users)
+        ]
+    summary = summarize(per_user)
+    print(f"\n== mean over {len(users)} users ({', '.join(u.shift for u in users)}); pretrained base accuracy {base_accuracy:.3f}")
+    print(table(summary))
+    for method, row in summary.items():
+        for note in row["warnings"]:
+            print(f"  {method}: {note}")
+    print(f"total {time.perf_counter() - start:.0f} s")
+    plot = _plot(summary, Path(args.out) / "personalize.png")
+    print(f"plot written to {plot}")
+    config = {key: value for key, value in vars(args).items() if key != "out"}
+    users_info = [{"shift": u.shift, "classes": list(u.classes), "own_label": u.own_label} for u in users]
+    result = {
+        "config": config,
+        "pretrained_base_accuracy": base_accuracy,
+        "lr_sweep": sweep,
+        "users": users_info,
+        "per_user": per_user,
+        "methods": summary,
+    }
+    save_result(args.out, "personalize", result, summary=headline(summary, len(users)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

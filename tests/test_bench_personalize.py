@@ -1,0 +1,126 @@
+"""``taste-cl bench personalize``: a tiny run yields every column for every method, and each
+method trains exactly what it claims (frozen tensors stay bit-identical)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from taste_cl.benchmarks import personalize
+from taste_cl.benchmarks.personalize import METHODS, build_cnn, parse_args, prepare, trainable_count
+
+pytest.importorskip("peft")
+
+TINY = [
+    "--width", "4", "--pretrain-steps", "3", "--pretrain-samples", "64", "--users", "2", "--user-classes", "2",
+    "--user-samples", "32", "--test-samples", "32", "--steps", "3", "--batch-size", "8", "--lrs", "0.001,0.01",
+    "--reselect-every", "2", "--no-progress",
+]  # fmt: skip
+COLUMNS = ("lr", "trainable", "lift (pts)", "retention", "ms/step", "speedup", "w/ probes", "train MiB", "ORT", "ExecuTorch")
+
+
+def _run(tmp_path: Path, *extra: str) -> dict:
+    assert personalize.main([*TINY, "--out", str(tmp_path), *extra]) == 0
+    return json.loads((tmp_path / "personalize.json").read_text())
+
+
+def test_tiny_run_reports_every_number_for_every_method(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = _run(tmp_path, "--backends", "onnxruntime")
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("method"))
+    assert all(column in header for column in COLUMNS)
+    assert [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in METHODS] == list(METHODS)
+    assert (tmp_path / "personalize.png").stat().st_size > 0
+    summary = result["methods"]
+    assert set(summary) == set(METHODS)
+    for method, row in summary.items():
+        for key in ("lift_points", "retention", "median_step_s", "mean_step_s", "speedup", "trainable_params", "training_memory_bytes"):
+            assert isinstance(row[key], float | int), (method, key)
+        scores = {float(lr): score for lr, score in result["lr_sweep"][method].items()}
+        assert set(scores) == {0.001, 0.01} and row["lr"] == max(scores, key=scores.__getitem__)  # the validation user's best
+        ort = row["artifacts"]["onnxruntime"]
+        assert (ort["bytes"] or 0) > 0 or ort["refused"], method
+        assert "executorch" not in row["artifacts"]
+    assert summary["full"]["speedup"] == 1.0
+    assert summary["full"]["trainable_params"] == sum(p.numel() for p in build_cnn(4).parameters())
+    assert len(result["per_user"]) == 2 and result["users"][0]["own_label"] in (8, 9)
+    assert result["summary"].startswith("lift over the pretrained CNN")  # the README row
+    assert "not run" in out  # the ExecuTorch column says it was not exported
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--methods", "full,adapters"], "unknown methods"), (["--backends", "tflite"], "choose from onnxruntime")],
+)
+def test_bad_options_are_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _trained_names(method: str, model: torch.nn.Module) -> set[str]:
+    names = {name for name, _ in model.named_parameters()}
+    if method == "last_layer":
+        return {"head.weight", "head.bias"}
+    if method == "bias_only":
+        return {n for n in names if n.endswith(".bias")} | {"head.weight"}
+    if method == "lora":
+        return {n for n in names if "lora_" in n or n.endswith(("head.weight", "head.bias"))}
+    return names
+
+
+@pytest.mark.parametrize("method", ["last_layer", "bias_only", "lora", "full"])
+def test_each_method_trains_only_what_it_claims(method: str) -> None:
+    args = parse_args(["--lora-rank", "2"])
+    torch.manual_seed(0)
+    pretrained = build_cnn(4)
+    original = [p.detach().clone() for p in pretrained.parameters()]
+    learner = prepare(method, pretrained, 0.05, args, None)
+    trained = _trained_names(method, learner.model)
+    before = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
+    assert trainable_count(learner) == sum(p.numel() for n, p in learner.model.named_parameters() if n in trained)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        learner.observe((torch.randn(8, 3, 32, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator)))
+    for name, parameter in learner.model.named_parameters():
+        changed = not torch.equal(parameter, before[name])
+        if name in trained and "lora_A" not in name:  # lora_A stays put until lora_B (zero at start) has moved
+            assert changed, f"{method}: {name} should train"
+        elif name not in trained:
+            assert not changed, f"{method}: {name} is frozen but changed"
+    assert all(torch.equal(p, q) for p, q in zip(pretrained.parameters(), original))  # each method trains a copy
+
+
+def test_lora_at_the_default_size_trains_about_a_tenth() -> None:
+    args = parse_args([])
+    pretrained = build_cnn(args.width)
+    full, lora = (trainable_count(prepare(m, pretrained, 0.01, args, None)) for m in ("full", "lora"))
+    assert full == sum(p.numel() for p in pretrained.parameters()) == 72_730
+    # rank 4 on the six convs (6,764) plus the whole head (650): 10.2 % of full's
+    assert lora == 7_414
+
+
+def test_elastic_trains_a_subset(tmp_path: Path) -> None:
+    args = parse_args(["--reselect-every", "2"])
+    learner = prepare("elastic_0.3", build_cnn(4), 0.05, args, str(tmp_path))
+    everything = trainable_count(learner)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        learner.observe((torch.randn(8, 3, 32, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator)))
+    assert 0 < trainable_count(learner) < everything
+
+
+@pytest.mark.slow
+def test_both_backends_export_every_method(tmp_path: Path) -> None:
+    pytest.importorskip("executorch")
+    result = _run(tmp_path, "--users", "1", "--lrs", "0.01")
+    for method, row in result["methods"].items():
+        for backend in ("onnxruntime", "executorch"):
+            entry = row["artifacts"][backend]
+            assert entry["refused"] is None and entry["bytes"] > 0, (method, backend, entry)
+    sizes = {method: row["artifacts"]["onnxruntime"]["bytes"] for method, row in result["methods"].items()}
+    assert sizes["last_layer"] < sizes["full"]  # a smaller trainable set, a smaller artifact
