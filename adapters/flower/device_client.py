@@ -37,7 +37,7 @@ from taste_cl.adapters.flower.device_data import DATA_FOLDER, FINETUNE_FOLDER, T
 from taste_cl.adapters.flower.updates import check_update, personal_predicate, privacy_mod, require_flwr
 
 if TYPE_CHECKING:
-    from flwr.app import ConfigRecord, Context, Message
+    from flwr.app import Context, Message
     from flwr.clientapp import ClientApp
 
 __all__ = ["client_app", "make_device_client_app"]
@@ -46,8 +46,9 @@ STATE_KEY = "taste_cl-device"
 
 
 # ------------------------------------------------------------------------ the node
-def _settings(msg: Message) -> ConfigRecord:
-    return msg.content.config_records["config"]
+def _settings(msg: Message) -> Mapping[str, Any]:
+    """The device's settings: the run's FleetConfig keys, ``artifacts`` and ``server-round``."""
+    return cast(Mapping[str, Any], msg.content.config_records["config"])
 
 
 def _partition(context: Context, settings: Mapping[str, Any]) -> int:
@@ -102,13 +103,13 @@ def _train(msg: Message, context: Context) -> Message:
         learner = _open(context, settings, Path(tmp))
         _load_shared(learner, msg, is_personal)
         start, samples = time.perf_counter(), 0
-        for batch in _data(settings, partition).batches(int(cast(int, settings["server-round"]))):
+        for batch in _data(settings, partition).batches(int(settings["server-round"])):
             samples += learner.observe(batch).samples
         seconds = time.perf_counter() - start
         _persist(context, learner, Path(tmp))
         shared = {name: value for name, value in learner.parameters().items() if not is_personal(name)}
     metrics = {"num-examples": max(samples, 1), "train-seconds": seconds, "rss-mb": psutil.Process().memory_info().rss / 2**20}
-    content = {"arrays": ArrayRecord({k: Array(v) for k, v in shared.items()}), "metrics": MetricRecord(metrics)}
+    content: dict[str, Any] = {"arrays": ArrayRecord({k: Array(v) for k, v in shared.items()}), "metrics": MetricRecord(metrics)}
     return Message(content=RecordDict(content), reply_to=msg)
 
 
@@ -129,13 +130,13 @@ def _evaluate(msg: Message, context: Context) -> Message:
     from flwr.app import Message, MetricRecord, RecordDict
 
     settings = _settings(msg)
-    partition, server_round = _partition(context, settings), int(cast(int, settings["server-round"]))
+    partition, server_round = _partition(context, settings), int(settings["server-round"])
     data = _data(settings, partition)
     with tempfile.TemporaryDirectory(prefix="taste-cl-device-") as tmp:
         learner = _open(context, settings, Path(tmp))
         _load_shared(learner, msg, _is_personal(settings))
         if settings["out-dir"] and server_round == int(settings["rounds"]):
-            np.savez(Path(str(settings["out-dir"])) / f"device-{partition}.npz", **learner.parameters())  # type: ignore[arg-type]
+            np.savez(Path(str(settings["out-dir"])) / f"device-{partition}.npz", **learner.parameters())
         model = _finetuned(learner, settings, data, server_round) if settings["method"] == "fedbabu" else learner
         metrics: dict[str, Any] = {"partition-id": partition}
         for name, (x, y) in data.eval_sets().items():
