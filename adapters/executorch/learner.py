@@ -73,11 +73,16 @@ class EtOnlineLearner:
         self.steps = _count(counters.get("steps", 0), "steps", 0)
         # reserved classifier slots activate on their first label (see adapters/device/class_slots.py)
         self.classes = ClassSlots(parse_active_classes(manifest.get("active_classes"), self.spec.num_classes), self.spec.num_classes)
+        self.tuner: Any = None  # a DeviceBatchTuner (adapters/device/tuning.py) once attached
         self._lock = threading.RLock()
 
     @classmethod
-    def from_artifacts(cls, directory: str | os.PathLike[str]) -> EtOnlineLearner:
-        """Load a folder written by the export (:mod:`.build`) or :meth:`save`, every file hash-checked."""
+    def from_artifacts(cls, directory: str | os.PathLike[str], *, tuner: Any | None = None) -> EtOnlineLearner:
+        """Load a folder written by the export (:mod:`.build`) or :meth:`save`, every file hash-checked.
+
+        ``tuner``: a :class:`~taste_cl.adapters.device.tuning.DeviceBatchTuner` that tunes the training
+        micro-batch (and threads) from the first ``observe`` on, resuming the folder's saved tuner state.
+        """
         executorch_runtime()
         folder = Path(directory)
         manifest = read_manifest(folder, required=(PROGRAM, WEIGHTS))
@@ -104,7 +109,10 @@ class EtOnlineLearner:
                     trainer.load_parameters({name: saved[name] for name in saved.files})
             except (ValueError, OSError, zipfile.BadZipFile) as error:
                 raise ArtifactError(f"{str(folder)!r}: {PARAMS}: {error}") from None
-        return cls(directory=folder, manifest=manifest, trainer=trainer, replay=_load_replay(folder, manifest, spec))
+        learner = cls(directory=folder, manifest=manifest, trainer=trainer, replay=_load_replay(folder, manifest, spec))
+        if tuner is not None:
+            tuner.attach(learner, manifest.get("tuner"))
+        return learner
 
     @property
     def lr(self) -> float:
@@ -134,6 +142,8 @@ class EtOnlineLearner:
             start = time.perf_counter()
             n_replay = min(self.replay_batch_size, len(self.replay)) if self.replay is not None else 0
             self.trainer.check_batch(n + n_replay)  # before the buffer draws: a refused batch changes nothing
+            if self.tuner is not None:
+                self.tuner.before_observe(inputs, y)
             steps, losses = 0, []
             for iteration in range(self.train_iterations):
                 train_inputs, train_y = inputs, y
@@ -143,7 +153,10 @@ class EtOnlineLearner:
                     replay_inputs = self.spec.flat_inputs(replay_x)
                     train_inputs = [torch.cat([a, b]) for a, b in zip(inputs, replay_inputs)]
                     train_y = torch.cat([y, replay_y.to(y.dtype)])
-                loss, outputs, skipped = self.trainer.run(train_inputs, train_y, step=True)
+                if self.tuner is None:
+                    loss, outputs, skipped = self.trainer.run(train_inputs, train_y, step=True)
+                else:
+                    loss, outputs, skipped = self.tuner.step(train_inputs, train_y)
                 if iteration == 0:
                     stream_outputs = outputs[:n]
                 steps += not skipped
@@ -154,13 +167,15 @@ class EtOnlineLearner:
                 self.replay.add(stored, y)
             self.samples_seen += n
             self.steps += 1
+            if self.tuner is not None:
+                self.tuner.after_observe((n + n_replay) * self.train_iterations, elapsed)
             return ObserveStats(
                 loss=sum(losses) / len(losses),
                 accuracy=self._accuracy(stream_outputs, y),
                 samples=n,
                 replay_samples=n_replay * self.train_iterations,
                 batch_size=n + n_replay,
-                micro_batches=self.train_iterations,
+                micro_batches=self.train_iterations * (1 if self.tuner is None else self.tuner.micro_batches(n + n_replay)),
                 steps=steps,
                 step_time_s=elapsed,
                 skipped=steps < self.train_iterations,
@@ -205,6 +220,8 @@ class EtOnlineLearner:
                 replay=None,
                 **self.classes.manifest(),
             )
+            if self.tuner is not None:
+                manifest["tuner"] = self.tuner.state_dict()
             if self.replay is not None:
                 manifest["replay"] = save_replay(stage / REPLAY, self.replay)
             write_manifest(stage, manifest)

@@ -305,6 +305,27 @@ class EtTrainer:
             self.optimizer.step(grads)
         return loss, outputs[1], not finite
 
+    def accumulated_step(self, parts: list[tuple[list[torch.Tensor], torch.Tensor]]) -> tuple[float, torch.Tensor, bool]:
+        """One SGD step on micro-batches' gradients, each weighted by its share of the rows: the step
+        :meth:`run` takes on them concatenated, up to float rounding (the device batch-size tuner's
+        gradient accumulation). Returns ``(loss, outputs of all rows, skipped)`` like :meth:`run`."""
+        total = sum(y.shape[0] for _, y in parts)
+        outputs: list[torch.Tensor] = []
+        summed: dict[str, torch.Tensor] = {}
+        loss = 0.0
+        for inputs, y in parts:
+            self.check_batch(inputs[0].shape[0])
+            fetched = self.module.forward_backward("forward", (*inputs, y))
+            weight = y.shape[0] / total
+            loss += weight * float(fetched[0])
+            for name, grad in self.module.named_gradients().items():  # the runtime reuses these buffers: keep copies
+                summed[name] = grad * weight if name not in summed else summed[name].add_(grad, alpha=weight)
+            outputs.append(fetched[1].clone())
+        finite = math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in summed.values())
+        if finite:
+            self.optimizer.step(summed)
+        return loss, torch.cat(outputs), not finite
+
     def check_batch(self, n: int) -> None:
         """Refuse a batch of ``n`` samples outside the program's bounds (:class:`InvalidBatchError`) before it runs."""
         if n < MIN_BATCH:

@@ -465,6 +465,11 @@ class NumpyReplay:
         idx = np.sort(self._rng.choice(self.size, size=min(n, self.size), replace=False))
         return [store[idx] for store in self._x], self._y[idx]
 
+    def rows(self, n: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """Copies of the first ``n`` stored rows, without a random draw (the tuner's probes)."""
+        n = min(n, self.size)
+        return [store[:n].copy() for store in self._x], self._y[:n].copy()
+
     def to_bytes(self) -> bytes:
         buffer = io.BytesIO()
         arrays = {f"x{i}": store[: self.size] for i, store in enumerate(self._x)}
@@ -600,6 +605,36 @@ class OrtSession:
                 self._sgd_step(grads, [param.data.numpy() for param in params])
             self._write_running_stats(fetched[2:], labels.shape[0])
         return fetched[1], loss, skipped
+
+    def accumulated_step(self, parts: Sequence[tuple[list[np.ndarray], np.ndarray]]) -> tuple[np.ndarray, float, bool]:
+        """One optimizer step on micro-batches' gradients, each weighted by its share of the rows: the
+        step :meth:`train_step` takes on them concatenated, up to float rounding (the device batch-size
+        tuner's gradient accumulation). BatchNorm statistics follow each micro-batch with a finite
+        loss, as in PyTorch. Returns (outputs of all rows, loss, skipped)."""
+        total = sum(labels.shape[0] for _, labels in parts)
+        outputs: list[np.ndarray] = []
+        summed: dict[str, np.ndarray] = {}
+        loss = 0.0
+        for inputs, labels in parts:
+            self.module.lazy_reset_grad()
+            fetched = self._run(inputs, labels, True)
+            weight = labels.shape[0] / total
+            loss += weight * float(fetched[0])
+            for name in self.spec.trainable:  # .numpy() is a view of ORT's buffer: the product is a copy
+                grad = weight * self.state.get_parameter(name).grad.numpy()
+                summed[name] = grad if name not in summed else summed[name] + grad
+            outputs.append(fetched[1])
+            if math.isfinite(float(fetched[0])):
+                self._write_running_stats(fetched[2:], labels.shape[0])
+        skipped = not math.isfinite(loss) or not all(np.isfinite(g).all() for g in summed.values())
+        if not skipped:
+            if self.optimizer is not None:
+                for name, grad in summed.items():
+                    self.state.get_parameter(name).grad.update_inplace(np.ascontiguousarray(grad, np.float32))
+                self.optimizer.optimizer_step()
+            else:
+                self._sgd_step(summed, [self.state.get_parameter(name).data.numpy() for name in summed])
+        return np.concatenate(outputs), loss, skipped
 
     def _write_running_stats(self, values: list[np.ndarray], batch: int) -> None:
         """Store the graph's new running statistics; ONNX's variance is biased, PyTorch's unbiased."""
@@ -951,12 +986,20 @@ class OrtOnlineLearner:
         self.classes = ClassSlots(loaded.spec.active_classes, loaded.spec.num_classes)  # reserved slots activate on first use
         self.samples_seen = loaded.spec.samples_seen
         self.steps = loaded.spec.steps
+        self.tuner: Any = None  # a DeviceBatchTuner (adapters/device/tuning.py) once attached
         self._lock = threading.RLock()
 
     @classmethod
-    def from_artifacts(cls, directory: str | os.PathLike[str], *, session_options: Any | None = None) -> OrtOnlineLearner:
-        """Load a folder written by ``export`` or :meth:`save`; everything is checked first (:class:`ArtifactError`)."""
-        return cls(load(directory, session_options=session_options))
+    def from_artifacts(cls, directory: str | os.PathLike[str], *, session_options: Any | None = None, tuner: Any | None = None) -> OrtOnlineLearner:
+        """Load a folder written by ``export`` or :meth:`save`; everything is checked first (:class:`ArtifactError`).
+
+        ``tuner``: a :class:`~taste_cl.adapters.device.tuning.DeviceBatchTuner` that tunes the training
+        micro-batch (and threads) from the first ``observe`` on, resuming the folder's saved tuner state.
+        """
+        learner = cls(load(directory, session_options=session_options))
+        if tuner is not None:
+            tuner.attach(learner, learner.manifest.get("tuner"))
+        return learner
 
     @property
     def lr(self) -> float:
@@ -1004,6 +1047,8 @@ class OrtOnlineLearner:
             x = _features(raw_x, self.spec)
             y = _targets(raw_y, self.spec, x[0].shape[0])
             self.classes.activate(y, self.spec.ignore_index)
+            if self.tuner is not None:
+                self.tuner.before_observe(x, y)
             start = time.perf_counter()
             n = y.shape[0]
             n_replay = min(self.replay_batch_size, len(self.replay)) if self.replay is not None else 0
@@ -1015,7 +1060,8 @@ class OrtOnlineLearner:
                     replay_x, replay_y = self.replay.sample(n_replay)
                     train_x = [np.concatenate([a, b]) for a, b in zip(x, replay_x)]
                     train_y = np.concatenate([y, replay_y])
-                outputs, loss, skipped = self.session.train_step(train_x, train_y)
+                step = self.session.train_step if self.tuner is None else self.tuner.step
+                outputs, loss, skipped = step(train_x, train_y)
                 stream_outputs = outputs[:n] if stream_outputs is None else stream_outputs
                 steps += not skipped
                 losses.append(loss)
@@ -1024,6 +1070,8 @@ class OrtOnlineLearner:
                 self.replay.add(x, y)
             self.samples_seen += n
             self.steps += 1
+            if self.tuner is not None:
+                self.tuner.after_observe((n + n_replay) * self.train_iterations, elapsed)
             accuracy = math.nan
             if self.num_classes is not None and stream_outputs is not None and not self.spec.labels.shape:
                 accuracy = float((self.classes.mask(stream_outputs).argmax(axis=1) == y).mean())
@@ -1036,7 +1084,7 @@ class OrtOnlineLearner:
                 steps=steps,
                 step_time_s=elapsed,
                 skipped=steps < self.train_iterations,
-                micro_batches=self.train_iterations,
+                micro_batches=self.train_iterations * (1 if self.tuner is None else self.tuner.micro_batches(n + n_replay)),
             )
 
     def train_step(self, x: Any, y: Any) -> tuple[np.ndarray, float, bool]:
@@ -1089,6 +1137,8 @@ class OrtOnlineLearner:
                 counters={"samples_seen": self.samples_seen, "steps": self.steps},
                 **self.classes.manifest(),
             )
+            if self.tuner is not None:
+                manifest["tuner"] = self.tuner.state_dict()
             if not web:
                 manifest["web"] = {"skipped": "saved with web=False"}
             write_manifest(stage, manifest)
