@@ -7,7 +7,8 @@ transforms, the learner's data, and the choice of backend.
 - :mod:`.parity`: train in torch and in the backend from identical weights, compare;
 - :mod:`.transforms`: model rewrites a device backend needs (frozen BatchNorm, no dropout);
 - :mod:`.embeddings`: ``nn.EmbeddingBag`` as trainable gather/reduce ops, and the id bounds devices check;
-- :mod:`.learner_data`: what exporters read from an :class:`~taste_cl.OnlineLearner`.
+- :mod:`.learner_data`: what exporters read from an :class:`~taste_cl.OnlineLearner`;
+- :mod:`.tuning`: :class:`DeviceBatchTuner`, the batch-size (and threads) tuner of the device learners, no torch.
 """
 
 from taste_cl._lazy import lazy_getattr
@@ -17,6 +18,7 @@ __all__ = [
     "BACKENDS",
     "MANIFEST_FILE",
     "ArtifactError",
+    "DeviceBatchTuner",
     "ExportError",
     "ParityError",
     "ParityReport",
@@ -37,6 +39,7 @@ __getattr__ = lazy_getattr(
         "ArtifactError": "taste_cl.adapters.device.artifacts",
         "ExportError": "taste_cl.adapters.device.artifacts",
         "read_manifest": "taste_cl.adapters.device.artifacts",
+        "DeviceBatchTuner": "taste_cl.adapters.device.tuning",
         "ParityError": "taste_cl.adapters.device.parity",
         "ParityReport": "taste_cl.adapters.device.parity",
         "TrainingDivergesError": "taste_cl.adapters.device.parity",
