@@ -253,7 +253,9 @@ def _personalize(
 def _export_size(learner: OnlineLearner, backend: str, example: tuple[torch.Tensor, torch.Tensor], folder: Path) -> dict[str, Any]:
     """Bytes of the artifact folder and how many tensors it trains, or why the export was refused."""
     try:
-        path = learner.export(folder / backend, backend=backend, example=example)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # ExecuTorch's memory planner warns once per convolution_backward output
+            path = learner.export(folder / backend, backend=backend, example=example)
     except Exception as error:  # noqa: BLE001 - any refusal (not installed, unsupported, parity) is a table cell
         return {"bytes": None, "refused": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
     from taste_cl.adapters.device.artifacts import read_manifest
