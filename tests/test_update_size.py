@@ -291,3 +291,23 @@ def test_a_bad_size_history_is_refused_and_changes_nothing(key, value, match):
 def test_bad_update_jump_is_rejected():
     with pytest.raises(ValueError, match="update_jump == 0"):
         UpdateGuard(update_jump=0)
+
+
+def test_a_resumed_run_protects_and_measures_the_same_steps_as_an_uninterrupted_one(tmp_path):
+    """Which steps are copy-protected (and measured) depends on whether the optimizer's
+    hyperparameters are those of the last applied step; a resumed run used to forget it,
+    protect its first step and drift from the uninterrupted run's size history."""
+    learner = _adam_learner()
+    for seed in range(6):
+        learner.observe(batch(seed=seed))
+    learner.save(tmp_path)
+    protected_at_save = learner.guard.protected_steps
+    fresh = _adam_learner()
+    resumed = OnlineLearner.load(tmp_path, model=fresh.model, optimizer=fresh.optimizer)
+    assert resumed.guard.state_dict(resumed.optimizer.param_groups) == learner.guard.state_dict(learner.optimizer.param_groups)
+    for seed in range(6, 70):
+        for runner in (learner, resumed):
+            runner.observe(batch(seed=seed))
+    assert resumed.guard.state_dict(resumed.optimizer.param_groups) == learner.guard.state_dict(learner.optimizer.param_groups)
+    assert resumed.guard.protected_steps == learner.guard.protected_steps - protected_at_save
+    assert states_equal(state_copy(resumed.model), state_copy(learner.model))

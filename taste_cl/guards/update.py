@@ -358,8 +358,13 @@ class UpdateGuard:
         self._best = min(self._best, self._ema)
 
     # ------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Config and counters (the rollback snapshot itself is not saved: it is a second model copy)."""
+    def state_dict(self, param_groups: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Config and counters (the rollback snapshot itself is not saved: it is a second model copy).
+
+        With the optimizer's ``param_groups``, ``settings_unchanged`` records whether its
+        hyperparameters are still those of the last applied step, so a resumed run decides
+        its next copy protection as the uninterrupted one would.
+        """
         return {
             "config": asdict(self.config),
             "skipped_in_row": self.skipped_in_row,
@@ -370,20 +375,28 @@ class UpdateGuard:
             "diverging": self._diverging,
             "window_losses": list(self._window_losses),
             **self._size_state(),
+            "settings_unchanged": self._settings_unchanged(param_groups),
         }
 
     def _size_state(self) -> dict[str, Any]:
         """The update-size history (absent from checkpoints written before it existed)."""
         return {"log_proxy": self._log_proxy, "log_size": self._log_size, "since_measure": self._since_measure}
 
+    def _settings_unchanged(self, param_groups: Sequence[dict[str, Any]] | None) -> bool:
+        """Whether the next :meth:`check_hyperparameters` keeps the settings of the last applied step."""
+        held = self._sane_settings
+        return (
+            param_groups is not None and held is not None and held is self._stepped_settings and [_settings(group) for group in param_groups] == held
+        )
+
     @classmethod
     def parse_state(cls, state: Any) -> tuple[UpdateGuard, dict[str, Any]]:
         """Validate ``state`` into a new guard plus its counters; raises ValueError/TypeError naming the field."""
         fresh = cls()
-        keys, optional = set(fresh.state_dict()), set(fresh._size_state())
+        keys, optional = set(fresh.state_dict()), {*fresh._size_state(), "settings_unchanged"}
         if not isinstance(state, dict) or not keys - optional <= set(state) <= keys:
             raise ValueError(f"guard state must be a dict with keys {sorted(keys)} ({', '.join(sorted(optional))} optional)")
-        state = {**fresh._size_state(), **state}
+        state = {**fresh._size_state(), "settings_unchanged": False, **state}
         config = state["config"]
         fields = set(_GuardConfig.__dataclass_fields__)
         if not isinstance(config, dict) or not fields - {"update_jump"} <= set(config) <= fields:
@@ -410,14 +423,21 @@ class UpdateGuard:
         if not isinstance(state["diverging"], bool):
             raise ValueError(f"guard `diverging == {state['diverging']!r}`, must be a bool")  # noqa: TRY004
         counters["diverging"] = state["diverging"]
+        if not isinstance(state["settings_unchanged"], bool):
+            raise ValueError(f"guard `settings_unchanged == {state['settings_unchanged']!r}`, must be a bool")  # noqa: TRY004
+        counters["settings_unchanged"] = state["settings_unchanged"]
         losses = state["window_losses"]
         if not isinstance(losses, list) or len(losses) > 2**20 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in losses):
             raise ValueError("guard `window_losses` must be a list of numbers (the losses of the open window)")
         counters["window_losses"] = [float(v) for v in losses]
         return guard, counters
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore config and counters (validated first; on error nothing changes). Drops any snapshot."""
+    def load_state_dict(self, state: dict[str, Any], param_groups: Sequence[dict[str, Any]] | None = None) -> None:
+        """Restore config and counters (validated first; on error nothing changes). Drops any snapshot.
+
+        ``param_groups`` (the restored optimizer's) restore ``settings_unchanged``; without them
+        the next step is copy-protected and measured, as after a hyperparameter change.
+        """
         parsed, counters = self.parse_state(state)
         self.config = parsed.config
         self._reset()
@@ -427,6 +447,10 @@ class UpdateGuard:
         self._diverging = counters["diverging"]
         self._window_losses = counters["window_losses"]
         self._log_proxy, self._log_size, self._since_measure = counters["log_proxy"], counters["log_size"], counters["since_measure"]
+        if counters["settings_unchanged"] and param_groups is not None:
+            settings = [_settings(group) for group in param_groups]
+            if None not in settings:
+                self._sane_settings = self._stepped_settings = settings
 
 
 def _settings(group: dict[str, Any]) -> tuple[tuple[str, Any], ...] | None:

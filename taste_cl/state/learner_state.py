@@ -65,7 +65,7 @@ def learner_state(learner: OnlineLearner) -> dict[str, Any]:
         "strategy": learner.strategy.state_dict(),
         "plugins": {plugin.name: plugin.state_dict() for plugin in learner.plugins},
         "rng": {"torch": torch.get_rng_state()},
-        "guard": learner.guard.state_dict(),
+        "guard": learner.guard.state_dict(learner.optimizer.param_groups),
     }
 
 

@@ -475,8 +475,8 @@ def _guard(ctx: _Context) -> Apply:
         UpdateGuard.parse_state(state)
     except (ValueError, TypeError) as error:
         raise _Invalid(str(error)) from error
-    guard = ctx.learner.guard
-    return lambda: guard.load_state_dict(state)
+    guard, optimizer = ctx.learner.guard, ctx.learner.optimizer
+    return lambda: guard.load_state_dict(state, optimizer.param_groups)  # after the optimizer's section
 
 
 @section("training")
