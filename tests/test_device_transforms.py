@@ -1,4 +1,4 @@
-"""The model transforms both device backends share: one FrozenBatchNorm, one disable_dropout."""
+"""The model transforms both device backends share: one FrozenBatchNorm, one disable_random_layers."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_both_backends_freeze_batchnorm_into_the_shared_class_keeping_the_state(
     else:
         assert onnx.apply_transforms(frozen) == ["1: BatchNorm2d -> FrozenBatchNorm"]
     assert type(frozen[1]) is device.FrozenBatchNorm
-    assert device.needed_transforms(frozen) == ["disable_dropout"]  # the BatchNorm counts as done
+    assert device.needed_transforms(frozen) == ["disable_random_layers"]  # the BatchNorm counts as done
     before = model.state_dict()
     assert list(frozen.state_dict()) == list(before)  # num_batches_tracked included
     assert all(torch.equal(value, before[key]) for key, value in frozen.state_dict().items())
@@ -51,8 +51,77 @@ def test_freeze_leaves_batchnorm_without_running_statistics_and_counts_what_it_c
     assert device.freeze_batchnorm(model) == 0  # already frozen
 
 
-def test_onnxruntime_uses_the_shared_disable_dropout() -> None:
-    assert onnx.disable_dropout is device.disable_dropout
+def test_onnxruntime_uses_the_shared_disable_random_layers() -> None:
+    assert onnx.disable_random_layers is device.disable_random_layers
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3), nn.Dropout(0.0), nn.MultiheadAttention(4, 2, dropout=0.2))
-    assert device.disable_dropout(model) == 2  # the p=0.3 dropout and the attention's
+    assert device.disable_random_layers(model) == 2  # the p=0.3 dropout and the attention's
     assert isinstance(model[1], nn.Identity) and model[3].dropout == 0.0
+
+
+class _Residual(nn.Module):
+    """A residual conv block whose branch torchvision's stochastic depth drops per sample, as in EfficientNet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchvision.ops import StochasticDepth
+
+        self.branch = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.drop = StochasticDepth(0.5, "row")
+        self.off = StochasticDepth(0.0, "row")  # drops nothing: left as it is
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.off(self.drop(self.branch(x)))
+
+
+def _stochastic_depth_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _Residual(), nn.Dropout(0.2), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+
+
+def test_disable_random_layers_turns_off_stochastic_depth_and_keeps_the_old_name() -> None:
+    pytest.importorskip("torchvision")
+    model = _stochastic_depth_model()
+    assert device.needed_transforms(model) == ["freeze_batchnorm", "disable_random_layers"]
+    x = torch.randn(16, 3, 6, 6)
+    model.train()
+    assert not torch.equal(model(x), model(x))  # random in training
+    before = model.state_dict()
+    assert device.apply_transforms(model, ["disable_dropout"]) == ["disable_random_layers"]  # the former name
+    assert isinstance(model[1].drop, nn.Identity) and isinstance(model[2], nn.Identity)
+    assert type(model[1].off).__name__ == "StochasticDepth"
+    assert torch.equal(model(x), model(x))  # deterministic now
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+    assert device.needed_transforms(model) == ["freeze_batchnorm"]
+    with pytest.raises(ValueError, match="unknown names \\['disable_droput'\\]; known: \\['disable_random_layers', 'freeze_batchnorm'\\]"):
+        device.apply_transforms(model, ["disable_droput"])
+
+
+def test_onnxruntime_export_removes_stochastic_depth_and_keeps_dropout() -> None:
+    pytest.importorskip("torchvision")
+    model = _stochastic_depth_model()
+    done = onnx.apply_transforms(model, batchnorm="batch")
+    assert "1.drop: StochasticDepth -> Identity" in done and not any(line.startswith("2:") for line in done)
+    assert type(model[1].drop) is nn.Identity and type(model[2]) is nn.Dropout  # the gate zeroes dropout's ratio itself
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"padding": 1},
+        {"stride": 2, "padding": 2, "dilation": 2},
+        {"padding": "same"},
+        {"padding": 1, "padding_mode": "reflect"},
+        {"groups": 2, "bias": False},
+    ],
+)
+def test_conv1d_as_conv2d_is_exact_in_outputs_and_gradients(options: dict) -> None:
+    model = nn.Sequential(nn.Conv1d(4, 6, 3, **options))
+    rewritten = copy.deepcopy(model)
+    assert device.conv1d_as_conv2d(rewritten) == 1 and type(rewritten[0]) is device.Conv1dAs2d
+    assert [(k, v.shape) for k, v in rewritten.state_dict().items()] == [(k, v.shape) for k, v in model.state_dict().items()]
+    x = torch.randn(5, 4, 17, requires_grad=True)
+    for net in (model, rewritten):
+        net(x).square().sum().backward()
+    torch.testing.assert_close(rewritten(x), model(x), rtol=0, atol=0)
+    torch.testing.assert_close(rewritten[0].weight.grad, model[0].weight.grad, rtol=1e-6, atol=1e-6)
+    assert device.conv1d_as_conv2d(rewritten) == 0  # already rewritten

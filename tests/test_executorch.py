@@ -147,10 +147,10 @@ def test_batchnorm_needs_the_freeze_transform_and_then_trains_with_parity(tmp_pa
     with pytest.raises(UnsupportedModelError, match="freeze_batchnorm"):
         export_model(model, nn.CrossEntropyLoss(), _sgd(model), _classes(16, 6), tmp_path / "a")
     folder = export_model(
-        model, nn.CrossEntropyLoss(), _sgd(model), _classes(16, 6), tmp_path / "a", transforms=["freeze_batchnorm", "disable_dropout"]
+        model, nn.CrossEntropyLoss(), _sgd(model), _classes(16, 6), tmp_path / "a", transforms=["freeze_batchnorm", "disable_random_layers"]
     )
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["transforms"] == ["freeze_batchnorm", "disable_dropout"]
+    assert manifest["transforms"] == ["freeze_batchnorm", "disable_random_layers"]
     x = torch.randn(4, 6)
     with torch.no_grad():
         expected = model.eval()(x)  # frozen BatchNorm without dropout == the model in eval mode
@@ -171,7 +171,7 @@ def test_transforms_keep_parameter_names_and_eval_outputs():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Dropout2d(0.5))
     model(torch.randn(8, 3, 6, 6))
     transformed = copy.deepcopy(model)
-    assert apply_transforms(transformed, ["freeze_batchnorm", "disable_dropout"]) == ["freeze_batchnorm", "disable_dropout"]
+    assert apply_transforms(transformed, ["freeze_batchnorm", "disable_random_layers"]) == ["freeze_batchnorm", "disable_random_layers"]
     assert isinstance(transformed[1], FrozenBatchNorm) and isinstance(transformed[2], nn.Identity)
     assert [n for n, _ in transformed.named_parameters()] == [n for n, _ in model.named_parameters()]
     x = torch.randn(2, 3, 6, 6)
@@ -190,7 +190,7 @@ def test_only_sgd_ships_and_options_are_validated(tmp_path):
     with pytest.raises(ValueError, match="max_batch_size == 4"):
         export_model(model, nn.CrossEntropyLoss(), _sgd(model), example, tmp_path / "a", max_batch_size=4)
     with pytest.raises(TypeError, match="transforms"):
-        export_model(model, nn.CrossEntropyLoss(), _sgd(model), example, tmp_path / "a", transforms="disable_dropout")
+        export_model(model, nn.CrossEntropyLoss(), _sgd(model), example, tmp_path / "a", transforms="disable_random_layers")
     assert not (tmp_path / "a").exists()
 
 
@@ -306,10 +306,10 @@ def test_zoo_text_transformer_trains_with_parity_without_dropout(tmp_path):
     model, loss_fn, _ = ZOO["text_transformer"].build(0)
     sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     folder = export_model(
-        model, loss_fn, sgd, ZOO["text_transformer"].batch(16, 0), tmp_path / "art", num_classes=4, transforms=["disable_dropout"]
+        model, loss_fn, sgd, ZOO["text_transformer"].batch(16, 0), tmp_path / "art", num_classes=4, transforms=["disable_random_layers"]
     )
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["transforms"] == ["disable_dropout"] and manifest["parity"]["max_param_diff"] < 1e-5
+    assert manifest["transforms"] == ["disable_random_layers"] and manifest["parity"]["max_param_diff"] < 1e-5
     x, y = ZOO["text_transformer"].batch(6, 1)
     stats = EtOnlineLearner.from_artifacts(folder).observe(({k: v.numpy() for k, v in x.items()}, y.numpy()))
     assert stats.steps == 1 and math.isfinite(stats.loss)

@@ -91,7 +91,7 @@ def test_mobilenet_v3_small_trains_on_device_through_auto_with_parity(tmp_path):
     learner = OnlineLearner(model, loss_fn=loss_fn, optimizer=optimizer, replay=ReservoirReplay(capacity=32))
     for seed in range(2):
         learner.observe(ZOO["mobilenet_v3_small"].batch(8, seed))
-    transforms = ["freeze_batchnorm", "disable_dropout"]
+    transforms = ["freeze_batchnorm", "disable_random_layers"]
     chosen = _manifest(learner.export(tmp_path / "default", backend="auto", transforms=transforms))
     assert chosen["selection"]["backend"] in AUTO_ORDER  # ONNX Runtime with its own transforms, when it passes
     folder = learner.export(tmp_path / "art", backend="auto", transforms=transforms, order=["executorch", "onnxruntime"])

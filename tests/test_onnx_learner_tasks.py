@@ -25,7 +25,7 @@ from zoo import ZOO, TextClassifier
 
 from taste_cl import OnlineLearner, ReservoirReplay
 from taste_cl.adapters.onnxruntime.learner_export import ExportError, OrtOnlineLearner
-from taste_cl.adapters.onnxruntime.transforms import disable_dropout
+from taste_cl.adapters.onnxruntime.transforms import disable_random_layers
 from taste_cl.cli.demo import make_mlp
 
 Batch = tuple[Any, torch.Tensor]
@@ -57,7 +57,7 @@ def _zoo(name: str, small: Callable[[], nn.Module] | None = None) -> Callable[[]
             torch.manual_seed(0)
             model = small()
             optimizer = type(optimizer)(model.parameters(), lr=optimizer.param_groups[0]["lr"])
-        disable_dropout(model)  # dropout is random in each backend; the comparison needs it off
+        disable_random_layers(model)  # dropout is random in each backend; the comparison needs it off
         learner = OnlineLearner(model, loss_fn=loss_fn, optimizer=optimizer, replay=ReservoirReplay(40))
         return learner, lambda n, seed: case.batch(n, seed)
 

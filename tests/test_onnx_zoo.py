@@ -26,7 +26,7 @@ from zoo import ZOO
 
 from taste_cl.adapters.onnxruntime.learner_export import export_model
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
-from taste_cl.adapters.onnxruntime.transforms import disable_dropout
+from taste_cl.adapters.onnxruntime.transforms import disable_random_layers
 
 CASES = [
     ("resnet18", "frozen"),
@@ -94,7 +94,7 @@ def test_zoo_model_trains_on_device_like_torch(tmp_path: Path, name: str, batchn
     model, loss_fn, optimizer = case.build(0)
     if case.has_batchnorm and name != "batchnorm_mlp":
         optimizer = torch.optim.SGD(model.parameters(), lr=CNN_LR, momentum=0.9)
-    disable_dropout(model)
+    disable_random_layers(model)
     frozen = batchnorm == "frozen"
     for step in range(2):
         _torch_step(model, loss_fn, optimizer, case.batch(BATCH, 10 + step), frozen)

@@ -22,11 +22,12 @@ from torch import nn
 
 from taste_cl.datasets import TextClassifier
 
-__all__ = ["ZOO", "DictTextClassifier", "LSTMClassifier", "TextClassifier", "TokenTagger", "ZooCase"]
+__all__ = ["ZOO", "DictTextClassifier", "KeywordSpotter", "LSTMClassifier", "TextClassifier", "TokenTagger", "ZooCase"]
 
 NUM_CLASSES = 4
 VOCAB = 50
 SEQ_LEN = 12
+MFCC, FRAMES = 40, 98  # a 1 s keyword clip: 40 coefficients x 98 frames of 10 ms
 
 
 class TokenTagger(nn.Module):
@@ -54,6 +55,22 @@ class LSTMClassifier(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, (hidden, _) = self.lstm(x)
         return self.head(hidden[-1])
+
+
+class KeywordSpotter(nn.Module):
+    """A 1-D conv keyword-spotting net over MFCC-like frames ``(n, coefficients, frames)``:
+    Conv1d + BatchNorm1d + ReLU blocks (two of stride 2), global average pooling, a linear head."""
+
+    def __init__(self, coefficients: int = MFCC, width: int = 32, classes: int = NUM_CLASSES) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for index, stride in enumerate((1, 2, 2)):
+            layers += [nn.Conv1d(coefficients if index == 0 else width, width, 3, stride, 1, bias=False), nn.BatchNorm1d(width), nn.ReLU()]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(-1))
 
 
 class DictTextClassifier(TextClassifier):
@@ -91,6 +108,15 @@ def _image_batch(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor
     for i, label in enumerate(y.tolist()):
         row, col = divmod(label, 2)
         x[i, :, row * 16 : row * 16 + 16, col * 16 : col * 16 + 16] += 1.5
+    return x, y
+
+
+def _keyword_batch(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Class = which band of 10 coefficients is loud during the clip's middle half."""
+    y = torch.randint(0, NUM_CLASSES, (n,), generator=g)
+    x = torch.randn(n, MFCC, FRAMES, generator=g) * 0.5
+    for i, label in enumerate(y.tolist()):
+        x[i, label * 10 : label * 10 + 10, FRAMES // 4 : 3 * FRAMES // 4] += 1.5
     return x, y
 
 
@@ -163,9 +189,8 @@ ZOO: dict[str, ZooCase] = {
     for case in (
         ZooCase("resnet18", _torchvision("resnet18"), nn.CrossEntropyLoss, _sgd(0.05, 0.9), _image_batch, True),
         ZooCase("mobilenet_v2", _torchvision("mobilenet_v2"), nn.CrossEntropyLoss, _sgd(0.05, 0.9), _image_batch, True),
-        ZooCase(
-            "mobilenet_v3_small", _torchvision("mobilenet_v3_small"), nn.CrossEntropyLoss, _sgd(0.05, 0.9), _image_batch, True
-        ),
+        ZooCase("mobilenet_v3_small", _torchvision("mobilenet_v3_small"), nn.CrossEntropyLoss, _sgd(0.05, 0.9), _image_batch, True),
+        ZooCase("keyword_spotter", KeywordSpotter, nn.CrossEntropyLoss, _sgd(0.05, 0.9), _keyword_batch, True),
         ZooCase("text_transformer", TextClassifier, nn.CrossEntropyLoss, _adamw(3e-3), _text_batch),
         ZooCase("text_transformer_dict", DictTextClassifier, nn.CrossEntropyLoss, _adamw(3e-3), _text_batch),
         ZooCase("token_tagger", TokenTagger, nn.CrossEntropyLoss, _adamw(1e-2), _token_batch),
@@ -186,9 +211,7 @@ ZOO: dict[str, ZooCase] = {
         ),
         ZooCase(
             "batchnorm_mlp",
-            lambda: nn.Sequential(
-                nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, NUM_CLASSES)
-            ),
+            lambda: nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, NUM_CLASSES)),
             nn.CrossEntropyLoss,
             _sgd(0.1),
             _tabular_batch,

@@ -5,7 +5,7 @@ transforms, the learner's data, and the choice of backend.
 - :mod:`.loader`: ``load_learner(folder)``, the device learner the folder's manifest names;
 - :mod:`.artifacts`: staged, hashed artifact folders and their manifest;
 - :mod:`.parity`: train in torch and in the backend from identical weights, compare;
-- :mod:`.transforms`: model rewrites a device backend needs (frozen BatchNorm, no dropout);
+- :mod:`.transforms`: model rewrites a device backend needs (frozen BatchNorm, no dropout or stochastic depth);
 - :mod:`.embeddings`: ``nn.EmbeddingBag`` as trainable gather/reduce ops, and the id bounds devices check;
 - :mod:`.learner_data`: what exporters read from an :class:`~taste_cl.OnlineLearner`;
 - :mod:`.tuning`: :class:`DeviceBatchTuner`, the batch-size (and threads) tuner of the device learners, no torch.
@@ -23,6 +23,7 @@ __all__ = [
     "ParityError",
     "ParityReport",
     "TrainingDivergesError",
+    "UnstableTrainingError",
     "export",
     "load_learner",
     "read_manifest",
@@ -43,5 +44,6 @@ __getattr__ = lazy_getattr(
         "ParityError": "taste_cl.adapters.device.parity",
         "ParityReport": "taste_cl.adapters.device.parity",
         "TrainingDivergesError": "taste_cl.adapters.device.parity",
+        "UnstableTrainingError": "taste_cl.adapters.device.parity",
     },
 )

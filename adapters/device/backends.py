@@ -8,7 +8,11 @@ but ships only SGD, needs BatchNorm frozen (``transforms=("freeze_batchnorm",)``
 some MaxPool2d gradients wrong, which its parity gate catches. ``backend="auto"`` tries them
 in :data:`AUTO_ORDER` (ONNX Runtime first: measured faster, see there) and publishes the
 first whose export passes its parity gate; the manifest's ``"selection"`` records the
-chosen backend and why each earlier one was refused.
+chosen backend and why each earlier one was refused. A refusal that blames the training,
+not the runtime (:class:`~taste_cl.adapters.device.parity.TrainingDivergesError`,
+:class:`~taste_cl.adapters.device.parity.UnstableTrainingError`: torch itself diverges or
+amplifies rounding on those batches), stops the search and propagates: the next backend
+would train the same way.
 
 Options are passed to each backend that accepts them (``transforms`` and
 ``max_batch_size`` only reach ExecuTorch; ``batchnorm``, ``optimizer``, ``opset`` only
@@ -40,6 +44,7 @@ from taste_cl.adapters.device.artifacts import (
     staged_folder,
     write_manifest,
 )
+from taste_cl.adapters.device.parity import TrainingDivergesError, UnstableTrainingError
 
 __all__ = ["AUTO_ORDER", "BACKENDS", "export"]
 
@@ -118,6 +123,8 @@ def export(
             trial = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=stage.parent))
             try:
                 function(learner, trial / "out", **_accepted(function, options))
+            except (TrainingDivergesError, UnstableTrainingError):
+                raise  # the training's, not the backend's: trying the next one only costs minutes
             except Exception as error:  # noqa: BLE001 - under auto, any exporter failure is that backend's recorded refusal
                 # exporters also fail with RuntimeError etc. (ONNX Runtime on BatchNorm): record and fall back
                 refused[name] = f"{type(error).__name__}: {error}"

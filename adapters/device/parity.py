@@ -20,6 +20,16 @@ whether the runtime diverged the same way and what to try (each of the exporter'
 on the same batches: which of them stay finite); only a healthy reference is compared, and a
 runtime that diverges alone fails parity.
 
+Some trainings amplify rounding: float32 noise of 1e-7 grows a hundredfold per step
+(BatchNorm with batch statistics over a handful of values per channel, as in a CNN whose
+last stage sees 1x1 maps of a batch of 8), so after three steps torch's own float32 run is
+as far from the same run in float64 as any runtime is, and no tolerance tells a faithful
+runtime from a wrong one. Given a float64 reference (``precise``), a failed comparison is
+checked against it: when torch's float32 departs from it beyond the tolerance and the
+runtime departs no more than :data:`ROUNDING_FACTOR` times as far,
+:class:`UnstableTrainingError` says so and which ``alternatives`` (trained in float32 and in
+float64) keep torch within the tolerance of exact arithmetic.
+
 >>> import numpy as np
 >>> class Const:
 ...     def train_step(self, x, y): return 0.5
@@ -44,12 +54,14 @@ from taste_cl.adapters.device.artifacts import ExportError
 
 __all__ = [
     "LOSS_GROWTH",
+    "ROUNDING_FACTOR",
     "WATCH_STEPS",
     "ParityError",
     "ParityReport",
     "TorchTrainer",
     "Trainer",
     "TrainingDivergesError",
+    "UnstableTrainingError",
     "check_parity",
     "default_tolerance",
     "training_diverges",
@@ -58,6 +70,7 @@ __all__ = [
 _TOLERANCES = {"float64": 1e-8, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 WATCH_STEPS = 10  # steps both trainers take (at least) while watched for divergence
 LOSS_GROWTH = 1e3  # a loss this many times the first one (at least 1) is divergence
+ROUNDING_FACTOR = 10.0  # a runtime within this many times torch's own float32 departure from float64 rounds like torch
 _CAUSES = "Likely causes: a learning rate too high for this model, or BatchNorm frozen to running statistics that do not fit the weights"
 
 
@@ -108,7 +121,9 @@ class TorchTrainer:
     """The eager reference: deep copies of ``model`` and ``optimizer`` (state included) and ``loss_fn``.
 
     ``forward(model, x)`` calls the model (default: by the structure of ``x``); numpy inputs
-    become tensors with their dtype; ``loss_fn(outputs, targets)`` gives the loss.
+    become tensors with their dtype; ``loss_fn(outputs, targets)`` gives the loss. ``dtype``
+    (a torch dtype name, e.g. ``"float64"``) trains in that precision instead: the model's
+    floating tensors, the optimizer's state and every floating input and target are cast.
     """
 
     def __init__(
@@ -118,17 +133,36 @@ class TorchTrainer:
         loss_fn: Callable[[Any, Any], Any],
         *,
         forward: Callable[[Any, Any], Any] | None = None,
+        dtype: str | None = None,
     ) -> None:
+        import torch
+
         # one deepcopy call keeps the optimizer's state keyed by the copied parameters
         self.model, self.optimizer = copy.deepcopy((model, optimizer))
         self.loss_fn = loss_fn
         self.forward = forward or _call
         self._names = {id(p): name for name, p in self.model.named_parameters()}
+        self._dtype = None if dtype is None else getattr(torch, dtype)
+        if self._dtype is not None:
+            self.model.to(self._dtype)  # in place: the optimizer keeps holding the same parameters
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+                        state[key] = value.to(self._dtype)
+
+    def _tensors(self, value: Any) -> Any:
+        """``value`` as tensors, floating ones in the trainer's dtype."""
+        import torch.utils._pytree as pytree
+
+        tensors = _to_torch(value)
+        if self._dtype is None:
+            return tensors
+        return pytree.tree_map(lambda t: t.to(self._dtype) if t.is_floating_point() else t, tensors)
 
     def train_step(self, x: Any, y: np.ndarray) -> float:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.forward(self.model, _to_torch(x)), _to_torch(y))
+        loss = self.loss_fn(self.forward(self.model, self._tensors(x)), self._tensors(y))
         loss.backward()
         self.optimizer.step()
         return float(loss.detach())
@@ -143,7 +177,7 @@ class TorchTrainer:
         self.model.eval()
         try:
             with torch.no_grad():
-                out = self.forward(self.model, _to_torch(x))
+                out = self.forward(self.model, self._tensors(x))
         finally:
             self.model.train(was_training)
         return _numpy(out)
@@ -234,6 +268,66 @@ def _advice(alternatives: Mapping[str, tuple[int, str] | None], steps: int) -> s
     return told + "".join(f"; with {setting} it diverges too ({why})" for setting, why in failing.items()) + "."
 
 
+class UnstableTrainingError(ExportError):
+    """Torch's own float32 training departs from float64 beyond the tolerance, and the runtime no further:
+    the training amplifies rounding, so parity cannot be checked.
+
+    ``.torch_departure`` and ``.runtime_departure`` are the largest scaled differences from the
+    float64 run (outputs, losses, parameters); ``.alternatives`` maps each setting tried to
+    torch's float32 departure from float64 with it; ``.report`` is the failed comparison.
+    """
+
+    def __init__(self, report: ParityReport, departures: tuple[float, float], alternatives: Mapping[str, float], tolerance: float) -> None:
+        self.report, (self.torch_departure, self.runtime_departure) = report, departures
+        self.alternatives = dict(alternatives)
+        stable = [setting for setting, departure in alternatives.items() if departure <= tolerance]
+        if stable:
+            advice = (f"In torch on the same batches, {' and '.join(stable)} {'keep' if len(stable) > 1 else 'keeps'} "
+                      f"float32 within the tolerance of float64: export with {stable[0]}.")  # fmt: skip
+        elif alternatives:
+            tried = ", ".join(f"{setting} ({departure:.3g})" for setting, departure in alternatives.items())
+            advice = f"With {tried} torch's float32 departs from float64 too: lower the learning rate further or use larger batches."
+        else:
+            advice = "Lower the learning rate or use larger batches."
+        super().__init__(
+            f"refusing to publish: the training amplifies rounding, so parity cannot be checked: torch's own float32 training "
+            f"departs from the same training in float64 by {self.torch_departure:.3g} over {report.steps} steps "
+            f"(tolerance {tolerance:.3g}) and {report.backend} by {self.runtime_departure:.3g}, as rounding does ({report}). "
+            "Likely causes: BatchNorm with batch statistics over few values per channel (small feature maps or batches), "
+            f"or a learning rate that makes the training chaotic. {advice}"
+        )
+
+
+@dataclass
+class _Run:
+    """What a trainer did over the compared steps: outputs before, losses, outputs after, parameters."""
+
+    first: Any
+    losses: list[float]
+    outputs: list[Any]
+    parameters: dict[str, np.ndarray]
+
+
+def _run(trainer: Trainer, batches: Sequence[tuple[Any, np.ndarray]]) -> _Run:
+    """Predict the first batch, train one step per batch, predict every batch, read the parameters."""
+    first = trainer.predict(batches[0][0])
+    losses = [trainer.train_step(x, y) for x, y in batches]
+    return _Run(first, losses, [trainer.predict(x) for x, _ in batches], trainer.parameters())
+
+
+def _differences(expected: _Run, got: _Run) -> tuple[float, float, float]:
+    """The largest scaled output, loss and parameter differences of ``got`` from ``expected``."""
+    outputs = max(_scaled_diff(a, b) for a, b in zip([expected.first, *expected.outputs], [got.first, *got.outputs]))
+    losses = max(_scaled_diff(a, b) for a, b in zip(expected.losses, got.losses))
+    parameters = max((_scaled_diff(value, got.parameters[name]) for name, value in expected.parameters.items()), default=0.0)
+    return outputs, losses, parameters
+
+
+def _departure(differences: tuple[float, float, float], tolerances: tuple[float, float, float]) -> float:
+    """How far beyond its tolerance the worst difference is, as a scaled difference at the output tolerance."""
+    return max(difference * tolerances[0] / tolerance for difference, tolerance in zip(differences, tolerances))
+
+
 def default_tolerance(dtype: Any) -> float:
     """The scaled tolerance for a dtype name or numpy dtype (float32: 1e-4); unknown dtypes get float32's."""
     return _TOLERANCES.get(str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype, _TOLERANCES["float32"])
@@ -291,7 +385,8 @@ def check_parity(
     tolerance: float | None = None,
     param_tolerance: float | None = None,
     watch_steps: int = WATCH_STEPS,
-    alternatives: Mapping[str, Callable[[], Trainer]] | None = None,
+    alternatives: Mapping[str, Callable[..., Trainer]] | None = None,
+    precise: Callable[[], Trainer] | None = None,
 ) -> ParityReport:
     """Train ``reference`` and ``candidate`` on the same ``batches``; raise :class:`ParityError` if they differ.
 
@@ -303,9 +398,11 @@ def check_parity(
     which turn rounding noise in a zero gradient into a full ``lr`` step. Both then keep
     training, the batches cycled, up to ``watch_steps`` steps in all: when the reference
     diverges (see the module), each of ``alternatives`` (a setting as the user writes it ->
-    a fresh torch trainer with that setting) trains as long, and
-    :class:`TrainingDivergesError` says which stay finite; when the candidate alone
-    diverges, parity fails. Returns the report.
+    a fresh torch trainer with that setting; called with ``dtype="float64"`` for its float64
+    twin) trains as long, and :class:`TrainingDivergesError` says which stay finite; when
+    the candidate alone diverges, parity fails. When the comparison fails and ``precise``
+    (a fresh float64 twin of the reference) is given, a training that amplifies rounding is
+    :class:`UnstableTrainingError` (see the module). Returns the report.
     """
     batches = list(batches)
     if not batches:
@@ -315,21 +412,14 @@ def check_parity(
             raise ValueError(f"`{name} == {value!r}`, must be None or a number > 0")
     if isinstance(watch_steps, bool) or not isinstance(watch_steps, int) or watch_steps < 0:
         raise ValueError(f"`watch_steps == {watch_steps!r}`, must be an int >= 0")
-    first = reference.predict(batches[0][0])
-    tol = float(tolerance) if tolerance is not None else default_tolerance(np.asarray(first).dtype)
-    output_diff = _scaled_diff(first, candidate.predict(batches[0][0]))
-    losses: tuple[list[float], list[float]] = ([], [])
-    for x, y in batches:
-        losses[0].append(reference.train_step(x, y))
-        losses[1].append(candidate.train_step(x, y))
-    loss_diff = max(_scaled_diff(a, b) for a, b in zip(*losses))
-    for x, _ in batches:
-        output_diff = max(output_diff, _scaled_diff(reference.predict(x), candidate.predict(x)))
-    expected, got = reference.parameters(), candidate.parameters()
-    missing = sorted(set(expected) - set(got))
+    expected, got = _run(reference, batches), _run(candidate, batches)
+    tol = float(tolerance) if tolerance is not None else default_tolerance(np.asarray(expected.first).dtype)
+    missing = sorted(set(expected.parameters) - set(got.parameters))
     if missing:
         raise ValueError(f"{backend} reports no values for the trainable parameters {missing}")
-    param_diff = max((_scaled_diff(expected[name], got[name]) for name in expected), default=0.0)
+    output_diff, loss_diff, param_diff = _differences(expected, got)
+    losses = (list(expected.losses), list(got.losses))
+    first = expected.first
     for step in range(len(batches), watch_steps):  # compared no more: a healthy run's rounding may grow
         if _divergence(first, losses[0]) is not None and _divergence(None, losses[1]) is not None:
             break
@@ -347,6 +437,17 @@ def check_parity(
         backend, len(batches), output_diff, loss_diff, param_diff, tol, tol, param_tol, len(losses[0]),
         "" if alone is None else f"{backend}'s {alone[1]} (of {len(losses[1])} watched) while torch's training stayed finite",
     )  # fmt: skip
+    if not report.passed and not report.diverged and precise is not None:
+        tolerances = (tol, tol, param_tol)
+        exact = _run(precise(), batches)
+        torch_departure = _departure(_differences(exact, expected), tolerances)
+        runtime_departure = _departure(_differences(exact, got), tolerances)
+        if tol < torch_departure and runtime_departure <= ROUNDING_FACTOR * torch_departure:
+            tried_stability = {
+                setting: _departure(_differences(_run(make(dtype="float64"), batches), _run(make(), batches)), tolerances)
+                for setting, make in (alternatives or {}).items()
+            }
+            raise UnstableTrainingError(report, (torch_departure, runtime_departure), tried_stability, tol)
     if not report.passed:
         raise ParityError(report)
     return report

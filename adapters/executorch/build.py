@@ -50,7 +50,7 @@ from taste_cl.adapters.device.embeddings import index_bounds, rewrite_embedding_
 from taste_cl.adapters.device.learner_data import buffered_rows, synthetic_example, task_targets
 from taste_cl.adapters.device.parity import ParityReport, TorchTrainer, check_parity
 from taste_cl.adapters.device.trainable import freeze_untrained, selected_parameters, selection_record, trained_parameters
-from taste_cl.adapters.device.transforms import apply_transforms, needed_transforms
+from taste_cl.adapters.device.transforms import apply_transforms, conv1d_as_conv2d, needed_transforms
 from taste_cl.adapters.executorch.replay import save_replay
 from taste_cl.adapters.executorch.runtime import (
     BACKEND,
@@ -177,24 +177,31 @@ def _parity_batches(example: tuple[Any, torch.Tensor], steps: int) -> list[tuple
 def _prepare(model: nn.Module, trained: Sequence[str], transforms: Sequence[str]) -> tuple[nn.Module, list[str]]:
     """A float32 CPU copy of ``model`` in training mode, only ``trained`` requiring gradients
     (the device's SGD never sees the rest), ``nn.EmbeddingBag`` rewritten (ExecuTorch 1.5 has no
-    ``_embedding_bag_backward``; the rewrite is exact) and ``transforms`` applied; with the transforms that changed it."""
+    ``_embedding_bag_backward``; the rewrite is exact), ``nn.Conv1d`` computed as a 2-D convolution
+    (its 1-D backward kernel refuses to run; exact too) and ``transforms`` applied; with the transforms that changed it."""
     prepared = copy.deepcopy(model).cpu().float().train()
     freeze_untrained(prepared, trained)
     rewritten = ["rewrite_embedding_bags"] if rewrite_embedding_bags(prepared) else []
+    rewritten += ["conv1d_as_conv2d"] if conv1d_as_conv2d(prepared) else []
     return prepared, rewritten + apply_transforms(prepared, transforms)
 
 
-def _reference(prepared: nn.Module, loss_fn: Callable[..., torch.Tensor], sgd: dict[str, Any]) -> TorchTrainer:
-    """Torch training ``prepared`` with the device's SGD."""
+def _reference(prepared: nn.Module, loss_fn: Callable[..., torch.Tensor], sgd: dict[str, Any], dtype: str | None = None) -> TorchTrainer:
+    """Torch training ``prepared`` with the device's SGD, in ``dtype`` (default float32)."""
     optimizer = torch.optim.SGD([p for p in prepared.parameters() if p.requires_grad], **sgd)
-    return TorchTrainer(prepared, optimizer, loss_fn, forward=call_model)
+    return TorchTrainer(prepared, optimizer, loss_fn, forward=call_model, dtype=dtype)
 
 
 def _torch_trainer(
-    model: nn.Module, trained: Sequence[str], transforms: Sequence[str], loss_fn: Callable[..., torch.Tensor], sgd: dict[str, Any]
+    model: nn.Module,
+    trained: Sequence[str],
+    transforms: Sequence[str],
+    loss_fn: Callable[..., torch.Tensor],
+    sgd: dict[str, Any],
+    dtype: str | None = None,
 ) -> TorchTrainer:
-    """Torch training ``model`` with other transforms or SGD settings: an alternative the gate tries."""
-    return _reference(_prepare(model, trained, transforms)[0], loss_fn, sgd)
+    """Torch training ``model`` with other transforms or SGD settings, in ``dtype``: an alternative the gate tries."""
+    return _reference(_prepare(model, trained, transforms)[0], loss_fn, sgd, dtype)
 
 
 def _validate_options(max_batch_size: Any, transforms: Any, parity_steps: Any) -> list[str]:
@@ -268,7 +275,12 @@ def export_model(
         _write_program(lowered, stage)
         program, data = (stage / PROGRAM).read_bytes(), (stage / WEIGHTS).read_bytes()
         report = check_parity(
-            _reference(prepared, loss_fn, sgd), EtTrainer(program, data, spec, sgd), batches, backend=BACKEND, alternatives=alternatives
+            _reference(prepared, loss_fn, sgd),
+            EtTrainer(program, data, spec, sgd),
+            batches,
+            backend=BACKEND,
+            alternatives=alternatives,
+            precise=partial(_reference, prepared, loss_fn, sgd, "float64"),
         )
         manifest: dict[str, Any] = {
             "format": FORMAT,

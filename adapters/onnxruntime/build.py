@@ -53,7 +53,7 @@ from taste_cl.adapters.onnxruntime.losses import traceable_loss
 from taste_cl.adapters.onnxruntime.transforms import (
     apply_transforms,
     check_equivalent,
-    disable_dropout,
+    disable_random_layers,
     eval_outputs,
 )
 from taste_cl.adapters.onnxruntime.trial import TrialFailure, trial_run
@@ -491,12 +491,19 @@ def _torch_trainer(
     lr: float,
     trainable: Sequence[str] | None,
     batchnorm: str,
+    dtype: str | None = None,
 ) -> TorchTrainer:
-    """Torch training ``model`` as an export with ``lr`` and ``batchnorm`` would (dropout off): an alternative the gate tries."""
+    """Torch training ``model`` as an export with ``lr`` and ``batchnorm`` would (dropout off), in
+    ``dtype`` (default float32): an alternative the gate tries."""
     work, work_optimizer, _ = _working_copy(model, optimizer, lr, trainable)
     apply_transforms(work, batchnorm=batchnorm)
-    reference = TorchTrainer(work, work_optimizer, loss_fn, forward=call_model)
-    disable_dropout(reference.model)
+    return _reference(work, work_optimizer, loss_fn, dtype)
+
+
+def _reference(work: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[Any, Any], Any], dtype: str | None = None) -> TorchTrainer:
+    """Eager torch training copies of the transformed ``work`` and its optimizer, random layers off, in ``dtype``."""
+    reference = TorchTrainer(work, optimizer, loss_fn, forward=call_model, dtype=dtype)
+    disable_random_layers(reference.model)
     return reference
 
 
@@ -616,8 +623,11 @@ def export_model(
     :class:`~taste_cl.adapters.device.parity.ParityError` with the numbers; both then keep training
     to 10 steps, and when torch's own training diverges (non-finite, or a loss grown a
     thousandfold) :class:`~taste_cl.adapters.device.parity.TrainingDivergesError` says so and
-    whether ``batchnorm="batch"`` or a tenth of the ``lr`` keeps torch finite on those batches;
-    nothing is published.
+    whether the other ``batchnorm`` mode or a tenth of the ``lr`` keeps torch finite on those
+    batches; when torch's own float32 training departs from float64 as far as the device does
+    (rounding amplified, e.g. batch statistics over few values per channel)
+    :class:`~taste_cl.adapters.device.parity.UnstableTrainingError` says which of them keeps it
+    within the tolerance; nothing is published.
     ``task`` (default: inferred from ``loss_fn`` and the output shape, as the learner does)
     validates and shapes every target batch like :class:`~taste_cl.OnlineLearner`'s: a
     regression target ``(n,)`` for an ``(n, 1)`` output is trained as ``(n, 1)`` (the device
@@ -758,6 +768,9 @@ def export_model(
             if batchnorm == "frozen" and any(isinstance(module, FrozenBatchNorm) for module in work.modules()):
                 alternatives = {"batchnorm='batch'": partial(_torch_trainer, model, optimizer, loss_fn, config["lr"], trainable, "batch"),
                                 **alternatives}  # fmt: skip
+            elif batchnorm == "batch" and running_stats:
+                alternatives = {"batchnorm='frozen'": partial(_torch_trainer, model, optimizer, loss_fn, config["lr"], trainable, "frozen"),
+                                **alternatives}  # fmt: skip
             report = _parity_gate(stage, work, work_optimizer, loss_fn, structure, names, dtypes, label_dtype,
                                   batches, parity_steps, tolerance, alternatives)  # fmt: skip
         manifest["parity"] = None if report is None else {
@@ -799,11 +812,11 @@ def _parity_gate(
         # by up to lr per step. Outputs and losses keep the tight bound.
         tol = tolerance if tolerance is not None else default_tolerance("float32")
         param_tolerance = max(tol, 2.0 * float(work_optimizer.param_groups[0]["lr"]) * steps)
-    reference = TorchTrainer(work, work_optimizer, loss, forward=call_model)
-    disable_dropout(reference.model)
+    reference = _reference(work, work_optimizer, loss)
     with tempfile.TemporaryDirectory(prefix="taste_cl_parity_") as scratch:
         graph = Path(scratch) / device.TRAINING_MODEL
         _without_dropout(stage / device.TRAINING_MODEL, graph)
         candidate = _SessionTrainer(device.load(stage, training_model=graph))
         return check_parity(reference, candidate, numpy_batches, backend="onnxruntime", tolerance=tolerance,
-                            param_tolerance=param_tolerance, alternatives=alternatives)  # fmt: skip
+                            param_tolerance=param_tolerance, alternatives=alternatives,
+                            precise=partial(_reference, work, work_optimizer, loss, "float64"))  # fmt: skip

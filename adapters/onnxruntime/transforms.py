@@ -24,7 +24,10 @@ and buffer (so names and values are unchanged):
   (:class:`~taste_cl.adapters.device.embeddings.GatherEmbeddingBag`; the exporter refuses it
   with a ``padding_idx`` and otherwise emits a ``Loop`` ONNX Runtime cannot differentiate).
 - ``Dropout`` is kept as it is; the parity gate's reference turns it off with the shared
-  :func:`~taste_cl.adapters.device.transforms.disable_dropout` (re-exported here).
+  :func:`~taste_cl.adapters.device.transforms.disable_random_layers` (re-exported here).
+- Stochastic depth (torchvision's ``StochasticDepth``, in EfficientNet; timm's ``DropPath``):
+  ``nn.Identity``, so the device trains without it. Its random mask is drawn inside the
+  graph, where the parity gate cannot turn it off as it does a ``Dropout`` ratio.
 
 :func:`check_equivalent` compares the transformed copy's eval outputs (:func:`eval_outputs`) with the original's.
 """
@@ -39,9 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from taste_cl.adapters.device.embeddings import GatherEmbeddingBag, check_rewritable
-from taste_cl.adapters.device.transforms import FrozenBatchNorm, disable_dropout
+from taste_cl.adapters.device.transforms import FrozenBatchNorm, disable_random_layers, is_stochastic_depth
 
-__all__ = ["BATCHNORM_MODES", "apply_transforms", "check_equivalent", "disable_dropout", "eval_outputs"]
+__all__ = ["BATCHNORM_MODES", "apply_transforms", "check_equivalent", "disable_random_layers", "eval_outputs"]
 
 BATCHNORM_MODES = ("frozen", "batch")
 
@@ -195,6 +198,8 @@ def apply_transforms(model: nn.Module, *, batchnorm: str = "frozen") -> list[str
             module.__class__ = _ExportLayerNorm
         elif kind in _POOLS:
             module.__class__ = _POOLS[kind]
+        elif is_stochastic_depth(module):
+            module.__class__ = nn.Identity
         elif kind is nn.EmbeddingBag:
             check_rewritable(module, path or "<model>")
             module.__class__ = GatherEmbeddingBag

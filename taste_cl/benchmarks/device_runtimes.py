@@ -44,7 +44,7 @@ from taste_cl.learner import OnlineLearner
 from taste_cl.replay import ReservoirReplay
 
 BACKENDS = ("onnxruntime", "executorch")
-TRANSFORMS = ["freeze_batchnorm", "disable_dropout"]  # applied by the ExecuTorch export only
+TRANSFORMS = ["freeze_batchnorm", "disable_random_layers"]  # applied by the ExecuTorch export only
 CLASSES = 10
 
 

@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import onnxruntime
 
-    from taste_cl.adapters.device.transforms import disable_dropout
+    from taste_cl.adapters.device.transforms import disable_random_layers
     from taste_cl.adapters.onnxruntime.learner_export import export_model
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         for name, build in cases.items():
             model, loss_fn, optimizer, batch = build(args.seed)
-            disable_dropout(model)  # both sides train the same function (dropout is random in each)
+            disable_random_layers(model)  # both sides train the same function (dropout is random in each)
             x, y = batch(args.batch_size, args.seed)
             start = time.perf_counter()
             folder = export_model(model, loss_fn, optimizer, (x, y), Path(scratch) / name.split()[0])
