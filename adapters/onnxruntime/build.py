@@ -662,6 +662,7 @@ def export_model(
     work, work_optimizer, chosen = _working_copy(model, optimizer, config["lr"], trainable)
     example_x = _rebuild(structure, names, ex_inputs)
     before = eval_outputs(work, call_model, example_x)
+    bounds = index_bounds(work, partial(call_model, work, example_x), dict(zip(names, ex_inputs)))  # ids checked on the device
     output_shape = tuple(before.shape[1:])
     task = resolve_task(task) if task is not None else infer_task(loss_fn, output_shape)
     ex_labels = task_targets(task, example_x, y, output_shape)
@@ -677,7 +678,6 @@ def export_model(
     running_stats = []
     if batchnorm == "batch":
         running_stats = _running_stats_outputs(graph, *_batchnorm_geometry(work, example_x))
-    bounds = index_bounds(work, partial(call_model, work, example_x), dict(zip(names, ex_inputs)))  # ids checked on the device
     initializers = [init.name for init in graph.graph.initializer]
     requires_grad = [_PREFIX + name for name in chosen]
     missing = [name for name in requires_grad if name not in initializers]
