@@ -58,6 +58,7 @@ from taste_cl.tuning.searcher import (
     TuningError,
     TuningResult,
     TuningWarning,
+    check_tuner_options,
     result_from_state,
     split_plan,
     thread_options,
@@ -392,22 +393,20 @@ class DeviceBatchTuner:
         cache_dir: str | Path | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        for label, value, low in (
-            ("max_batch_size", max_batch_size, 1),
-            ("n_calls", n_calls, 1),
-            ("n_initial_points", n_initial_points, 1),
-            ("warm_calls", warm_calls, 1),
-            ("per_octave", per_octave, 1),
-            ("calibration_window", calibration_window, 2),
-            ("min_retune_interval", min_retune_interval, 0),
-            ("probe_samples", probe_samples, 1),
-        ):
-            check_int(label, value, low)
+        check_tuner_options(
+            max_batch_size=max_batch_size,
+            n_calls=n_calls,
+            n_initial_points=n_initial_points,
+            warm_calls=warm_calls,
+            per_octave=per_octave,
+            calibration_window=calibration_window,
+            min_retune_interval=min_retune_interval,
+            probe_samples=probe_samples,
+            load_tolerance=load_tolerance,
+            min_probe_time=min_probe_time,
+        )
         if retune_every is not None:
             check_int("retune_every", retune_every, 1)
-        for label, number in (("load_tolerance", load_tolerance), ("min_probe_time", min_probe_time)):
-            if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0:
-                raise ValueError(f"`{label} == {number!r}`, must be a finite number > 0")
         for label, flag in (("accumulate", accumulate), ("tune_threads", tune_threads)):
             if not isinstance(flag, bool):
                 raise TypeError(f"`{label} == {flag!r}`, must be True or False")

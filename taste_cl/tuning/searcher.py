@@ -39,6 +39,7 @@ __all__ = [
     "TuningResult",
     "TuningWarning",
     "candidate_batch_sizes",
+    "check_tuner_options",
     "result_from_state",
     "split_plan",
     "thread_options",
@@ -139,6 +140,37 @@ def split_plan(result: TuningResult, effective: int) -> tuple[int, int] | None:
         return None
     accumulation = math.ceil(effective / result.batch_size)
     return max(math.ceil(effective / accumulation), result.min_batch_size), accumulation
+
+
+def check_tuner_options(
+    *,
+    max_batch_size: Any,
+    n_calls: Any,
+    n_initial_points: Any,
+    warm_calls: Any,
+    per_octave: Any,
+    calibration_window: Any,
+    min_retune_interval: Any,
+    probe_samples: Any,
+    load_tolerance: Any,
+    min_probe_time: Any,
+) -> None:
+    """The search and load-meter options both tuners take (the torch plugin and the device one):
+    ``ValueError`` naming the first bad one, its rule and value."""
+    for label, value, low in (
+        ("max_batch_size", max_batch_size, 1),
+        ("n_calls", n_calls, 1),
+        ("n_initial_points", n_initial_points, 1),
+        ("warm_calls", warm_calls, 1),
+        ("per_octave", per_octave, 1),
+        ("calibration_window", calibration_window, 2),
+        ("min_retune_interval", min_retune_interval, 0),
+        ("probe_samples", probe_samples, 1),
+    ):
+        check_int(label, value, low)
+    for label, number in (("load_tolerance", load_tolerance), ("min_probe_time", min_probe_time)):
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0:
+            raise ValueError(f"`{label} == {number!r}`, must be a finite number > 0")
 
 
 def candidate_batch_sizes(max_batch_size: int, *, per_octave: int = 4, min_batch_size: int = 1) -> list[int]:

@@ -61,6 +61,7 @@ from taste_cl.tuning.searcher import (
     TuningResult,
     TuningWarning,
     candidate_batch_sizes,
+    check_tuner_options,
     result_from_state,
     split_plan,
 )
@@ -194,17 +195,18 @@ class BatchSizeTuner(LearnerPlugin):
         cache_dir: str | os.PathLike[str] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        for label, value, low in (
-            ("max_batch_size", max_batch_size, 1),
-            ("n_calls", n_calls, 1),
-            ("n_initial_points", n_initial_points, 1),
-            ("warm_calls", warm_calls, 1),
-            ("per_octave", per_octave, 1),
-            ("calibration_window", calibration_window, 2),
-            ("min_retune_interval", min_retune_interval, 0),
-            ("probe_samples", probe_samples, 1),
-        ):
-            _int_arg(label, value, low)
+        check_tuner_options(
+            max_batch_size=max_batch_size,
+            n_calls=n_calls,
+            n_initial_points=n_initial_points,
+            warm_calls=warm_calls,
+            per_octave=per_octave,
+            calibration_window=calibration_window,
+            min_retune_interval=min_retune_interval,
+            probe_samples=probe_samples,
+            load_tolerance=load_tolerance,
+            min_probe_time=min_probe_time,
+        )
         for label, size in (
             ("effective_batch_size", effective_batch_size),
             ("reference_batch_size", reference_batch_size),
@@ -214,9 +216,9 @@ class BatchSizeTuner(LearnerPlugin):
             _int_arg(label, size, 1, optional=True)
         if not callable(lr_rule) and lr_rule not in _LR_RULES:
             raise ValueError(f"`lr_rule == {lr_rule!r}`, must be one of {', '.join(map(repr, _LR_RULES))} or a callable")
-        for label, number in (("load_tolerance", load_tolerance), ("min_probe_time", min_probe_time), ("max_wait_s", max_wait_s)):
-            if number is not None and (not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0):
-                raise ValueError(f"`{label} == {number!r}`, must be a finite number > 0")
+        wait_ok = max_wait_s is None or (not isinstance(max_wait_s, bool) and isinstance(max_wait_s, (int, float)) and 0 < max_wait_s < math.inf)
+        if not wait_ok:
+            raise ValueError(f"`max_wait_s == {max_wait_s!r}`, must be a finite number > 0 or None")
         if not callable(clock):
             raise TypeError(f"`clock == {clock!r}`, must be a callable returning seconds")
         self.max_batch_size = max_batch_size
