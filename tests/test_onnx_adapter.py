@@ -172,7 +172,7 @@ def test_damaged_artifacts_are_refused_naming_the_file(digits_artifacts, tmp_pat
     [
         (lambda: _learner(_mlp(), (12,)), {"optimizer": "adam"}, ValueError, r"`optimizer == 'adam'`"),
         (lambda: _learner(_mlp(), (12,)), {"lr": 0.0}, ValueError, r"`lr == 0.0`, must be a finite number > 0"),
-        (lambda: _learner(_mlp(), (12,)), {"trainable": ["9.weight"]}, ValueError, r"names \['9.weight'\], which are not"),
+        (lambda: _learner(_mlp(), (12,)), {"trainable": ["9.weight"]}, ValueError, r"trainable names '9.weight', which is not a parameter"),
         (lambda: _learner(_mlp(), (12,)), {"batch_size": 0}, ValueError, r"`batch_size == 0`"),
         (lambda: OnlineLearner(_mlp()), {"example": None}, ValueError, "fewer than 2 rows and the learner was built without input_shape= and num_classes=: pass example"),
         (
