@@ -163,9 +163,13 @@ def select_checked(out: Any, output: OutputSelector | None, n: int, *, where: st
     return selector, picked
 
 
-def restored_output(saved: Any, live: OutputSelector | None, *, settled: bool) -> OutputSelector | None:
+def restored_output(saved: Any, live: OutputSelector | None, *, settled: bool, live_settled: bool = False) -> OutputSelector | None:
     """The selector a learner holding ``live`` gets from a checkpoint's ``config.output``
-    (``saved``; ``settled``: the checkpoint's first batch was seen). ``ValueError`` when they disagree."""
+    (``saved``; ``settled``: the checkpoint's first batch was seen; ``live_settled``: the
+    learner's own was, so ``live`` None means its model returns one tensor). ``ValueError``
+    when they disagree."""
+    if saved is not None and live is None and live_settled:
+        raise ValueError(f"the checkpoint was trained with output={saved!r:.200}; this learner's model returns one tensor (no output= selection)")
     if saved is None:
         if settled and live is not None:
             raise ValueError(f"the checkpoint's model returned one tensor (no output= selection); this learner has {live}")

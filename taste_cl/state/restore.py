@@ -258,7 +258,9 @@ def _config(ctx: _Context) -> Apply:
         raise _Invalid(f"checkpoint holds the task {ctx.task!r}; this learner was built with {learner.task!r}")
     _check_strategy(ctx, config["strategy"])
     try:
-        output = restored_output(config.get("output"), learner.output, settled=ctx.output_shape is not None)
+        output = restored_output(
+            config.get("output"), learner.output, settled=ctx.output_shape is not None, live_settled=learner.output_shape is not None
+        )
     except ValueError as error:
         raise _Invalid(str(error)) from error
     score_eval = config["score_eval"]
