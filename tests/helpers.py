@@ -5,6 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -125,3 +129,22 @@ def rehash(folder: Path, edit: Callable[[dict], None] | None = None) -> None:
     names = [p.name for p in folder.iterdir() if p.name != "manifest.json"]
     manifest["files"] = {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in names}
     (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+_NO_TORCH_HOOK = '''
+import importlib.abc, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this test")
+sys.meta_path.insert(0, NoTorch())
+'''
+
+
+def run_without_torch(script: str, *, timeout: float = 600, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (dedented) in a fresh interpreter where any ``import torch`` fails, as on a
+    device with only numpy and ONNX Runtime; the repository root is on its path."""
+    root = Path(__file__).resolve().parents[1]
+    code = _NO_TORCH_HOOK + textwrap.dedent(script)
+    environment = {**os.environ, "PYTHONPATH": str(root), **env}
+    return subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=timeout, check=False)

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import run_without_torch
 from torch import nn
 
 pytest.importorskip("onnxruntime.training")
@@ -33,7 +30,6 @@ from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner, OrtSession
 from taste_cl.tuning.load import LoadMeter
 from taste_cl.tuning.searcher import split_plan
 
-ROOT = Path(__file__).resolve().parents[1]
 STREAM, REPLAY = 8, 8  # the learner's step: 8 stream rows and 8 replayed ones
 
 
@@ -262,14 +258,8 @@ def test_tuned_threads_rebuild_the_session_and_survive_a_reload(
 # ------------------------------------------------------------------ without torch
 def test_the_device_tuner_runs_with_torch_unimportable(folders: dict[str, Path], tmp_path: Path) -> None:
     """The import hook of tests/test_onnx_device.py: any ``import torch`` fails in the subprocess."""
-    script = textwrap.dedent(
+    result = run_without_torch(
         f"""
-        import importlib.abc, sys
-        class NoTorch(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path, target=None):
-                if name == "torch" or name.startswith("torch."):
-                    raise ImportError("torch is blocked in this test")
-        sys.meta_path.insert(0, NoTorch())
         import numpy as np
         from taste_cl.adapters.device.tuning import DeviceBatchTuner
         from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
@@ -284,10 +274,10 @@ def test_the_device_tuner_runs_with_torch_unimportable(folders: dict[str, Path],
         assert resumed.tuner.result_ == tuned.result_ and resumed.tuner.micro_batch_size_ == tuned.micro_batch_size_
         assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
         print("OK")
-        """
+        """,
+        timeout=300,
+        OMP_NUM_THREADS="1",
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "OK"
 

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import rehash
+from helpers import rehash, run_without_torch
 from torch import nn
 
 pytest.importorskip("onnxruntime.training")
@@ -25,8 +21,6 @@ from taste_cl.adapters.device.artifacts import ArtifactError
 from taste_cl.adapters.onnxruntime.learner_export import ReplayRows, export_model
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.exceptions import InvalidBatchError
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +54,8 @@ def _batch(n: int = 5, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
 # -------------------------------------------------------------- without torch
 def test_device_runtime_runs_with_torch_unimportable(artifacts: Path, tmp_path: Path) -> None:
     """Import hook: any ``import torch`` fails in the subprocess; the runtime must never need it."""
-    script = textwrap.dedent(
+    result = run_without_torch(
         f"""
-        import importlib.abc, sys
-        class NoTorch(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path, target=None):
-                if name == "torch" or name.startswith("torch."):
-                    raise ImportError("torch is blocked in this test")
-        sys.meta_path.insert(0, NoTorch())
         import numpy as np
         from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
         device = OrtOnlineLearner.from_artifacts({str(artifacts)!r})
@@ -85,8 +73,6 @@ def test_device_runtime_runs_with_torch_unimportable(artifacts: Path, tmp_path: 
         print("OK", len(device.replay))
         """
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "OK 25"
     assert "[I:onnxruntime" not in result.stderr  # INFO logs silenced
