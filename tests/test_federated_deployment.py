@@ -22,6 +22,7 @@ from taste_cl.adapters.flower.app import FleetConfig
 from taste_cl.adapters.flower.deployment import LoopbackDeployment, _app_module, _pyproject
 from taste_cl.adapters.flower.fleet import InvalidUpdateError
 from taste_cl.adapters.flower.tls import write_node_key
+from taste_cl.adapters.flower.updates import array_spec, check_secagg_upload
 from taste_cl.benchmarks.federated.deployment import _simulate
 from taste_cl.datasets import make_mlp
 
@@ -91,7 +92,8 @@ def test_privacy_option_picks_flowers_wrapper(privacy: str, wrapper: str) -> Non
 def test_server_option_picks_flowers_strategy_in_both_apps(kwargs: dict[str, object], strategy: str, setting: tuple[str, float] | None) -> None:
     cfg = FleetConfig(**kwargs)  # type: ignore[arg-type]
     plain = flower_app._strategy(cfg).strategy
-    legacy = flower_secagg._strategy_class(cfg.aggregator)(FleetConfig(**{**cfg.__dict__, "secagg": True}), _FakeGrid())
+    secure = FleetConfig(**{**cfg.__dict__, "secagg": True})
+    legacy = flower_secagg._strategy_class(cfg.aggregator)(secure, _FakeGrid(), flower_secagg._initial(secure))
     assert type(plain).__name__ == strategy and type(legacy).__name__ == f"SecAgg{strategy}"
     assert isinstance(legacy, getattr(legacy_strategies, strategy))
     if setting is not None:
@@ -122,19 +124,20 @@ def test_each_app_factory_refuses_the_other_mode() -> None:
 
 
 def test_secagg_device_names_casts_and_checks_its_own_update() -> None:
-    cfg = FleetConfig(secagg=True)
-    initial = flower_secagg._initial(cfg)
-    named = flower_secagg._named(cfg, [a.astype(np.float64) for a in initial.values()])
+    initial = flower_secagg._initial(FleetConfig(secagg=True))
+    spec = array_spec(initial)
+    named = flower_secagg._named(initial, [a.astype(np.float64) for a in initial.values()])
     assert list(named) == list(initial) and all(a.dtype == np.float32 for a in named.values())
-    flower_secagg._check_own_update(cfg, named)
+    check_secagg_upload(named, spec, 1000)
     with pytest.raises(InvalidUpdateError, match="expected 4 shared arrays; got 3"):
-        flower_secagg._named(cfg, list(initial.values())[:3])
+        flower_secagg._named(initial, list(initial.values())[:3])
     named["0.bias"][0] = np.nan
     with pytest.raises(InvalidUpdateError, match="non-finite"):
-        flower_secagg._check_own_update(cfg, named)
-    named["0.bias"][0] = 1e9
-    with pytest.raises(InvalidUpdateError, match=r"refusing to upload: `0\.bias` holds"):
-        flower_secagg._check_own_update(cfg, named)
+        check_secagg_upload(named, spec, 1000)
+    named["0.bias"][0] = 100.0  # SecAgg+ clips weight / MAX_WEIGHT * value to +-8: 100 passes at weight 10 ...
+    check_secagg_upload(named, spec, 10)
+    with pytest.raises(InvalidUpdateError, match=r"refusing to upload: `0\.bias` holds \|value\| 100 > 8, which SecAgg\+ would clip"):
+        check_secagg_upload(named, spec, 1000)  # ... and would be clipped at weight 1000
 
 
 def test_message_bytes_count_every_record_even_empty_lists() -> None:
@@ -155,7 +158,7 @@ def test_secagg_strategy_checks_the_secure_aggregate() -> None:
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
     cfg = FleetConfig(secagg=True)
-    strategy = flower_secagg._strategy_class(cfg.aggregator)(cfg, _FakeGrid())
+    strategy = flower_secagg._strategy_class(cfg.aggregator)(cfg, _FakeGrid(), flower_secagg._initial(cfg))
     good = [a.astype(np.float64) + 0.5 for a in flower_secagg._initial(cfg).values()]
 
     def replies(arrays: list[np.ndarray]) -> list[tuple[None, FitRes]]:
@@ -276,9 +279,13 @@ def test_superlink_and_three_supernodes_on_loopback() -> None:
 
 
 @pytest.mark.slow
-def test_secagg_aggregate_equals_plain_fedavg_on_loopback() -> None:
-    """One round on 3 SuperNodes, plain then SecAgg+: the same shared weights within quantization, the same accuracy."""
-    plain = FleetConfig(devices=3, rounds=1, evaluate_every_round=False)
+@pytest.mark.parametrize("device", ["torch", "artifacts"])
+def test_secagg_aggregate_equals_plain_fedavg_on_loopback(device: str) -> None:
+    """One round on 3 SuperNodes, plain then SecAgg+: the same shared weights within quantization, the same accuracy.
+
+    ``artifacts``: the torch-free device runtime under ``secaggplus_mod``.
+    """
+    plain = FleetConfig(devices=3, rounds=1, evaluate_every_round=False, device=device)
     with LoopbackDeployment(3, timeout_s=1200) as deployment:  # SecAgg+ took > 600 s for one round at load 30
         result, server, _ = deployment.run(plain)
         secure, secure_server, devices = deployment.run(FleetConfig(**{**plain.__dict__, "secagg": True}))

@@ -16,7 +16,7 @@ pytest.importorskip("flwr")
 pytest.importorskip("onnxruntime.training")
 
 from taste_cl.adapters.flower.app import FleetConfig, _fleet
-from taste_cl.adapters.flower.deployment import LoopbackDeployment, _pyproject
+from taste_cl.adapters.flower.deployment import LoopbackDeployment, _app_module, _client_module, _pyproject
 from taste_cl.adapters.flower.device_server import export_fleet
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
@@ -62,8 +62,7 @@ def test_load_parameters_checks_everything_first_and_changes_nothing_on_error(fe
 def test_device_config_is_validated() -> None:
     with pytest.raises(ValueError, match=r"`device == 'gpu'`, must be one of"):
         FleetConfig(device="gpu")
-    with pytest.raises(ValueError, match="the SecAgg\\+ app trains PyTorch; use device='torch'"):
-        FleetConfig(devices=3, secagg=True, device="artifacts")
+    assert FleetConfig(devices=3, secagg=True, device="artifacts").device == "artifacts"  # SecAgg+ runs the device runtime too
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib")
@@ -72,10 +71,15 @@ def test_artifacts_app_takes_its_client_from_the_torch_free_module() -> None:
 
     components = tomllib.loads(_pyproject(FleetConfig(device="artifacts")))["tool"]["flwr"]["app"]["components"]
     assert components == {"serverapp": "taste_cl_fleet_app:server_app", "clientapp": "taste_cl_fleet_client:client_app"}
+    assert "import client_app\n" in _client_module(FleetConfig(device="artifacts"))
+    secure = FleetConfig(devices=3, secagg=True, device="artifacts")
+    assert "device_client import secagg_client_app as client_app" in _client_module(secure)
+    assert "taste_cl.adapters.flower.secagg import" in _app_module(secure)  # the SecAgg+ ServerApp
 
 
 def test_device_client_app_trains_and_evaluates_without_importing_torch(fedbabu, tmp_path: Path) -> None:
-    """The ClientApp itself in a fresh process: two rounds, the node's state kept, FedBABU's evaluation, and torch never imported.
+    """The ClientApp itself in a fresh process: two rounds, the node's state kept, FedBABU's evaluation, the SecAgg+ client's
+    fit and evaluate on the legacy lists, and torch never imported.
 
     Nothing is blocked (torch is installed here): a blocked import inside a library's
     ``try/except ImportError`` (ONNX Runtime's build check has one) would go unnoticed.
@@ -109,6 +113,15 @@ def test_device_client_app_trains_and_evaluates_without_importing_torch(fedbabu,
         send("train", 2, back)
         metrics = send("evaluate", 2, back).metric_records["metrics"]
         assert metrics["partition-id"] == 1 and 0.5 < metrics["accuracy-own"] <= 1.0, dict(metrics)
+
+        from taste_cl.adapters.flower.device_client import _secagg_client_class, secagg_client_app  # what secaggplus_mod wraps
+        node = Context(run_id=1, node_id=8, node_config={{"partition-id": 0}}, state=RecordDict(), run_config={{}})
+        secure, config = _secagg_client_class()(node), {{**{settings!r}, "server-round": 1}}
+        arrays, weight, _ = secure.fit([a.astype(np.float64) for a in shared.values()], config)  # SecAgg+ sends float64
+        assert [a.dtype for a in arrays] == [np.float32] * 4 and 0 < weight <= 1000
+        assert [a.shape for a in arrays] == [a.shape for a in shared.values()]
+        loss, _, scores = secure.evaluate(arrays, config)
+        assert scores["partition-id"] == 0 and loss == 1.0 - scores["accuracy-all"]
         assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
         print("rss-mb", psutil.Process().memory_info().rss / 2**20)
         """

@@ -103,7 +103,8 @@ class FleetConfig:
     only the sum of the updates; it needs at least 3 devices and cannot be combined
     with ``privacy="central"`` (the server would have to clip single updates).
     ``device="artifacts"`` trains the exported ONNX Runtime artifacts on every device
-    without torch (not with ``secagg``, whose legacy-API app trains PyTorch).
+    without torch (with ``secagg`` too: the SecAgg+ app then serves the device runtime's
+    legacy-API twin).
     """
 
     devices: int = 3
@@ -136,8 +137,6 @@ class FleetConfig:
             raise ValueError(f"`privacy == {self.privacy!r}`, must be one of {PRIVACY}")
         if self.device not in DEVICES:
             raise ValueError(f"`device == {self.device!r}`, must be one of {DEVICES}")
-        if self.secagg and self.device != "torch":
-            raise ValueError(f"`device == {self.device!r}` with `secagg=True`: the SecAgg+ app trains PyTorch; use device='torch'")
         if self.server not in SERVERS:
             raise ValueError(f"`server == {self.server!r}`, must be one of {SERVERS}")
         if not 0.0 <= float(self.server_momentum) < 1.0:

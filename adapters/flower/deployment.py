@@ -105,9 +105,10 @@ def _app_module(config: FleetConfig) -> str:
     return f"from taste_cl.adapters.flower.{module} import client_app, server_app\n\n__all__ = ['client_app', 'server_app']\n"
 
 
-def _client_module() -> str:
-    """The device-runtime ClientApp's module source: it imports numpy, flwr and ONNX Runtime, never torch."""
-    return "from taste_cl.adapters.flower.device_client import client_app\n\n__all__ = ['client_app']\n"
+def _client_module(config: FleetConfig) -> str:
+    """The device-runtime ClientApp's module source (plain or SecAgg+): it imports numpy, flwr and ONNX Runtime, never torch."""
+    name = "secagg_client_app as client_app" if config.secagg else "client_app"
+    return f"from taste_cl.adapters.flower.device_client import {name}\n\n__all__ = ['client_app']\n"
 
 
 def _toml(value: Any) -> str:
@@ -285,7 +286,7 @@ class LoopbackDeployment:
         (app / "pyproject.toml").write_text(_pyproject(config))
         (app / f"{_APP_MODULE}.py").write_text(_app_module(config))
         if config.device == "artifacts":
-            (app / f"{_CLIENT_MODULE}.py").write_text(_client_module())
+            (app / f"{_CLIENT_MODULE}.py").write_text(_client_module(config))
         log = None if self.verbose else open(out / "flwr-run.log", "wb")  # noqa: SIM115
         try:
             cli = subprocess.Popen(

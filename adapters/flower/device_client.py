@@ -18,13 +18,20 @@ Everything the node needs comes in the message's config record (the server sends
 :class:`~taste_cl.adapters.flower.app.FleetConfig` plus the ``artifacts`` folder), and its
 data from ``<artifacts>/data/partition-<id>.npz`` (on loopback the server writes every
 device's partition there; on a real fleet the data is the device's own).
+
+``secagg_client_app`` is the same device under SecAgg+ (``FleetConfig(secagg=True)``):
+Flower's ``secaggplus_mod`` around a legacy ``NumPyClient`` (in flwr 1.42 SecAgg+ speaks
+only the legacy records), whose shared arrays arrive and leave as an ordered list named
+after the device's own shared tensors. Before masking, the device checks its update
+(:func:`~taste_cl.adapters.flower.updates.check_secagg_upload`) and caps its weight at
+``MAX_WEIGHT``; the server never sees a single update.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -34,13 +41,21 @@ import psutil
 from taste_cl.adapters.device.artifacts import check_plain_name
 from taste_cl.adapters.device.loader import load_learner
 from taste_cl.adapters.flower.device_data import DATA_FOLDER, FINETUNE_FOLDER, TRAIN_FOLDER, DeviceData
-from taste_cl.adapters.flower.updates import check_update, personal_predicate, privacy_mod, require_flwr
+from taste_cl.adapters.flower.updates import (
+    MAX_WEIGHT,
+    InvalidUpdateError,
+    check_secagg_upload,
+    check_update,
+    personal_predicate,
+    privacy_mod,
+    require_flwr,
+)
 
 if TYPE_CHECKING:
     from flwr.app import Context, Message
     from flwr.clientapp import ClientApp
 
-__all__ = ["client_app", "make_device_client_app"]
+__all__ = ["client_app", "make_device_client_app", "make_device_secagg_client_app", "secagg_client_app"]
 
 STATE_KEY = "taste_cl-device"
 
@@ -82,10 +97,27 @@ def _is_personal(settings: Mapping[str, Any]) -> Callable[[str], bool]:
     return personal_predicate([p for p in str(settings["personal"]).split(",") if p])
 
 
-def _load_shared(learner: Any, msg: Message, is_personal: Callable[[str], bool]) -> None:
-    """Check the received arrays against this device's shared part, then load them (a bad update changes nothing)."""
-    shared = {name: array.numpy() for name, array in msg.content.array_records["arrays"].items()}
-    own = {name: value for name, value in learner.parameters().items() if not is_personal(name)}
+Arrays = Mapping[str, np.ndarray] | Sequence[np.ndarray]
+"""Shared arrays by name (Message API), or as a list in the order of the device's shared tensors (SecAgg+)."""
+
+
+def _own_shared(learner: Any, is_personal: Callable[[str], bool]) -> dict[str, np.ndarray]:
+    return {name: value for name, value in learner.parameters().items() if not is_personal(name)}
+
+
+def _load_shared(learner: Any, arrays: Arrays, is_personal: Callable[[str], bool]) -> None:
+    """Check the received arrays against this device's shared part, then load them (a bad update changes nothing).
+
+    A list is named after the device's shared tensors in order and cast to their dtypes
+    (SecAgg+ dequantizes to float64).
+    """
+    own = _own_shared(learner, is_personal)
+    if isinstance(arrays, Mapping):
+        shared = dict(arrays)
+    else:
+        if len(arrays) != len(own):
+            raise InvalidUpdateError(f"expected {len(own)} shared arrays; got {len(arrays)}")
+        shared = {name: np.asarray(a).astype(ref.dtype, copy=False) for (name, ref), a in zip(own.items(), arrays)}
     check_update(shared, {name: (value.shape, value.dtype) for name, value in own.items()})
     learner.load_parameters(shared)
 
@@ -94,23 +126,22 @@ def _data(settings: Mapping[str, Any], partition: int) -> DeviceData:
     return DeviceData.load(Path(str(settings["artifacts"])) / DATA_FOLDER / f"partition-{partition}.npz")
 
 
-def _train(msg: Message, context: Context) -> Message:
-    from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+def fit_on_device(settings: Mapping[str, Any], context: Context, arrays: Arrays) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """One device's round: load the shared ``arrays``, observe the round's stream slice, keep the state in ``context``.
 
-    settings = _settings(msg)
+    Returns the device's new shared tensors and its metrics (``num-examples`` first).
+    """
     partition, is_personal = _partition(context, settings), _is_personal(settings)
     with tempfile.TemporaryDirectory(prefix="taste-cl-device-") as tmp:
         learner = _open(context, settings, Path(tmp))
-        _load_shared(learner, msg, is_personal)
+        _load_shared(learner, arrays, is_personal)
         start, samples = time.perf_counter(), 0
         for batch in _data(settings, partition).batches(int(settings["server-round"])):
             samples += learner.observe(batch).samples
         seconds = time.perf_counter() - start
         _persist(context, learner, Path(tmp))
-        shared = {name: value for name, value in learner.parameters().items() if not is_personal(name)}
-    metrics = {"num-examples": max(samples, 1), "train-seconds": seconds, "rss-mb": psutil.Process().memory_info().rss / 2**20}
-    content: dict[str, Any] = {"arrays": ArrayRecord({k: Array(v) for k, v in shared.items()}), "metrics": MetricRecord(metrics)}
-    return Message(content=RecordDict(content), reply_to=msg)
+        shared = _own_shared(learner, is_personal)
+    return shared, {"num-examples": max(samples, 1), "train-seconds": seconds, "rss-mb": psutil.Process().memory_info().rss / 2**20}
 
 
 def _finetuned(learner: Any, settings: Mapping[str, Any], data: DeviceData, server_round: int) -> Any:
@@ -126,15 +157,16 @@ def _finetuned(learner: Any, settings: Mapping[str, Any], data: DeviceData, serv
     return tuner
 
 
-def _evaluate(msg: Message, context: Context) -> Message:
-    from flwr.app import Message, MetricRecord, RecordDict
+def evaluate_on_device(settings: Mapping[str, Any], context: Context, arrays: Arrays) -> dict[str, Any]:
+    """Score the device (shared ``arrays`` + its personal part) on its held-out sets; FedBABU fine-tunes a copy first.
 
-    settings = _settings(msg)
+    With ``out-dir`` set, the last round also saves the device's whole model there.
+    """
     partition, server_round = _partition(context, settings), int(settings["server-round"])
     data = _data(settings, partition)
     with tempfile.TemporaryDirectory(prefix="taste-cl-device-") as tmp:
         learner = _open(context, settings, Path(tmp))
-        _load_shared(learner, msg, _is_personal(settings))
+        _load_shared(learner, arrays, _is_personal(settings))
         if settings["out-dir"] and server_round == int(settings["rounds"]):
             np.savez(Path(str(settings["out-dir"])) / f"device-{partition}.npz", **learner.parameters())
         model = _finetuned(learner, settings, data, server_round) if settings["method"] == "fedbabu" else learner
@@ -142,6 +174,25 @@ def _evaluate(msg: Message, context: Context) -> Message:
         for name, (x, y) in data.eval_sets().items():
             metrics[f"accuracy-{name}"] = float((model.predict(x).argmax(axis=1) == y).mean()) if y.shape[0] else float("nan")
             metrics["num-examples"] = int(y.shape[0])
+    return metrics
+
+
+def _received(msg: Message) -> dict[str, np.ndarray]:
+    return {name: array.numpy() for name, array in msg.content.array_records["arrays"].items()}
+
+
+def _train(msg: Message, context: Context) -> Message:
+    from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+
+    shared, metrics = fit_on_device(_settings(msg), context, _received(msg))
+    content: dict[str, Any] = {"arrays": ArrayRecord({k: Array(v) for k, v in shared.items()}), "metrics": MetricRecord(metrics)}
+    return Message(content=RecordDict(content), reply_to=msg)
+
+
+def _evaluate(msg: Message, context: Context) -> Message:
+    from flwr.app import Message, MetricRecord, RecordDict
+
+    metrics = evaluate_on_device(_settings(msg), context, _received(msg))
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
@@ -167,4 +218,48 @@ def make_device_client_app() -> ClientApp:
     return app
 
 
+def _secagg_privacy(msg: Message, context: Context, call_next: Callable[..., Message]) -> Message:
+    """The legacy-record twin of :func:`_privacy`, inside ``secaggplus_mod`` (its settings are the fit config)."""
+    from flwr.app import MessageType
+
+    if msg.metadata.message_type != MessageType.TRAIN:
+        return call_next(msg, context)
+    settings = msg.content.config_records["fitins.config"]
+    mod = privacy_mod(str(settings["privacy"]), float(settings["clip"]), float(settings["epsilon"]), float(settings["delta"]), legacy=True)
+    return mod(msg, context, call_next)
+
+
+def _secagg_client_class() -> type:
+    from flwr.client import NumPyClient
+
+    class SecAggDevice(NumPyClient):
+        """The device runtime as the legacy ``NumPyClient`` that ``secaggplus_mod`` wraps; ``config`` holds its settings."""
+
+        def __init__(self, context: Context) -> None:
+            self.ctx = context
+
+        def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+            shared, metrics = fit_on_device(config, self.ctx, parameters)
+            weight = min(int(metrics.pop("num-examples")), int(MAX_WEIGHT))
+            check_secagg_upload(shared, {name: (value.shape, value.dtype) for name, value in shared.items()}, weight)
+            return list(shared.values()), weight, metrics
+
+        def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict[str, Any]]:
+            metrics = evaluate_on_device(config, self.ctx, parameters)
+            return 1.0 - float(metrics["accuracy-all"]), int(metrics["num-examples"]), metrics
+
+    return SecAggDevice
+
+
+def make_device_secagg_client_app() -> ClientApp:
+    """The device-runtime ClientApp under SecAgg+: ``secaggplus_mod`` around the legacy client, the DP mod inside."""
+    require_flwr()
+    from flwr.client import ClientApp
+    from flwr.client.mod import secaggplus_mod
+
+    device = _secagg_client_class()
+    return ClientApp(client_fn=lambda context: device(context).to_client(), mods=[secaggplus_mod, _secagg_privacy])
+
+
 client_app = make_device_client_app()
+secagg_client_app = make_device_secagg_client_app()

@@ -13,16 +13,21 @@ In flwr 1.42 SecAgg+ exists only for the legacy API: the server runs
 ``flwr.server.strategy`` strategy, and the device is a ``NumPyClient``. This module
 wraps both around the app's shared :func:`~taste_cl.adapters.flower.app.fit_device`
 and :func:`~taste_cl.adapters.flower.app.evaluate_device`, so training, data and
-personalization are identical to the plain app.
+personalization are identical to the plain app. With ``device="artifacts"`` the server
+exports the fleet's artifacts as the plain app does and the devices run the torch-free
+twin, :data:`taste_cl.adapters.flower.device_client.secagg_client_app`; the settings
+travel in the fit and evaluate configs.
 
 What moves where, compared with the plain app's :class:`AggregationPolicy`:
 
-- Per-update checks (names, shapes, finiteness, ``max_abs_value``) run **on the
+- Per-update checks (names, shapes, finiteness, and no value that SecAgg+ would clip:
+  :func:`~taste_cl.adapters.flower.updates.check_secagg_upload`) run **on the
   device** before masking: a device whose update fails them raises, its reply is an
   error, and SecAgg+ treats it as dropped (its masks are rebuilt from the shares).
   An honest-but-broken device is caught; a malicious one is not.
 - The claimed ``num-examples`` is capped on the device at SecAgg+'s ``max_weight``
-  (:data:`MAX_WEIGHT`); each quantized value is clipped to ``±CLIPPING_RANGE``.
+  (:data:`MAX_WEIGHT`); a value that the quantizer would clip to ``±CLIPPING_RANGE``
+  after scaling by ``weight / MAX_WEIGHT`` is refused on the device.
 - ``max_share`` (no device above a share of the weight) **cannot** be enforced: the
   server never sees single weights. The server checks the *aggregate* instead (shape,
   finiteness, ``max_abs_value``) and keeps the previous model if it fails.
@@ -35,8 +40,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -52,6 +60,15 @@ from taste_cl.adapters.flower.fleet import (
     require_flwr,
     shared_state,
 )
+from taste_cl.adapters.flower.updates import (
+    CLIPPING_RANGE,
+    MAX_WEIGHT,
+    RECONSTRUCTION_THRESHOLD,
+    SHARES,
+    array_spec,
+    check_secagg_upload,
+    privacy_mod,
+)
 
 if TYPE_CHECKING:
     from flwr.app import Context, Message, RecordDict
@@ -62,15 +79,6 @@ __all__ = ["CLIPPING_RANGE", "MAX_WEIGHT", "RECONSTRUCTION_THRESHOLD", "SHARES",
 
 logger = logging.getLogger(__name__)
 
-SHARES = 0.5
-"""Each device's secret is split among this fraction of the devices (SecAgg+'s ``num_shares``; at least 3)."""
-RECONSTRUCTION_THRESHOLD = 0.7
-"""Fraction of a device's shares needed to rebuild its masks if it drops (at least 2)."""
-MAX_WEIGHT = 1000.0
-"""Largest ``num-examples`` a device may claim per round (capped on the device)."""
-CLIPPING_RANGE = 8.0
-"""Each value of ``weight / MAX_WEIGHT * shared`` is clipped to ``[-8, 8]`` before quantization."""
-
 
 @functools.lru_cache(maxsize=4)
 def _initial(cfg: FleetConfig) -> dict[str, np.ndarray]:
@@ -80,22 +88,14 @@ def _initial(cfg: FleetConfig) -> dict[str, np.ndarray]:
     return shared_state(_fleet(cfg.devices, cfg.rounds, cfg.seed).build_learner(0).model, personal=cfg.prefixes)
 
 
-def _named(cfg: FleetConfig, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
-    """Name an ordered list of arrays after the shared part and cast each to its dtype.
+def _named(spec: Mapping[str, np.ndarray], arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """Name an ordered list of arrays after the shared part ``spec`` and cast each to its dtype.
 
     Casting matters: SecAgg+ dequantizes to float64 and DP noise is float64.
     """
-    spec = _initial(cfg)
     if len(arrays) != len(spec):
         raise InvalidUpdateError(f"expected {len(spec)} shared arrays; got {len(arrays)}")
     return {name: np.asarray(a).astype(ref.dtype, copy=False) for (name, ref), a in zip(spec.items(), arrays)}
-
-
-def _check_own_update(cfg: FleetConfig, shared: dict[str, np.ndarray]) -> None:
-    """The server cannot see a masked update, so the device checks its own before masking."""
-    check_update(shared, {k: (tuple(v.shape), v.dtype) for k, v in _initial(cfg).items()})
-    if (problem := AggregationPolicy().value_problem(shared)) is not None:
-        raise InvalidUpdateError(f"refusing to upload: {problem}")
 
 
 def _client_class() -> type:
@@ -108,13 +108,13 @@ def _client_class() -> type:
             self.cfg, self.ctx = cfg, context
 
         def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict[str, Any]]:
-            shared, metrics = fit_device(self.cfg, self.ctx, _named(self.cfg, parameters), int(config["server-round"]))
-            _check_own_update(self.cfg, shared)
-            claimed = int(metrics.pop("num-examples"))
-            return list(shared.values()), int(min(claimed, MAX_WEIGHT)), metrics
+            shared, metrics = fit_device(self.cfg, self.ctx, _named(_initial(self.cfg), parameters), int(config["server-round"]))
+            weight = min(int(metrics.pop("num-examples")), int(MAX_WEIGHT))
+            check_secagg_upload(shared, array_spec(_initial(self.cfg)), weight)  # the server cannot check a masked update
+            return list(shared.values()), weight, metrics
 
         def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict[str, Any]]:
-            metrics = evaluate_device(self.cfg, self.ctx, _named(self.cfg, parameters), int(config["server-round"]))
+            metrics = evaluate_device(self.cfg, self.ctx, _named(_initial(self.cfg), parameters), int(config["server-round"]))
             return 1.0 - float(metrics["accuracy-all"]), int(metrics["num-examples"]), metrics
 
     return SecAggDevice
@@ -177,8 +177,12 @@ def _strategy_class(aggregator: str) -> type:
         bookkeeping of the plain app (``rounds``, ``dropped``, ``evaluations``).
         """
 
-        def __init__(self, cfg: FleetConfig, grid: _CountingGrid) -> None:
+        def __init__(
+            self, cfg: FleetConfig, grid: _CountingGrid, initial: Mapping[str, np.ndarray], settings: Mapping[str, Any] | None = None
+        ) -> None:
+            """``initial``: the shared part (its names, order and dtypes are the wire format); ``settings``: sent with every config."""
             n = cfg.devices
+            extra = dict(settings or {})
             options = {"fedavgm": {"server_momentum": cfg.server_momentum}, "fedadam": {"eta": cfg.server_eta}}.get(aggregator, {})
             super().__init__(
                 **options,
@@ -187,11 +191,11 @@ def _strategy_class(aggregator: str) -> type:
                 min_fit_clients=n,
                 min_evaluate_clients=n,
                 min_available_clients=n,
-                initial_parameters=ndarrays_to_parameters(list(_initial(cfg).values())),
-                on_fit_config_fn=lambda r: {"server-round": r},
-                on_evaluate_config_fn=lambda r: {"server-round": r},
+                initial_parameters=ndarrays_to_parameters(list(initial.values())),
+                on_fit_config_fn=lambda r: {**extra, "server-round": r},
+                on_evaluate_config_fn=lambda r: {**extra, "server-round": r},
             )
-            self.cfg, self.grid = cfg, grid
+            self.cfg, self.grid, self.initial = cfg, grid, dict(initial)
             self.rounds: list[RoundStats] = []
             self.dropped: list[DroppedUpdate] = []
             self.evaluations: dict[int, dict[int, dict[str, float]]] = {}
@@ -224,8 +228,8 @@ def _strategy_class(aggregator: str) -> type:
             if not results:
                 return None, {}
             try:  # every reply holds the same aggregate (SecAgg+ wrote it there)
-                aggregate = _named(self.cfg, parameters_to_ndarrays(results[0][1].parameters))
-                check_update(aggregate, {k: (tuple(v.shape), v.dtype) for k, v in _initial(self.cfg).items()})
+                aggregate = _named(self.initial, parameters_to_ndarrays(results[0][1].parameters))
+                check_update(aggregate, array_spec(self.initial))
                 problem = AggregationPolicy().value_problem(aggregate)
             except InvalidUpdateError as error:
                 problem = str(error)
@@ -235,7 +239,7 @@ def _strategy_class(aggregator: str) -> type:
                 return None, {}
             average = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(list(aggregate.values())), 1, {})
             stepped, _ = super().aggregate_fit(server_round, [(results[0][0], average)], [])
-            return ndarrays_to_parameters(list(_named(self.cfg, parameters_to_ndarrays(stepped)).values())), {}
+            return ndarrays_to_parameters(list(_named(self.initial, parameters_to_ndarrays(stepped)).values())), {}
 
         def configure_evaluate(self, server_round: int, parameters: Any, client_manager: Any) -> Any:
             if not self.cfg.evaluate_every_round and server_round != self.cfg.rounds:
@@ -256,6 +260,17 @@ def _strategy_class(aggregator: str) -> type:
 
 
 def _server_main(fixed: FleetConfig | None, grid: Grid, context: Context) -> None:
+    cfg = fixed if fixed is not None else FleetConfig.from_run_config(context.run_config)
+    folder = Path(cfg.out_dir) / "artifacts" if cfg.out_dir else Path(tempfile.mkdtemp(prefix="taste-cl-fleet-"))
+    try:
+        _run_workflow(cfg, grid, context, folder)
+    finally:
+        if not cfg.out_dir:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_workflow(cfg: FleetConfig, grid: Grid, context: Context, folder: Path) -> None:
+    """The SecAgg+ rounds; with ``device="artifacts"`` first export the fleet under ``folder`` (as the plain app does)."""
     from flwr.common import parameters_to_ndarrays
     from flwr.compat.common import recorddict_compat as compat
     from flwr.server import LegacyContext, ServerConfig
@@ -263,9 +278,18 @@ def _server_main(fixed: FleetConfig | None, grid: Grid, context: Context) -> Non
     from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
     from flwr.server.workflow.constant import MAIN_PARAMS_RECORD
 
-    cfg = fixed if fixed is not None else FleetConfig.from_run_config(context.run_config)
+    start = time.perf_counter()
+    settings = None
+    if cfg.device == "artifacts":  # exported once; each device reads it (a real fleet would ship it)
+        from taste_cl.adapters.flower.app import _fleet
+        from taste_cl.adapters.flower.device_server import export_fleet
+
+        initial = export_fleet(cfg, _fleet(cfg.devices, cfg.rounds, cfg.seed), folder)
+        settings = {**cfg.to_run_config(), "artifacts": str(folder)}
+    else:
+        initial = _initial(cfg)
     counting = _CountingGrid(grid)
-    strategy = _strategy_class(cfg.aggregator)(cfg, counting)
+    strategy = _strategy_class(cfg.aggregator)(cfg, counting, initial, settings)
     outer: Any = strategy
     if cfg.privacy == "client":  # devices clip (fixedclipping_mod); the server noises the secure sum
         outer = DifferentialPrivacyClientSideFixedClipping(strategy, cfg.noise, cfg.clip, cfg.devices)
@@ -275,31 +299,28 @@ def _server_main(fixed: FleetConfig | None, grid: Grid, context: Context) -> Non
             num_shares=SHARES, reconstruction_threshold=RECONSTRUCTION_THRESHOLD, max_weight=MAX_WEIGHT, clipping_range=CLIPPING_RANGE
         )
     )
-    start = time.perf_counter()
     workflow(cast("Grid", counting), legacy)
     if cfg.out_dir:
         final = parameters_to_ndarrays(compat.arrayrecord_to_parameters(legacy.state.array_records[MAIN_PARAMS_RECORD], keep_input=True))
-        write_outputs(cfg, _named(cfg, final), time.perf_counter() - start, strategy.rounds, strategy.dropped, strategy.evaluations)
+        write_outputs(cfg, _named(initial, final), time.perf_counter() - start, strategy.rounds, strategy.dropped, strategy.evaluations)
 
 
 def _privacy_mod(fixed: FleetConfig | None) -> Callable[..., Message]:
     """The legacy (FitRes-speaking) Flower DP mod the config asks for, inside ``secaggplus_mod``."""
 
     def mod(msg: Message, context: Context, call_next: Callable[..., Message]) -> Message:
-        from flwr.client.mod import LocalDpMod, fixedclipping_mod
-
         cfg = fixed if fixed is not None else FleetConfig.from_run_config(context.run_config)
-        if cfg.privacy == "client":
-            return fixedclipping_mod(msg, context, call_next)
-        if cfg.privacy == "local":
-            return LocalDpMod(cfg.clip, cfg.clip, cfg.epsilon, cfg.delta)(msg, context, call_next)
-        return call_next(msg, context)
+        return privacy_mod(cfg.privacy, cfg.clip, cfg.epsilon, cfg.delta, legacy=True)(msg, context, call_next)
 
     return mod
 
 
 def make_secagg_apps(config: FleetConfig | None = None) -> tuple[ServerApp, ClientApp]:
-    """A ``(ServerApp, ClientApp)`` pair running the fleet under SecAgg+; ``None`` reads the run config."""
+    """A ``(ServerApp, ClientApp)`` pair running the fleet under SecAgg+; ``None`` reads the run config.
+
+    With ``config.device == "artifacts"`` the ClientApp is the torch-free device runtime's
+    (:func:`~taste_cl.adapters.flower.device_client.make_device_secagg_client_app`).
+    """
     require_flwr()
     from flwr.client import ClientApp
     from flwr.client.mod import secaggplus_mod
@@ -307,20 +328,23 @@ def make_secagg_apps(config: FleetConfig | None = None) -> tuple[ServerApp, Clie
 
     if config is not None and not (isinstance(config, FleetConfig) and config.secagg):
         raise TypeError(f"config must be a FleetConfig with secagg=True, or None; got {config!r}")
-    device = _client_class()
-
-    def client_fn(context: Context) -> Any:
-        cfg = config if config is not None else FleetConfig.from_run_config(context.run_config)
-        return device(cfg, context).to_client()
-
-    capp = ClientApp(client_fn=client_fn, mods=[secaggplus_mod, _privacy_mod(config)])
     sapp = ServerApp()
 
     @sapp.main()
     def main(grid: Grid, context: Context) -> None:
         _server_main(config, grid, context)
 
-    return sapp, capp
+    if config is not None and config.device == "artifacts":
+        from taste_cl.adapters.flower.device_client import make_device_secagg_client_app
+
+        return sapp, make_device_secagg_client_app()
+    device = _client_class()
+
+    def client_fn(context: Context) -> Any:
+        cfg = config if config is not None else FleetConfig.from_run_config(context.run_config)
+        return device(cfg, context).to_client()
+
+    return sapp, ClientApp(client_fn=client_fn, mods=[secaggplus_mod, _privacy_mod(config)])
 
 
 server_app, client_app = make_secagg_apps()

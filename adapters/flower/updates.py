@@ -19,10 +19,34 @@ from taste_cl.exceptions import MissingDependencyError, TasteCLError
 if TYPE_CHECKING:
     from flwr.app import Message
 
-__all__ = ["ArraySpec", "InvalidUpdateError", "PersonalSpec", "check_update", "personal_predicate", "privacy_mod", "require_flwr"]
+__all__ = [
+    "CLIPPING_RANGE",
+    "MAX_WEIGHT",
+    "RECONSTRUCTION_THRESHOLD",
+    "SHARES",
+    "ArraySpec",
+    "InvalidUpdateError",
+    "PersonalSpec",
+    "check_secagg_upload",
+    "check_update",
+    "personal_predicate",
+    "privacy_mod",
+    "require_flwr",
+]
 
 PersonalSpec = Sequence[str] | Callable[[str], bool]
 ArraySpec = dict[str, tuple[tuple[int, ...], np.dtype]]
+
+
+# SecAgg+ settings, shared by the server's workflow and every device's quantizer
+SHARES = 0.5
+"""Each device's secret is split among this fraction of the devices (SecAgg+'s ``num_shares``; at least 3)."""
+RECONSTRUCTION_THRESHOLD = 0.7
+"""Fraction of a device's shares needed to rebuild its masks if it drops (at least 2)."""
+MAX_WEIGHT = 1000.0
+"""Largest ``num-examples`` a device may claim per round (capped on the device)."""
+CLIPPING_RANGE = 8.0
+"""Each value of ``weight / MAX_WEIGHT * shared`` is clipped to ``[-8, 8]`` before quantization."""
 
 
 class InvalidUpdateError(TasteCLError, ValueError):
@@ -73,14 +97,38 @@ def check_update(arrays: Mapping[str, np.ndarray], expected: ArraySpec) -> None:
             raise InvalidUpdateError(f"`{name}` has {int((~np.isfinite(array)).sum())} non-finite values")
 
 
-def privacy_mod(privacy: str, clip: float, epsilon: float, delta: float) -> Callable[..., Message]:
+def check_secagg_upload(arrays: Mapping[str, np.ndarray], expected: ArraySpec, weight: float) -> None:
+    """A device's own check of its update before SecAgg+ masks it (the server cannot check a masked one).
+
+    Raises :class:`InvalidUpdateError` unless ``arrays`` match ``expected``, are finite,
+    and no value would be clipped by SecAgg+'s quantizer (``|value| * weight / MAX_WEIGHT
+    > CLIPPING_RANGE``), which would silently change the secure sum.
+    """
+    check_update(arrays, expected)
+    bound = CLIPPING_RANGE * MAX_WEIGHT / min(max(float(weight), 1.0), MAX_WEIGHT)
+    for name, array in arrays.items():
+        if np.issubdtype(array.dtype, np.floating) and array.size:
+            largest = float(np.max(np.abs(array.astype(np.float64, copy=False))))
+            if largest > bound:
+                raise InvalidUpdateError(
+                    f"refusing to upload: `{name}` holds |value| {largest:.3g} > {bound:.3g}, which SecAgg+ would clip "
+                    f"(CLIPPING_RANGE={CLIPPING_RANGE:g} at weight {weight:g} of MAX_WEIGHT={MAX_WEIGHT:g})"
+                )
+
+
+def privacy_mod(privacy: str, clip: float, epsilon: float, delta: float, *, legacy: bool = False) -> Callable[..., Message]:
     """Flower's client mod for the fleet's ``privacy`` setting, applied to train messages.
 
     ``client``: ``fixedclipping_mod`` (the device clips to the norm the server sends);
     ``local``: ``LocalDpMod`` (the device clips to ``clip`` and adds noise for
     ``(epsilon, delta)``); ``off`` and ``central`` (the server's job): nothing.
+    ``legacy=True`` gives the twins that speak the legacy ``FitIns``/``FitRes`` records
+    (``flwr.client.mod``), as the SecAgg+ apps need.
     """
-    from flwr.clientapp.mod import LocalDpMod, fixedclipping_mod
+    if legacy:
+        from flwr.client.mod import LocalDpMod, fixedclipping_mod
+    else:
+        from flwr.clientapp.mod import LocalDpMod, fixedclipping_mod  # type: ignore[assignment]
 
     if privacy == "client":
         return fixedclipping_mod

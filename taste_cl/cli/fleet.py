@@ -5,7 +5,7 @@ Starts one ``flower-superlink`` and ``--devices`` ``flower-supernode`` processes
 the fleet app with ``flwr run`` and stops every process it started, also on Ctrl-C or
 SIGTERM. By default each SuperNode trains as a device does, without torch: the server
 exports the model once and the devices train the ONNX Runtime artifacts
-(``--device torch``: eager PyTorch ClientApps; ``--secagg`` needs them). TLS (a CA
+(``--device torch``: eager PyTorch ClientApps), also under ``--secagg``. TLS (a CA
 made for the run) and SuperNode authentication (each SuperNode's key registered with
 the SuperLink) are on unless ``--insecure``. Flower's logs stay in files unless ``--verbose``. Needs
 ``pip install 'taste-cl[federated]'``.
@@ -59,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--device",
         choices=["artifacts", "torch"],
-        default=None,
-        help="what a SuperNode trains: the exported ONNX Runtime artifacts without torch (default), or eager PyTorch (default with --secagg)",
+        default="artifacts",
+        help="what a SuperNode trains: the exported ONNX Runtime artifacts without torch (default), or eager PyTorch",
     )
     parser.add_argument("--clip", type=float, default=1.0, help="DP clipping norm of an update")
     parser.add_argument("--noise", type=float, default=0.1, help="DP noise multiplier (central, client)")
@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_eta=args.server_eta,
             privacy=args.privacy,
             secagg=args.secagg,
-            device=args.device or ("torch" if args.secagg else "artifacts"),
+            device=args.device,
             evaluate_every_round=not args.evaluate_last_only,
             clip=args.clip,
             noise=args.noise,

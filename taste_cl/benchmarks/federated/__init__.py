@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--device",
         choices=["artifacts", "torch"],
         default="artifacts",
-        help="what a SuperNode trains: the exported ONNX Runtime artifacts without torch, or eager PyTorch (--deployment; SecAgg+ runs PyTorch)",
+        help="what a SuperNode trains: the exported ONNX Runtime artifacts without torch, or eager PyTorch (--deployment)",
     )
     parser.add_argument("--compare-torch", action="store_true", help="add the FedPer run with PyTorch ClientApps, side by side (--deployment)")
     parser.add_argument("--simulation-devices", type=int, default=None, help="also simulate FedPer with this many devices, up to 200 (--deployment)")

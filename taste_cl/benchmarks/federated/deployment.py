@@ -104,7 +104,7 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
         f"fedper+dp-{args.privacy}": FleetConfig(**{**base.__dict__, "privacy": args.privacy}),
     }
     if not args.no_secagg:
-        variants["fedper+secagg"] = FleetConfig(**{**base.__dict__, "secagg": True, "device": "torch"})
+        variants["fedper+secagg"] = FleetConfig(**{**base.__dict__, "secagg": True})
     if args.compare_torch and args.device != "torch":
         variants["fedper (torch ClientApp)"] = FleetConfig(**{**base.__dict__, "device": "torch"})
     local = run_local(make_fleet(args.devices, num_rounds=args.rounds, seed=args.seed))
