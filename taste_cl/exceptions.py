@@ -37,12 +37,13 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class MissingDependencyError(TasteCLError, ImportError):
-    """An optional extra is needed; the message says which ``pip install`` fixes it."""
+    """An optional extra (or, on a device installed with ``--no-deps``, a package) is needed; the message
+    says which ``pip install`` fixes it: the extra's, or ``command`` where a plain package is the fix."""
 
-    def __init__(self, package: str, extra: str) -> None:
-        super().__init__(
-            f"{package!r} is required for this feature but is not installed; "
-            f"install the extra from the taste_cl checkout with: pip install '.[{extra}]'"
-        )
+    def __init__(self, package: str, extra: str | None = None, *, command: str | None = None) -> None:
+        if command is None and extra is None:
+            raise TypeError("MissingDependencyError needs the extra or the install command")
+        how = f"install it with: {command}" if command else f"install the extra from the taste_cl checkout with: pip install '.[{extra}]'"
+        super().__init__(f"{package!r} is required for this feature but is not installed; {how}")
         self.package = package
         self.extra = extra

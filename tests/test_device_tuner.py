@@ -282,6 +282,23 @@ def test_the_device_tuner_runs_with_torch_unimportable(folders: dict[str, Path],
     assert result.stdout.strip() == "OK"
 
 
+def test_without_psutil_the_import_says_how_to_install_it() -> None:
+    """A device installed with ``pip install --no-deps taste-cl`` may lack psutil (the load meter's)."""
+    result = run_without_torch(
+        """
+        sys.modules["psutil"] = None  # `import psutil` now raises ModuleNotFoundError
+        from taste_cl.exceptions import MissingDependencyError
+        try:
+            from taste_cl.adapters.device.tuning import DeviceBatchTuner
+        except MissingDependencyError as error:
+            print(error)
+        """,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "'psutil' is required" in result.stdout and "install it with: pip install psutil" in result.stdout
+
+
 # ------------------------------------------------------------------ arguments
 @pytest.mark.parametrize(
     "kwargs, error, message",

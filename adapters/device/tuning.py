@@ -18,7 +18,8 @@ parameters back bit for bit afterwards (the live optimizer's momentum is never t
 
 Torch-free: this module and the search, cache, load and fingerprint modules it uses import no torch,
 so the tuner runs on an ONNX Runtime device with numpy, psutil and ``onnxruntime-training-cpu``
-(ExecuTorch's Python runtime imports torch itself).
+(ExecuTorch's Python runtime imports torch itself). Without psutil, importing this module raises
+:class:`~taste_cl.exceptions.MissingDependencyError` saying ``pip install psutil``.
 
 Threads: ONNX Runtime's intra-op thread count is a session option, so a tuned count rebuilds the
 learner's session from a copy of its state. ExecuTorch's thread pool is process-wide
@@ -49,6 +50,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from taste_cl._checks import check_int
+from taste_cl.exceptions import MissingDependencyError
+
+try:  # the load meter and the cache key read it; a device installed with `pip install --no-deps taste-cl` may lack it
+    import psutil  # noqa: F401
+except ModuleNotFoundError as error:
+    raise MissingDependencyError("psutil", command="pip install psutil") from error
+
 from taste_cl.adapters.device.artifacts import ArtifactError
 from taste_cl.tuning.cache import CachedSurface, SurrogateCache, check_observations
 from taste_cl.tuning.fingerprint import runtime_fingerprint
