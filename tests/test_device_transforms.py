@@ -125,3 +125,38 @@ def test_conv1d_as_conv2d_is_exact_in_outputs_and_gradients(options: dict) -> No
     torch.testing.assert_close(rewritten(x), model(x), rtol=0, atol=0)
     torch.testing.assert_close(rewritten[0].weight.grad, model[0].weight.grad, rtol=1e-6, atol=1e-6)
     assert device.conv1d_as_conv2d(rewritten) == 0  # already rewritten
+
+
+@pytest.mark.parametrize(
+    ("size", "options", "rewritten"),
+    [
+        (1, {"padding": 1}, "ExportConv2d"),  # only the centre tap reads the 1x1 map
+        (2, {"stride": 2, "padding": 1}, "ExportConv2d"),  # 2x2 of the 3x3 taps read it
+        (1, {"padding": 1, "groups": 6}, "ExportConv2d"),  # depthwise on one position: a product
+        (2, {"padding": 1, "groups": 6, "bias": False}, None),  # every tap reads the 2x2 map: kept
+        (1, {"kernel_size": 5, "padding": 2, "groups": 2}, "ExportConv2d"),
+        (3, {"padding": 1, "dilation": 2}, None),  # dilated: kept
+        (2, {"stride": 2, "padding": 1, "padding_mode": "reflect"}, None),
+        (1, {"padding": "same"}, None),
+        (8, {"padding": 1, "groups": 6}, None),
+    ],
+)
+def test_convolutions_on_small_maps_drop_taps_that_read_only_padding_exactly(size: int, options: dict, rewritten: str | None) -> None:
+    torch.manual_seed(0)
+    options = {"kernel_size": 3, **options}
+    model = nn.Sequential(nn.Conv2d(6, 6, **options))
+    work = copy.deepcopy(model)
+    x = torch.randn(4, 6, size, size, requires_grad=True)
+    done = onnx.apply_transforms(work, run=lambda: work(x))
+    assert done == ([f"0: Conv2d -> {rewritten}"] if rewritten else [])
+    assert list(work.state_dict()) == list(model.state_dict())
+    grads = []
+    for net in (model, work):
+        x.grad = None
+        out = net(x)
+        out.square().sum().backward()
+        grads.append((out.detach(), x.grad.clone(), net[0].weight.grad.clone()))
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(work(torch.ones(2, 6, 5, 5)), model(torch.ones(2, 6, 5, 5)))  # another size: PyTorch's own conv
+    assert onnx.apply_transforms(copy.deepcopy(model)) == []  # without an example run nothing is rewritten

@@ -668,7 +668,7 @@ def export_model(
     ex_labels = task_targets(task, example_x, y, output_shape)
     label_dtype = torch.int64 if not ex_labels.is_floating_point() else torch.float32
     ex_labels = ex_labels.to(label_dtype)
-    transforms = apply_transforms(work, batchnorm=batchnorm)
+    transforms = apply_transforms(work, batchnorm=batchnorm, run=partial(eval_outputs, work, call_model, example_x))
     check_equivalent(before, eval_outputs(work, call_model, example_x), tolerance=default_tolerance("float32"))
     work.train()
     snapshot = {key: value.clone() for key, value in work.state_dict().items()}
