@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from flwr.app import Context, Message
     from flwr.clientapp import ClientApp
 
-__all__ = ["client_app", "make_device_client_app", "make_device_secagg_client_app", "secagg_client_app"]
+__all__ = ["client_app", "evaluate_on_device", "fit_on_device", "make_device_client_app", "make_device_secagg_client_app", "secagg_client_app"]
 
 STATE_KEY = "taste_cl-device"
 
@@ -224,7 +224,7 @@ def _secagg_privacy(msg: Message, context: Context, call_next: Callable[..., Mes
 
     if msg.metadata.message_type != MessageType.TRAIN:
         return call_next(msg, context)
-    settings = msg.content.config_records["fitins.config"]
+    settings = cast(Mapping[str, Any], msg.content.config_records["fitins.config"])
     mod = privacy_mod(str(settings["privacy"]), float(settings["clip"]), float(settings["epsilon"]), float(settings["delta"]), legacy=True)
     return mod(msg, context, call_next)
 
