@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 
 import numpy as np
 import psutil
@@ -19,7 +21,7 @@ from taste_cl.adapters.flower import app as flower_app
 from taste_cl.adapters.flower import deployment as flower_deployment
 from taste_cl.adapters.flower import secagg as flower_secagg
 from taste_cl.adapters.flower.app import FleetConfig
-from taste_cl.adapters.flower.deployment import LoopbackDeployment, _app_module, _pyproject
+from taste_cl.adapters.flower.deployment import LoopbackDeployment, _app_module, _pyproject, launch_command
 from taste_cl.adapters.flower.fleet import InvalidUpdateError
 from taste_cl.adapters.flower.tls import write_node_key
 from taste_cl.adapters.flower.updates import array_spec, check_secagg_upload
@@ -180,6 +182,35 @@ def test_deployment_refuses_bad_arguments() -> None:
         LoopbackDeployment(0)
     with pytest.raises(ValueError, match=r"`timeout_s == -1`"):
         LoopbackDeployment(3, timeout_s=-1)
+    with pytest.raises(ValueError, match=r"`start_window_s == 10`, must be a number in \[30, 900\]"):
+        LoopbackDeployment(3, start_window_s=10)
+    with pytest.raises(ValueError, match=r"`executable == 'flwr'`, must be one of"):
+        launch_command("flwr", 60)
+
+
+def test_superlink_and_supernodes_start_with_a_wider_task_start_window() -> None:
+    """flwr's 30 s window is set before flwr reads it: the launcher's own check passes, and a stale value would fail it."""
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}  # flower-superlink starts the same way (the slow tests run it)
+    done = subprocess.run([*launch_command("flower-supernode", 123), "--version"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and "Flower version" in done.stdout + done.stderr, done.stderr[-2000:]
+    code = launch_command("flower-supernode", 123)[2].replace("constant.HEARTBEAT_DEFAULT_INTERVAL = 123", "")
+    done = subprocess.run([sys.executable, "-c", code, "--version"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode != 0 and "flwr read its task start window before it was set" in done.stderr
+
+
+def test_tracking_finds_descendants_and_their_memory_in_one_scan() -> None:
+    deployment = LoopbackDeployment(1)
+    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    deployment.procs.append(subprocess.Popen([sys.executable, "-c", child]))
+    try:
+        deadline = time.monotonic() + 30
+        while len(deployment.pids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        victims = [psutil.Process(pid) for pid in deployment.pids]
+        assert len(victims) == 2 and deployment._peak_rss >= sum(v.memory_info().rss for v in victims) * 0.5
+    finally:
+        deployment.stop()
+    assert not any(v.is_running() and v.status() != psutil.STATUS_ZOMBIE for v in victims)
 
 
 class _Launch:

@@ -17,6 +17,20 @@ with ``--enable-supernode-auth``, every SuperNode gets its own EC key, registere
 run's CA. A SuperNode whose key is not registered, or that does not trust the CA, is
 refused. ``insecure=True`` (plain HTTP, any SuperNode may join) only when asked for,
 with a warning.
+
+Under load: in flwr 1.42 every message a SuperNode receives starts a fresh
+``flwr-clientapp`` process, and every run a ``flwr-serverapp`` process, and a task whose
+process has not sent its first heartbeat within ``HEARTBEAT_DEFAULT_INTERVAL`` (30 s,
+no option or environment variable sets it) of being claimed goes back to pending and is
+claimed and started *again*, while the late process is still starting; on a saturated
+machine (10-20 devices starting at once on 2 shared cores) the extra starts add load and
+the round never completes. The SuperLink and the SuperNodes therefore start through
+:func:`launch_command`, which sets that constant (the task's start window, and twice it
+the heartbeat patience of a running task and of a node) to ``start_window_s``
+(default 180 s) before flwr reads it. The driver samples the deployment's processes
+about once a second with one scan of the process table: the fleet's resident memory
+(the sum over the SuperLink, SuperNodes, their SuperExecs, the ServerApp and ClientApp
+processes) is reported per run as ``result["deployment"]["peak_rss_mb"]``.
 """
 
 from __future__ import annotations
@@ -41,7 +55,7 @@ from taste_cl.adapters.flower.fleet import require_flwr
 from taste_cl.adapters.flower.tls import NodeKey, TlsFiles, write_certificates, write_node_key
 from taste_cl.exceptions import TasteCLError
 
-__all__ = ["DeploymentError", "LoopbackDeployment", "free_port"]
+__all__ = ["DeploymentError", "LoopbackDeployment", "free_port", "launch_command"]
 
 _APP_MODULE = "taste_cl_fleet_app"
 _CLIENT_MODULE = "taste_cl_fleet_client"  # device="artifacts": the ClientApp process imports only this (no torch)
@@ -50,6 +64,38 @@ INSECURE_WARNING = (
     "insecure deployment: no TLS (traffic in clear text) and no SuperNode authentication "
     "(any process that reaches the port may join the fleet); use it only to debug on loopback"
 )
+
+
+_ENTRY_POINTS = {"flower-superlink": "flwr.superlink.cli:flower_superlink", "flower-supernode": "flwr.supernode.cli:flower_supernode"}
+_TRACK_EVERY_S = 1.0
+
+
+def launch_command(executable: str, start_window_s: float) -> list[str]:
+    """The command line that runs ``flower-superlink`` or ``flower-supernode`` with a task start window of ``start_window_s``.
+
+    It sets ``flwr.common.constant.HEARTBEAT_DEFAULT_INTERVAL`` before flwr's modules
+    import it, then checks that the task state read the new value (so a flwr release that
+    moves the constant fails loudly instead of silently keeping 30 s).
+    """
+    if executable not in _ENTRY_POINTS:
+        raise ValueError(f"`executable == {executable!r}`, must be one of {sorted(_ENTRY_POINTS)}")
+    if not (isinstance(start_window_s, (int, float)) and 30 <= start_window_s <= 900):
+        raise ValueError(f"`start_window_s == {start_window_s!r}`, must be a number in [30, 900] (flwr allows node heartbeats up to 1800 s)")
+    module, function = _ENTRY_POINTS[executable].split(":")
+    window = int(start_window_s)
+    code = "\n".join(
+        [
+            "import sys",
+            "import flwr.common.constant as constant",
+            f"constant.HEARTBEAT_DEFAULT_INTERVAL = {window}",
+            f"from {module} import {function}",
+            "from flwr.supercore.corestate import in_memory_corestate",
+            f"assert in_memory_corestate.HEARTBEAT_DEFAULT_INTERVAL == {window}, 'flwr read its task start window before it was set'",
+            f"sys.argv[0] = {executable!r}",
+            f"sys.exit({function}())",
+        ]
+    )
+    return [sys.executable, "-c", code]
 
 
 class DeploymentError(TasteCLError, RuntimeError):
@@ -125,25 +171,39 @@ class LoopbackDeployment:
     >>> with LoopbackDeployment(devices=3) as fleet:          # doctest: +SKIP
     ...     result, server, devices = fleet.run(FleetConfig(devices=3, rounds=2))
 
-    ``timeout_s`` bounds startup plus each run. The work folder (logs, app, Flower
+    ``timeout_s`` bounds startup plus each run; ``start_window_s`` is the time a
+    ClientApp or ServerApp process has to report after its task is claimed (flwr's 30 s,
+    widened: see the module docstring). The work folder (logs, app, Flower
     home, the run's certificates and SuperNode keys) is a fresh temporary folder,
     removed on exit unless ``keep``. TLS and SuperNode authentication are on unless
     ``insecure=True``, which warns.
     """
 
-    def __init__(self, devices: int, *, timeout_s: float = 300.0, verbose: bool = False, keep: bool = False, insecure: bool = False) -> None:
+    def __init__(
+        self,
+        devices: int,
+        *,
+        timeout_s: float = 300.0,
+        verbose: bool = False,
+        keep: bool = False,
+        insecure: bool = False,
+        start_window_s: float = 180.0,
+    ) -> None:
         check_int("devices", devices, 1)
+        launch_command("flower-supernode", start_window_s)  # checks start_window_s
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"`timeout_s == {timeout_s!r}`, must be a number > 0")
         if not isinstance(insecure, bool):
             raise TypeError(f"insecure must be a bool; got {type(insecure).__name__}")
         self.devices, self.timeout_s, self.verbose, self.keep, self.insecure = devices, float(timeout_s), verbose, keep, insecure
+        self.start_window_s = float(start_window_s)
         self.tls: TlsFiles | None = None  # the run's CA and SuperLink certificate, made at start()
         self.keys: list[NodeKey] = []  # the registered SuperNodes' keys, by partition
         self.work: Path | None = None
         self.port = 0  # the SuperLink's port, chosen at start()
         self.procs: list[subprocess.Popen[bytes]] = []
         self._seen: dict[int, psutil.Process] = {}  # descendants, remembered while their parents live
+        self._peak_rss = 0  # bytes, the largest sum over the live processes seen in one scan (reset per run)
         self._logs: list[IO[bytes]] = []
         self._bin = Path(sys.executable).parent
 
@@ -167,8 +227,9 @@ class LoopbackDeployment:
         if not self.verbose:
             out = open(self.work / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop())
             self._logs.append(out)
+        command = launch_command(args[0], self.start_window_s) if args[0] in _ENTRY_POINTS else [str(self._bin / args[0])]
         proc = subprocess.Popen(
-            [str(self._bin / args[0]), *args[1:]],
+            [*command, *args[1:]],
             env=self._env(),
             cwd=self.work,
             stdout=out,
@@ -272,7 +333,13 @@ class LoopbackDeployment:
             raise DeploymentError("could not register SuperNode keys with the SuperLink: " + "; ".join(failures))
 
     def run(self, config: FleetConfig) -> tuple[dict[str, Any], dict[str, Any], dict[int, dict[str, Any]]]:
-        """Submit one run of the fleet app with ``config`` and wait for it (``read_outputs``' triple)."""
+        """Submit one run of the fleet app with ``config`` and wait for it (``read_outputs``' triple).
+
+        The result also holds ``result["deployment"]``: the run's ``wall_s`` (from ``flwr
+        run`` to the devices' last files) and ``peak_rss_mb``, the largest resident memory
+        of the whole deployment (every process it started and their descendants) sampled
+        about once a second during the run.
+        """
         if not isinstance(config, FleetConfig):
             raise TypeError(f"config must be a FleetConfig; got {type(config).__name__}")
         if config.devices != self.devices:
@@ -298,16 +365,22 @@ class LoopbackDeployment:
                 start_new_session=True,
             )
             self.procs.append(cli)
-            deadline = time.monotonic() + self.timeout_s
+            started = time.monotonic()
+            deadline, tracked = started + self.timeout_s, 0.0
+            self._peak_rss = 0
             while not (out / "result.json").exists():
                 if time.monotonic() > deadline:
                     raise DeploymentError(f"the fleet run did not finish in {self.timeout_s:g} s; logs in {self.work}")
                 if cli.poll() is not None and cli.returncode != 0:
                     raise DeploymentError(f"`flwr run` exited with code {cli.returncode}; see {out / 'flwr-run.log'}")
-                self._track()
-                time.sleep(0.5)
+                if time.monotonic() - tracked >= _TRACK_EVERY_S:
+                    self._track()
+                    tracked = time.monotonic()
+                time.sleep(0.25)
             self._wait_for_devices(out, deadline)
-            return read_outputs(out)
+            result, server, devices = read_outputs(out)
+            result["deployment"] = {"wall_s": time.monotonic() - started, "peak_rss_mb": self._peak_rss / 2**20}
+            return result, server, devices
         finally:
             if log is not None:
                 log.close()
@@ -348,14 +421,27 @@ class LoopbackDeployment:
             self.work = None
 
     def _track(self) -> None:
-        """Remember the started processes and their descendants (psutil handles guard against PID reuse)."""
-        for proc in self.procs:
+        """Remember the started processes and their descendants, and the peak of their summed RSS.
+
+        One scan of the process table per call (``children(recursive=True)`` per started
+        process scanned it once each, ~20 scans a call with 20 SuperNodes); psutil's
+        handles guard against PID reuse.
+        """
+        table: dict[int, psutil.Process] = {}
+        by_parent: dict[int, list[int]] = {}
+        for p in psutil.process_iter(["ppid"]):
+            table[p.pid] = p
+            by_parent.setdefault(p.info["ppid"], []).append(p.pid)
+        stack, rss = [proc.pid for proc in self.procs if proc.pid in table], 0
+        while stack:
+            pid = stack.pop()
+            process = self._seen.setdefault(pid, table[pid])
+            stack.extend(by_parent.get(pid, []))
             try:
-                parent = psutil.Process(proc.pid)
-                for p in [parent, *parent.children(recursive=True)]:
-                    self._seen.setdefault(p.pid, p)
-            except psutil.NoSuchProcess:
+                rss += process.memory_info().rss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
+        self._peak_rss = max(self._peak_rss, rss)
 
     @property
     def pids(self) -> list[int]:

@@ -7,7 +7,9 @@ FedPer under SecAgg+ secure aggregation (unless ``--no-secagg``). Each
 device's accuracy is compared with *local only* (the same batches, no communication)
 and with the same FedPer run in Flower's simulation engine (same seeds); payload bytes
 and seconds per round come from the server (SecAgg+ counts all four of its message
-exchanges per round, config records included). Each variant uses its method's default
+exchanges per round, config records included); each run's wall time and the fleet's peak
+resident memory (every process of the deployment, summed, sampled about once a second)
+from :class:`LoopbackDeployment`. Each variant uses its method's default
 server strategy (FedAvgM for FedPer, FedAvg for FedBABU), and the deployment runs with
 TLS and SuperNode authentication (a CA and keys made for the run). It prints whether each
 variant beats local only on the devices' own classes, and the largest per-device gaps
@@ -53,8 +55,12 @@ def _simulate(config: Any) -> dict[str, Any]:
 
 
 def _per_round(result: dict[str, Any]) -> dict[str, float]:
+    """Means per round from the server, plus the run's wall time and the fleet's peak RSS (deployment runs only)."""
     rounds = result["rounds"]
+    fleet = result.get("deployment", {})
     return {
+        "run_s": float(fleet.get("wall_s", float("nan"))),
+        "fleet_rss_mb": float(fleet.get("peak_rss_mb", float("nan"))),
         "bytes_down": float(np.mean([r["bytes_down"] for r in rounds])),
         "bytes_up": float(np.mean([r["bytes_up"] for r in rounds])),
         "seconds": float(result["seconds"]) / len(rounds),
@@ -112,9 +118,12 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
     servers: dict[str, dict[str, np.ndarray]] = {}
     start = time.perf_counter()
     with LoopbackDeployment(args.devices, timeout_s=args.timeout, verbose=args.verbose) as deployment:
+        print(f"deployment started: {args.devices} SuperNodes in {time.perf_counter() - start:.1f} s", flush=True)
         for name, config in variants.items():
             print(f"deployment run: {name} ...", flush=True)
             results[name], servers[name], _ = deployment.run(config)
+            fleet = results[name]["deployment"]
+            print(f"  done in {fleet['wall_s']:.1f} s, fleet peak RSS {fleet['peak_rss_mb']:.0f} MB", flush=True)
     deployment_s = time.perf_counter() - start
     simulated = None if args.no_simulation else _simulate(base)
     wide = args.simulation_devices not in (None, args.devices) and not args.no_simulation
@@ -137,10 +146,21 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
         stats[f"fedper (simulation, {args.simulation_devices} devices)"] = _per_round(wide_sim)
         wide_means = {k: float(np.mean([m[k] for m in last_evaluation(wide_sim).values()])) for k in ("accuracy-all", "accuracy-own")}
         print(f"simulation with {args.simulation_devices} devices: mean per-device accuracy {wide_means}\n")
+    columns = ["bytes_down", "bytes_up", "seconds", "run_s", "fleet_rss_mb", "dropped", "client_rss_mb", "client_train_s"]
     print(
         format_table(
-            ["variant", "bytes down/round", "bytes up/round", "seconds/round", "dropped", "client RSS MB", "client train s"],
-            [[n, s["bytes_down"], s["bytes_up"], s["seconds"], s["dropped"], s["client_rss_mb"], s["client_train_s"]] for n, s in stats.items()],
+            [
+                "variant",
+                "bytes down/round",
+                "bytes up/round",
+                "seconds/round",
+                "run s",
+                "fleet peak RSS MB",
+                "dropped",
+                "client RSS MB",
+                "client train s",
+            ],
+            [[n, *(s[c] for c in columns)] for n, s in stats.items()],
         )
     )
     print()
