@@ -200,9 +200,11 @@ def test_executorch_trains_only_the_exported_names(tmp_path: Path) -> None:
 def test_bench_device_reports_selection_memory_and_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from taste_cl.cli import main
 
-    argv = ["bench", "device", "--models", "mlp 64", "--backends", "onnxruntime", "--steps", "1", "--repeats", "1", "--out", str(tmp_path)]
-    assert main(argv) == 0
-    (run,) = json.loads((tmp_path / "device_runtimes.json").read_text())["runs"]
+    argv = ["bench", "device", "--models", "mlp 64", "--backends", "onnxruntime", "--steps", "1", "--repeats", "1", "--tuner-calls", "3"]
+    assert main([*argv, "--hog", "--out", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "device_runtimes.json").read_text())
+    assert saved["hog"] == 1 and saved["tuner_calls"] == 3
+    (run,) = saved["runs"]
     assert run["selection"]["rho"] == 0.5 and 1 <= run["selection"]["tensors"] <= run["selection"]["of"] == 6
     facts = run["backends"]["onnxruntime"]
     assert facts["samples_per_s"] > 0 and facts["over_torch"] > 0 and facts["artifact_bytes"] > 0
@@ -210,5 +212,22 @@ def test_bench_device_reports_selection_memory_and_ratios(tmp_path: Path, capsys
     assert set(run["rounds_samples_per_s"]) == {"torch all", "torch selection", "onnxruntime all", "onnxruntime selection"}
     if Path("/proc/self/clear_refs").exists():
         assert facts["peak_step_mib"] is not None and facts["peak_step_mib"] >= 0
+    tuned = facts["tuner"]  # the untuned device learner and the tuner's plan over the same observes (32 stream + 10 replayed rows)
+    assert tuned["hog_processes"] == 1 and tuned["rows_per_observe"] == 42 and tuned["tunes"] == 1 and tuned["probe_seconds"] > 0
+    assert tuned["tuned_samples_per_s"] > 0 and tuned["untuned_samples_per_s"] > 0 and tuned["torch_samples_per_s"] > 0
+    assert tuned["tuned_over_untuned"] == pytest.approx(tuned["tuned_samples_per_s"] / tuned["untuned_samples_per_s"])
+    assert set(tuned["rounds_samples_per_s"]) == {"torch", "untuned", "tuned"} and tuned["threads"] >= 1
     out = capsys.readouterr().out
-    assert "device/torch" in out and "sel/all" in out
+    assert "device/torch" in out and "sel/all" in out and "tuned/untuned" in out
+
+
+def test_the_cpu_hog_is_killed_after_its_block() -> None:
+    import psutil
+
+    from taste_cl.benchmarks.device_runtimes import cpu_hog
+
+    before = {child.pid for child in psutil.Process().children()}
+    with cpu_hog(2):
+        hogs = [child for child in psutil.Process().children() if child.pid not in before]
+        assert len(hogs) == 2 and all(hog.is_running() for hog in hogs)
+    assert not any(hog.is_running() and hog.status() != psutil.STATUS_ZOMBIE for hog in hogs)

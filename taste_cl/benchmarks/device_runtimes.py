@@ -15,6 +15,15 @@ peak memory during a step is the process's resident high-water mark above its le
 before the step (Linux; blank elsewhere). ONNX Runtime sessions get as many intra-op
 threads as torch (``--threads``).
 
+The tuner table: each backend's every-tensor folder is loaded twice as an app loads it,
+``load_learner(folder)`` (the runtime's default threads) and ``load_learner(folder,
+tuner=DeviceBatchTuner(tune_threads=True))``; both observe the same batches (stream plus
+the same number of replayed rows, so the same work), timed alternately beside eager PyTorch
+training that many rows, after the tuner's first observe has tuned (its probe seconds are
+reported apart; retunes are off during the timing, so the plan alone is timed).
+``--hog N`` starts N busy-loop processes before the tuning and kills them after the timing,
+so the plan is found and timed under that load.
+
 The default models are the zoo CNNs at 32x32 (ResNet-18, MobileNetV2, MobileNetV3-small);
 ``--models`` picks others by a word of their name (``mlp``, ``cnn``, ``layernorm``, ``batchnorm``).
 Run: ``taste-cl bench device`` (needs the ``[onnx]`` and ``[executorch]`` extras).
@@ -27,11 +36,12 @@ import copy
 import ctypes
 import gc
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -199,8 +209,88 @@ def _median_rate(seconds: Sequence[float], batch: int) -> float:
     return statistics.median(batch / s for s in seconds)
 
 
-def run_model(name: str, args: Any, scratch: Path) -> tuple[dict[str, Any], list[list[Any]]]:
-    """Export, measure and time one model; its JSON record and table rows."""
+@contextlib.contextmanager
+def cpu_hog(processes: int) -> Iterator[None]:
+    """``processes`` busy-loop Python subprocesses while the block runs, killed and reaped after it."""
+    hogs: list[subprocess.Popen[bytes]] = []
+    try:
+        hogs.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes))
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def _at_threads(step: Callable[[], Any], threads: int | None) -> Callable[[], Any]:
+    """``step`` with ExecuTorch's process-wide thread pool at ``threads`` (None: left as it is), so the
+    untuned learner does not run at the count the tuner set for the other one."""
+    if threads is None:
+        return step
+    from taste_cl.adapters.executorch.runtime import executorch_runtime
+
+    pool = executorch_runtime()
+
+    def pinned() -> Any:
+        if pool._threadpool_get_thread_count() != threads:
+            pool._unsafe_reset_threadpool(threads)
+        return step()
+
+    return pinned
+
+
+def tuner_comparison(
+    folder: Path, backend: str, model: nn.Module, trained: Sequence[str], x: torch.Tensor, y: torch.Tensor, args: Any
+) -> dict[str, Any]:
+    """The untuned device learner vs the :class:`DeviceBatchTuner`'s plan on the folder, over the same
+    observes, beside eager PyTorch training as many rows; under ``--hog`` busy loops when asked."""
+    from taste_cl.adapters.device import load_learner
+    from taste_cl.adapters.device.tuning import DeviceBatchTuner
+
+    batch = (x.numpy(), y.numpy())
+    with cpu_hog(args.hog):
+        untuned = load_learner(folder)
+        default_threads = None
+        if backend == "executorch":
+            from taste_cl.adapters.executorch.runtime import executorch_runtime
+
+            default_threads = int(executorch_runtime()._threadpool_get_thread_count())
+        stats = untuned.observe(batch)
+        rows = (stats.samples + stats.replay_samples) * untuned.train_iterations
+        tuner = DeviceBatchTuner(tune_threads=True, n_calls=args.tuner_calls, min_probe_time=0.05, cache_dir=folder.parent / "tuner-cache")
+        tuned = load_learner(folder, tuner=tuner)
+        tuned.observe(batch)  # tunes
+        tuner.min_retune_interval = 10**9  # the plan alone is timed (a retune's probes would land in a round)
+        index = torch.arange(rows) % len(y)
+        variants = {
+            "torch": _eager_step(model, trained, x[index], y[index], args.lr),
+            "untuned": _at_threads(lambda: untuned.observe(batch), default_threads),
+            "tuned": _at_threads(lambda: tuned.observe(batch), tuner.threads_ if default_threads is not None else None),
+        }
+        memory = {name: peak_step_mib(step) for name, step in variants.items()}
+        seconds = alternating_rounds(variants, steps=args.steps, repeats=args.repeats)
+    rates = {name: _median_rate(values, rows) for name, values in seconds.items()}
+    result = tuner.result_
+    return {
+        "hog_processes": args.hog,
+        "rows_per_observe": rows,
+        "torch_samples_per_s": rates["torch"],
+        "untuned_samples_per_s": rates["untuned"],
+        "tuned_samples_per_s": rates["tuned"],
+        "tuned_over_untuned": rates["tuned"] / rates["untuned"],
+        "untuned_over_torch": rates["untuned"] / rates["torch"],
+        "tuned_over_torch": rates["tuned"] / rates["torch"],
+        "micro_batch_size": tuner.micro_batch_size_,
+        "threads": None if result is None else result.threads,
+        "probe_seconds": tuner.probe_seconds_,
+        "tunes": tuner.tunes_,
+        "peak_observe_mib": {"untuned": memory["untuned"], "tuned": memory["tuned"]},
+        "rounds_samples_per_s": {name: [rows / s for s in values] for name, values in seconds.items()},
+    }
+
+
+def run_model(name: str, args: Any, scratch: Path) -> tuple[dict[str, Any], list[list[Any]], list[list[Any]]]:
+    """Export, measure and time one model; its JSON record, its table rows and its tuner table rows."""
     from taste_cl.adapters.device.trainable import selected_parameters
 
     build, shape = MODELS[name]
@@ -234,6 +324,16 @@ def run_model(name: str, args: Any, scratch: Path) -> tuple[dict[str, Any], list
                 fact["over_all"] = over_all = rates[variant] / rates[f"{backend} all"]
             rows.append([name, backend, trains, rates[f"torch {key}"], rates[variant], fact["over_torch"], over_all,
                          memory[variant], fact["artifact_bytes"] / 1024, fact["export_s"], ""])  # fmt: skip
+    tuner_rows = []
+    for backend in args.backends if args.tuner_calls else ():
+        fact = facts[backend]["all"]
+        if "refused" in fact:
+            continue
+        tuned = fact["tuner"] = tuner_comparison(scratch / f"{backend}-all", backend, learner.model, every, x, y, args)
+        plan = f"micro {tuned['micro_batch_size'] or 'whole'}, {tuned['threads']} thr"
+        tuner_rows.append([name, backend, args.hog, tuned["rows_per_observe"], tuned["torch_samples_per_s"], tuned["untuned_samples_per_s"],
+                           tuned["tuned_samples_per_s"], tuned["tuned_over_untuned"], tuned["tuned_over_torch"], plan, tuned["probe_seconds"],
+                           tuned["peak_observe_mib"]["untuned"], tuned["peak_observe_mib"]["tuned"]])  # fmt: skip
     record = {
         "model": name,
         "selection": {"rho": args.rho, "trainable": chosen, "tensors": len(chosen), "of": len(every)},
@@ -244,7 +344,7 @@ def run_model(name: str, args: Any, scratch: Path) -> tuple[dict[str, Any], list
         "backends": {backend: {**facts[backend]["all"], "selection": facts[backend]["selection"]} for backend in args.backends},
         "rounds_samples_per_s": {variant: [args.batch_size / s for s in values] for variant, values in seconds.items()},
     }
-    return record, rows
+    return record, rows, tuner_rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -255,33 +355,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rho", type=float, default=0.5, help="the ElasticTrainer's time budget for the selection")
     parser.add_argument("--lr", type=float, default=0.001, help="SGD learning rate (momentum 0.9; a personalisation rate the export gates accept)")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS), help="device runtimes to export to")
+    parser.add_argument("--tuner-calls", type=int, default=6, help="probes of the device tuner's search (0: no tuner table)")
+    parser.add_argument(
+        "--hog", type=int, nargs="?", const=1, default=0, metavar="N", help="busy-loop processes to run during the tuner table (--hog alone: 1)"
+    )
     parser.add_argument(
         "--models", nargs="+", metavar="WORD", help=f"models whose name contains one of these words (default: {', '.join(DEFAULT_MODELS)})"
     )
     args = parse(parser, argv)
+    if args.tuner_calls < 0 or args.hog < 0:
+        parser.error(f"--tuner-calls {args.tuner_calls} and --hog {args.hog} must be >= 0")
     names = list(DEFAULT_MODELS)
     if args.models:
         names = [name for name in MODELS if any(word in name for word in args.models)]
         if not names:
             parser.error(f"--models {args.models} matches none of {sorted(MODELS)}")
     rows: list[list[Any]] = []
+    tuner_rows: list[list[Any]] = []
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:
         for i, name in enumerate(names):
             print(f"[{i + 1}/{len(names)}] {name}", file=sys.stderr)
-            record, model_rows = run_model(name, args, Path(scratch) / f"m{i}")
+            record, model_rows, model_tuner_rows = run_model(name, args, Path(scratch) / f"m{i}")
             runs.append(record)
             rows.extend(model_rows)
+            tuner_rows.extend(model_tuner_rows)
     headers = ["model", "backend", "trains", "torch samples/s", "device samples/s", "device/torch", "sel/all", "step peak MiB",
                "KiB", "export s", "refused"]  # fmt: skip
     print(format_table(headers, rows))
-    print("indicative on a shared machine: ratios come from alternating rounds; the tuner columns await the device tuner")
+    if tuner_rows:
+        print("\ndevice tuner: the untuned device learner vs the DeviceBatchTuner's plan, same observes (every tensor)")
+        print(format_table(["model", "backend", "hog", "rows/step", "torch samples/s", "untuned samples/s", "tuned samples/s", "tuned/untuned",
+                            "tuned/torch", "plan", "probe s", "untuned MiB", "tuned MiB"], tuner_rows))  # fmt: skip
+    print("indicative on a shared machine: ratios come from alternating rounds")
+    settings = {key: getattr(args, key) for key in ("batch_size", "steps", "repeats", "rho", "tuner_calls", "hog")}
     save_result(
         args.out,
         "device_runtimes",
-        {"batch_size": args.batch_size, "steps": args.steps, "repeats": args.repeats, "rho": args.rho, "transforms": TRANSFORMS, "runs": runs},
+        {**settings, "transforms": TRANSFORMS, "runs": runs},
         summary=", ".join(
             f"{run['model'].split()[0]} {backend} {facts['over_torch']:.2f}x eager"
+            + (f" (tuned {facts['tuner']['tuned_over_untuned']:.2f}x untuned)" if "tuner" in facts else "")
             for run in runs
             for backend, facts in run["backends"].items()
             if "over_torch" in facts
