@@ -70,6 +70,11 @@ def _per_round(result: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def _mean_own(per_device: dict[int, dict[str, float]]) -> float:
+    """Mean over devices of the own-class accuracy (printed as each run ends, so a cut-short bench still tells)."""
+    return float(np.mean([m["accuracy-own"] for m in per_device.values()]))
+
+
 def _eval_sizes(args: argparse.Namespace) -> dict[int, dict[str, int]]:
     """Each device's held-out set sizes, by metric name (``accuracy-all``, ``accuracy-own``)."""
     from taste_cl.benchmarks.federated import make_fleet
@@ -114,6 +119,7 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
     if args.compare_torch and args.device != "torch":
         variants["fedper (torch ClientApp)"] = FleetConfig(**{**base.__dict__, "device": "torch"})
     local = run_local(make_fleet(args.devices, num_rounds=args.rounds, seed=args.seed))
+    print(f"local only: mean own-class accuracy {_mean_own(local):.3f}", flush=True)
     results: dict[str, dict[str, Any]] = {}
     servers: dict[str, dict[str, np.ndarray]] = {}
     start = time.perf_counter()
@@ -123,7 +129,8 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
             print(f"deployment run: {name} ...", flush=True)
             results[name], servers[name], _ = deployment.run(config)
             fleet = results[name]["deployment"]
-            print(f"  done in {fleet['wall_s']:.1f} s, fleet peak RSS {fleet['peak_rss_mb']:.0f} MB", flush=True)
+            own = _mean_own(last_evaluation(results[name]))
+            print(f"  done in {fleet['wall_s']:.1f} s, fleet peak RSS {fleet['peak_rss_mb']:.0f} MB, mean own-class accuracy {own:.3f}", flush=True)
     deployment_s = time.perf_counter() - start
     simulated = None if args.no_simulation else _simulate(base)
     wide = args.simulation_devices not in (None, args.devices) and not args.no_simulation
