@@ -24,7 +24,7 @@ from taste_cl.exceptions import MissingDependencyError
 ROOT = Path(__file__).resolve().parents[1]
 FRAGMENT = "<!-- fragment -->"
 SLOW = "<!-- slow -->"
-TIMEOUT_S = 120
+TIMEOUT_S = 600  # a hang guard, not a speed bar: a fleet block took 115 s alone at load 8, and more beside two CPU hogs
 SLOW_TIMEOUT_S = 900
 # top-level modules of the optional extras: a block that needs a missing one is skipped
 EXTRAS = {"avalanche", "flwr", "onnx", "onnxruntime", "peft", "ray", "torchvision", "transformers"}
