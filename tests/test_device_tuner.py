@@ -275,7 +275,7 @@ def test_the_device_tuner_runs_with_torch_unimportable(folders: dict[str, Path],
         assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
         print("OK")
         """,
-        timeout=300,
+        timeout=600,
         OMP_NUM_THREADS="1",
     )
     assert result.returncode == 0, result.stderr[-2000:]
@@ -293,7 +293,7 @@ def test_without_psutil_the_import_says_how_to_install_it() -> None:
         except MissingDependencyError as error:
             print(error)
         """,
-        timeout=120,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "'psutil' is required" in result.stdout and "install it with: pip install psutil" in result.stdout
