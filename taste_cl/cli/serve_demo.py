@@ -156,7 +156,7 @@ def _stop_group(pid_file: Path) -> None:
 def drive_browser(
     steps: list[dict[str, Any]],
     *,
-    timeout_s: float = 180.0,
+    timeout_s: float = 600.0,
     root: Path | None = None,
     on_pause: Callable[[str], None] | None = None,
     js_flags: str = "",
@@ -174,7 +174,7 @@ def drive_browser(
     chromium, node = browser_tools(root)
     with tempfile.TemporaryDirectory(prefix="taste-cl-drive-") as scratch:
         spec, out = Path(scratch) / "spec.json", Path(scratch) / "out.json"
-        spec.write_text(json.dumps({"chromium": chromium, "out": str(out), "steps": steps, "timeout_ms": 60000, "js_flags": js_flags}))
+        spec.write_text(json.dumps({"chromium": chromium, "out": str(out), "steps": steps, "timeout_ms": 300000, "js_flags": js_flags}))
         script = root / "web" / "tools" / "drive.mjs"
         log = Path(scratch) / "driver.log"
         with log.open("w") as sink:
