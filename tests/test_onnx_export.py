@@ -195,3 +195,41 @@ def test_adamw_state_and_batch_statistics_travel_unchanged(tmp_path: Path) -> No
     for name, value in model.state_dict().items():
         if name in exported:
             np.testing.assert_array_equal(exported[name], value.numpy(), err_msg=name)
+
+
+class _ConvBranches(nn.Module):
+    """A conv + BatchNorm chain (folded), one with a bias (folded), one whose conv output is also read elsewhere (kept)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn_a = nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.b, self.bn_b = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.c, self.bn_c = nn.Conv2d(4, 4, 1, bias=False), nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn_b(self.b(torch.relu(self.bn_a(self.a(x))))))
+        c = self.c(x)
+        return self.head((self.bn_c(c) + c).mean((2, 3)))
+
+
+def test_frozen_batchnorm_folds_into_the_convolution_before_it_and_trains_like_torch(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _ConvBranches()
+    model(torch.randn(16, 3, 6, 6) * 2 + 1)  # running statistics away from 0 and 1
+    with torch.no_grad():
+        for bn in (model.bn_a, model.bn_b, model.bn_c):
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.5, 0.5)
+    g = torch.Generator().manual_seed(2)
+    example = (torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 3, (8,), generator=g))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    folder = export_model(model, nn.CrossEntropyLoss(), optimizer, example, tmp_path / "art", parity_steps=4)
+    graph = onnx.load(str(folder / "training_model.onnx")).graph
+    convs = [node for node in graph.node if node.op_type == "Conv"]
+    mul_inputs = {name for node in graph.node if node.op_type == "Mul" for name in node.input}
+    assert sum(conv.output[0] in mul_inputs for conv in convs) == 1  # only c's output still meets a Mul (its BatchNorm)
+    assert sum("taste_cl_fold" in conv.input[1] for conv in convs) == 2
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["parity"]["max_param_diff"] < 1e-4  # the BatchNorm's weight and bias train through the folded conv
+    assert {"model.bn_a.weight", "model.bn_b.bias"} <= set(manifest["trainable"])

@@ -3,6 +3,7 @@
 - :mod:`.learner_export`: the learner-level :func:`export` (``learner.export_onnx(...)``);
 - :mod:`.build`: artifact generation from a model, loss and optimizer, gated by parity;
 - :mod:`.transforms`: rewrites that make a model's ONNX graph trainable by ONNX Runtime;
+- :mod:`.fold`: each frozen BatchNorm folded into the convolution before it, in the traced graph;
 - :mod:`.trial`: the first run of new artifacts, in a child process (a crash there is a refusal);
 - :mod:`.proto`: refuse models that point at external data, without ``onnx`` or torch;
 - :mod:`.runtime`: :class:`OrtOnlineLearner`, the device learner (numpy and ONNX Runtime only, no torch).

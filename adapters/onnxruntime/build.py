@@ -3,7 +3,8 @@
 :func:`export_model` works on a float32 copy of the model (and of the optimizer, state
 included), applies the export transforms (:mod:`.transforms`), traces model + loss
 into one ONNX graph (outputs ``loss`` and ``logits``; inputs named after the example's
-structure, dtypes kept), builds the training/eval/optimizer graphs with ONNX Runtime,
+structure, dtypes kept), folds each frozen BatchNorm into the convolution before it
+(:mod:`.fold`), builds the training/eval/optimizer graphs with ONNX Runtime,
 refuses a training graph holding a gradient kernel known to kill the process
 (:data:`CRASHING_GRADIENTS`), tries the graphs first in a child process (:mod:`.trial`:
 a crash there is a refusal, not the end of this process), writes the optimizer state
@@ -49,6 +50,7 @@ from taste_cl.adapters.device.parity import (
 from taste_cl.adapters.device.trainable import freeze_untrained, trained_parameters
 from taste_cl.adapters.device.transforms import FrozenBatchNorm
 from taste_cl.adapters.onnxruntime import runtime as device
+from taste_cl.adapters.onnxruntime.fold import fold_frozen_batchnorm
 from taste_cl.adapters.onnxruntime.losses import traceable_loss
 from taste_cl.adapters.onnxruntime.transforms import (
     apply_transforms,
@@ -675,6 +677,7 @@ def export_model(
     graph = _trace(_Graph(work, traceable_loss(loss_fn), structure, names), [*ex_inputs, ex_labels], names, opset)
     work.load_state_dict(snapshot)  # tracing ran a training-mode forward (BatchNorm statistics moved)
     _set_initializers(graph, snapshot)
+    fold_frozen_batchnorm(graph)  # before the gradient graph is built: ORT does not fuse training graphs
     running_stats = []
     if batchnorm == "batch":
         running_stats = _running_stats_outputs(graph, *_batchnorm_geometry(work, example_x))
