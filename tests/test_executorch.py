@@ -131,6 +131,17 @@ def _pool_cnn() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(6 * 4 * 4, 3))
 
 
+def test_linear_layers_run_on_the_optimised_mm_and_add_kernels():
+    """ExecuTorch 1.5's runtime has optimised kernels for mm and add but only a portable loop for addmm
+    (a Linear with bias): the export splits every addmm, and a bias-free Linear stays one mm."""
+    from taste_cl.adapters.executorch.build import _lower
+
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3, bias=False))
+    lowered = _lower(model, nn.CrossEntropyLoss(), *_classes(8, 6), 16)
+    ops = {op.name for plan in lowered.executorch_program.execution_plan for op in plan.operators}
+    assert "aten::addmm" not in ops and {"aten::mm", "aten::add"} <= ops
+
+
 def test_maxpool_cnn_is_refused_by_the_parity_gate_with_the_numbers(tmp_path):
     model = _pool_cnn()
     with pytest.raises(ParityError, match="executorch parity FAILED") as caught:
