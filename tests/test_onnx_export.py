@@ -233,3 +233,32 @@ def test_frozen_batchnorm_folds_into_the_convolution_before_it_and_trains_like_t
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["parity"]["max_param_diff"] < 1e-4  # the BatchNorm's weight and bias train through the folded conv
     assert {"model.bn_a.weight", "model.bn_b.bias"} <= set(manifest["trainable"])
+
+
+class _AtTheBounds(nn.Module):
+    """ReLU6, Hardsigmoid and Hardswish on inputs exactly at their bounds, where PyTorch's gradients have their own rules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at = nn.Parameter(torch.tensor([0.0, 6.0, -3.0, 3.0]))
+        self.relu6, self.hardsigmoid, self.hardswish = nn.ReLU6(), nn.Hardsigmoid(), nn.Hardswish()
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = x[:, :4] * 0 + self.at  # exactly the bounds
+        return self.head(torch.cat([x[:, :4] + self.relu6(z), self.hardsigmoid(z), self.hardswish(z)], 1))
+
+
+def test_activations_at_their_bounds_train_on_the_device_as_in_torch(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _AtTheBounds()
+    x, y = _example()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    folder = export_model(model, nn.CrossEntropyLoss(), optimizer, (x, y), tmp_path / "art")
+    ops = [node.op_type for node in onnx.load(str(folder / "training_model.onnx")).graph.node]
+    assert "Clip" in ops and not {"GreaterOrEqual", "LessOrEqual"} & set(ops)  # the Clip gradients made strict
+    device = OrtOnlineLearner.from_artifacts(folder)
+    device.train_step(x.numpy(), y.numpy())
+    nn.CrossEntropyLoss()(model(x), y).backward()  # PyTorch's own ReLU6, Hardsigmoid and Hardswish
+    optimizer.step()
+    np.testing.assert_allclose(device.parameters()["at"], model.at.detach().numpy(), rtol=0, atol=1e-6)

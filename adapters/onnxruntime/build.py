@@ -434,6 +434,32 @@ def _fix_eval_graph(path: Path) -> None:
         onnx.save(model, str(path))
 
 
+# the comparisons in ONNX Runtime 1.19's Clip gradient (inclusive) -> PyTorch's hardtanh/clamp backward (strict)
+_STRICT = {"GreaterOrEqual": "Greater", "LessOrEqual": "Less"}
+
+
+def _strict_clip_gradients(path: Path) -> None:
+    """Make each ``Clip`` gradient pass the gradient only strictly inside the bounds, as PyTorch does.
+
+    ORT builds ``Clip``'s gradient as ``grad * (x >= min and x <= max)``; PyTorch's
+    ``hardtanh`` (``ReLU6``) and ``clamp`` backward use ``min < x < max``. Inputs exactly at a
+    bound are common (a depthwise convolution over a region ReLU6 zeroed gives exact zeros),
+    and the inclusive mask then trains other weights than PyTorch does.
+    """
+    import onnx
+
+    model = onnx.load(str(path))
+    clips = {node.name: node.input[0] for node in model.graph.node if node.op_type == "Clip" and node.name}
+    changed = False
+    for node in model.graph.node:
+        scope, _, _ = node.name.partition("_Grad/")
+        if node.op_type in _STRICT and scope in clips and node.input[0] == clips[scope]:
+            node.op_type = _STRICT[node.op_type]
+            changed = True
+    if changed:
+        onnx.save(model, str(path))
+
+
 def _without_dropout(path: Path, target: Path) -> None:
     """Copy the training graph with every Dropout ratio 0, so the gate compares deterministic steps."""
     import onnx
@@ -738,6 +764,7 @@ def export_model(
         except Exception as error:  # ORT reports a missing gradient as a bare RuntimeError
             raise _gradient_failure(error, graph) from error
         _fix_eval_graph(stage / device.EVAL_MODEL)
+        _strict_clip_gradients(stage / device.TRAINING_MODEL)
         if adamw:
             _torch_mode_adamw(stage / device.OPTIMIZER_MODEL)
         modules = _module_names(work)

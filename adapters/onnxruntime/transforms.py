@@ -11,7 +11,12 @@ and buffer (so names and values are unchanged):
   module is kept (batch statistics in training); the exporter writes the running
   statistics back after each device step.
 - ``Hardswish``/``Hardsigmoid``: ``x * relu6(x + 3) / 6`` and ``relu6(x + 3) / 6`` with
-  ``relu6(z) = relu(z) - relu(z - 6)`` (ONNX Runtime has no HardSwish/HardSigmoid gradient).
+  ``relu6`` a ``hardtanh`` (one ``Clip``; ONNX Runtime has no HardSwish/HardSigmoid gradient).
+  ``ReLU6`` exports as a ``Clip`` as it is. ONNX Runtime's ``Clip`` gradient passes the
+  gradient at the bounds, PyTorch's stops it there (which matters: a depthwise convolution
+  over a region ReLU6 zeroed gives exact zeros), so the exporter makes the training graph's
+  ``Clip`` gradients strict (``build._strict_clip_gradients``); with that the decomposed
+  Hardswish and Hardsigmoid also have PyTorch's own gradients at ``x == -3`` and ``x == 3``.
 - ``LayerNorm``: decomposed into mean/variance/rsqrt (its fused op's gradient does not build).
 - ``AvgPool1d/2d/3d`` and ``AdaptiveAvgPool1d/2d/3d`` with an output larger than 1 and
   evenly divided windows: a depthwise convolution with a kernel of ones, times the
@@ -63,7 +68,7 @@ SHIFT_MAX_POSITIONS = 1
 
 
 def _relu6(x: torch.Tensor) -> torch.Tensor:
-    return torch.relu(x) - torch.relu(x - 6.0)
+    return F.hardtanh(x, 0.0, 6.0)  # one Clip, its gradient made strict at the bounds as PyTorch's (build.py)
 
 
 class _ExportHardswish(nn.Hardswish):
@@ -74,11 +79,6 @@ class _ExportHardswish(nn.Hardswish):
 class _ExportHardsigmoid(nn.Hardsigmoid):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _relu6(x + 3.0) / 6.0
-
-
-class _ExportReLU6(nn.ReLU6):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _relu6(x)
 
 
 class _ExportLayerNorm(nn.LayerNorm):
@@ -319,8 +319,6 @@ def apply_transforms(model: nn.Module, *, batchnorm: str = "frozen", run: Callab
             module.__class__ = _ExportHardswish
         elif kind is nn.Hardsigmoid:
             module.__class__ = _ExportHardsigmoid
-        elif kind is nn.ReLU6:
-            module.__class__ = _ExportReLU6
         elif kind is nn.LayerNorm:
             module.__class__ = _ExportLayerNorm
         elif kind in _POOLS:
