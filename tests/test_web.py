@@ -5,6 +5,7 @@ DevTools protocol (``web/tools/drive.mjs``) and checks, for SGD and AdamW export
 digits MLP and for a small CNN: the artifacts load; 5 training steps match the Python
 device learner on the same batches at the exported LR; observe() with replay works; a
 reload resumes from IndexedDB. It also writes a screenshot of the demo after a few corrections.
+A second browser run checks reserved class slots: masked until their first label, as in Python.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -92,7 +94,28 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def reserved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits MLP exported with 2 reserved output slots (10 and 11, masked until first labelled)."""
+    torch.set_num_threads(1)
+    learner = build_digits_learner(lr=0.05)
+    x, y = _digits()
+    learner.observe((torch.from_numpy(x[:40]), torch.from_numpy(y[:40])))
+    return learner.export(tmp_path_factory.mktemp("web-reserved") / "reserved", backend="onnxruntime", reserved_classes=2)
+
+
 # ----------------------------------------------------------- artifacts (no browser)
+def test_web_json_lists_the_active_classes_and_a_device_save_keeps_them_current(artifacts: Path, reserved: Path, tmp_path: Path) -> None:
+    web = json.loads((reserved / WEB_MANIFEST).read_text())
+    assert web["num_classes"] == 12 and web["active_classes"] == list(range(10))
+    assert json.loads((artifacts / "sgd" / WEB_MANIFEST).read_text())["active_classes"] is None  # no reserved slots: all active
+    device = OrtOnlineLearner.from_artifacts(reserved)
+    x, _ = _digits()
+    device.observe((x[:4], np.array([10, 10, 3, 3])))
+    saved = device.save(tmp_path / "saved")
+    assert json.loads((saved / WEB_MANIFEST).read_text())["active_classes"] == list(range(11))  # what the browser resumes from
+
+
 def test_web_artifacts_pass_strict_inference_and_keep_the_lr(artifacts: Path) -> None:
     from onnxruntime.training.api import CheckpointState
 
@@ -293,9 +316,7 @@ def _why_no_browser() -> str:
 _NO_BROWSER = _why_no_browser()
 
 
-def _python_reference(
-    folder: Path, batches: list[tuple[np.ndarray, np.ndarray]], probe: np.ndarray
-) -> dict[str, object]:
+def _python_reference(folder: Path, batches: list[tuple[np.ndarray, np.ndarray]], probe: np.ndarray) -> dict[str, object]:
     device = OrtOnlineLearner.from_artifacts(folder)
     losses = [device.train_step(x, y)[1] for x, y in batches]
     return {"losses": losses, "logits": device.predict(probe).tolist(), "lr": device.lr}
@@ -354,9 +375,7 @@ def test_browser_learner_matches_python_and_resumes(artifacts: Path) -> None:
         {"eval": refusals, "as": "refusals"},
         {"goto": f"{server.url}?artifacts=/artifacts/sgd/&fresh=1"},
         {
-            "eval": "(async () => { for (const [p, c] of "
-            + _js(digits)
-            + ") { await demo.setPixels(p); await demo.correct(c); }"
+            "eval": "(async () => { for (const [p, c] of " + _js(digits) + ") { await demo.setPixels(p); await demo.correct(c); }"
             " return demo.setPixels(" + _js(digits[0][0]) + "); })()",
             "as": "demo",
         },
@@ -384,10 +403,7 @@ def test_browser_learner_matches_python_and_resumes(artifacts: Path) -> None:
         plan = web["batch_plan"]
         for stats in observed["stats"]:
             assert stats["samples"] == 3 and stats["steps"] == plan["train_iterations"]
-            assert (
-                stats["replaySamples"]
-                == min(plan["replay_batch_size"], web["replay"]["size"]) * plan["train_iterations"]
-            )
+            assert stats["replaySamples"] == min(plan["replay_batch_size"], web["replay"]["size"]) * plan["train_iterations"]
             assert math.isfinite(stats["loss"])
         assert observed["seen"] == web["counters"]["samples_seen"] + 6
         assert observed["replay"] == min(web["replay"]["capacity"], web["replay"]["size"] + 6)
@@ -403,3 +419,63 @@ def test_browser_learner_matches_python_and_resumes(artifacts: Path) -> None:
     assert "64 non-finite" in refused["errors"][3]
     assert results["demo"]["label"] in range(10)
     assert SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(bool(_NO_BROWSER), reason=_NO_BROWSER)
+def test_browser_learner_masks_reserved_slots_until_their_first_label(reserved: Path) -> None:
+    """As OrtOnlineLearner: predict() gives inactive slots -Infinity, observe() activates a label's
+    slot (scoring with it active), the saved state keeps it, and a bad ``active_classes`` is refused."""
+    bad = reserved.parent / "bad"
+    shutil.copytree(reserved, bad)
+    web = json.loads((bad / WEB_MANIFEST).read_text())
+    (bad / WEB_MANIFEST).write_text(json.dumps({**web, "active_classes": [0, 12]}))
+    x, _ = _digits()
+    probe, batch = x[200:204], (x[300:306], np.array([10, 10, 10, 1, 2, 3]))
+    # per row: the slots at -Infinity, the finite logits (JSON has no -Infinity)
+    read = (
+        f"(async () => {{ const l = demo.learner; const logits = Array.from(await l.predict({_js(probe.ravel().tolist())}));"
+        " const rows = [0, 1, 2, 3].map((i) => logits.slice(i * 12, (i + 1) * 12));"
+        " return {active: l.classes.toJSON(), resumed: l.resumed,"
+        " inactive: rows.map((r) => r.flatMap((v, c) => (v === -Infinity ? [c] : []))),"
+        " finite: rows.map((r) => r.filter((v) => v !== -Infinity))}; })()"
+    )
+    observe = f"demo.learner.observe({_js(batch[0].ravel().tolist())}, {_js(batch[1].tolist())})"
+    refused = (
+        "(async () => { const l = demo.learner;"
+        " try { await l.constructor.load('/artifacts/bad/', { ort: l.ort, fresh: true }); return 'loaded'; }"
+        " catch (e) { return e.constructor.name + ': ' + e.message; } })()"
+    )
+    server = DemoServer(reserved.parent, root=ROOT).start()
+    try:
+        results = drive_browser(
+            [
+                {"goto": f"{server.url}?artifacts=/artifacts/reserved/&fresh=1"},
+                {"eval": read, "as": "fresh"},
+                {"eval": observe, "as": "stats"},
+                {"eval": read, "as": "observed"},
+                {"reload": True},  # resume from IndexedDB
+                {"eval": read, "as": "resumed"},
+                {"eval": refused, "as": "refused"},
+            ],
+            root=ROOT,
+        )
+    finally:
+        server.stop()
+
+    python = OrtOnlineLearner.from_artifacts(reserved)
+    expected = python.predict(probe)
+    fresh = results["fresh"]
+    assert fresh["active"] == list(range(10)) and fresh["inactive"] == [[10, 11]] * 4
+    np.testing.assert_allclose(fresh["finite"], expected[:, :10], atol=1e-4)  # the same logits as Python's, same slots masked
+    assert np.isneginf(expected[:, 10:]).all()
+    stats = python.observe(batch)
+    assert results["stats"]["accuracy"] == pytest.approx(stats.accuracy)  # scored on the same masked outputs
+    assert math.isfinite(results["stats"]["loss"])
+    for name in ("observed", "resumed"):
+        assert results[name]["active"] == sorted(python.classes.active) == list(range(11)), name
+        assert results[name]["inactive"] == [[11]] * 4, name
+    assert results["resumed"]["resumed"]
+    np.testing.assert_array_equal(results["resumed"]["finite"], results["observed"]["finite"])
+    assert results["refused"].startswith("ArtifactError: web.json active_classes must be null or a non-empty, increasing list")
+    assert "[0, 12) (the output width); got [0,12]" in results["refused"]

@@ -16,6 +16,12 @@
 // the random state are saved to IndexedDB under the artifacts' checkpoint digest, so a page
 // reload resumes. The ORT Web API cannot read optimizer state: AdamW moments and step restart
 // from the exported checkpoint's after a reload (SGD keeps no state, so it resumes exactly).
+//
+// Reserved class slots (`export(..., reserved_classes=K)`, web.json's `active_classes`): as in
+// the Python learners (taste_cl/adapters/device/class_slots.py), a slot becomes active on its
+// first label in observe() and stays active (saved with the learner); predict() and observe()'s
+// accuracy give inactive slots the logit -Infinity. The training graph is the exported one:
+// inactive slots take part in its softmax, as the unused outputs of a fixed-width head do.
 
 const DB_NAME = 'taste_cl';
 const STORE = 'learners';
@@ -79,6 +85,48 @@ export class Reservoir {
     }
     return { x, y };
   }
+}
+
+/** Which of `slots` output slots are active (`active` null: all, nothing masked), like the Python ClassSlots. */
+export class ClassSlots {
+  constructor(active, slots) {
+    this.slots = slots;
+    this.active = active === null ? null : new Set(active);
+  }
+
+  /** Check a web.json or saved `active_classes`: null, or increasing class indices in [0, slots). */
+  static parse(value, slots, where) {
+    if (value === null || value === undefined) return null;
+    const valid = Array.isArray(value) && value.length > 0
+      && value.every((c, i) => Number.isInteger(c) && c >= 0 && c < slots && (i === 0 || c > value[i - 1]));
+    if (!valid) {
+      const shown = JSON.stringify(value).slice(0, 80);
+      throw new ArtifactError(`${where} active_classes must be null or a non-empty, increasing list of class indices in [0, ${slots}) (the output width); got ${shown}`);
+    }
+    return value;
+  }
+
+  /** Activate the slots of (validated) class `labels`; returns the newly active ones, sorted. */
+  activate(labels) {
+    if (this.active === null) return [];
+    const added = [...new Set(labels)].filter((c) => !this.active.has(c)).sort((a, b) => a - b);
+    added.forEach((c) => this.active.add(c));
+    return added;
+  }
+
+  /** `logits` (n * slots floats) with -Infinity in the inactive slots (a copy; `logits` itself when none is). */
+  mask(logits) {
+    if (this.active === null || this.active.size === this.slots) return logits;
+    const masked = Float32Array.from(logits);
+    for (let c = 0; c < this.slots; c += 1) {
+      if (this.active.has(c)) continue;
+      for (let i = c; i < masked.length; i += this.slots) masked[i] = -Infinity;
+    }
+    return masked;
+  }
+
+  /** What the saved state keeps: the sorted active classes, or null when every slot always was. */
+  toJSON() { return this.active === null ? null : [...this.active].sort((a, b) => a - b); }
 }
 
 async function fetchBytes(url) {
@@ -149,7 +197,8 @@ export class DeviceLearner {
     this.inputShape = input.shape.slice(1).map(Number);
     this.featureSize = product(this.inputShape);
     this.labelName = web.labels.name;
-    this.numClasses = web.num_classes;
+    this.numClasses = web.num_classes;  // output slots, reserved ones included
+    this.classes = new ClassSlots(state.activeClasses, web.num_classes);
     this.logitsName = web.outputs.logits;
     this.lossName = web.outputs.loss;
     this.replayBatchSize = web.batch_plan.replay_batch_size;
@@ -188,15 +237,23 @@ export class DeviceLearner {
     if (fresh) await dbRequest('readwrite', (store) => store.delete(storageKey));
     const saved = fresh ? undefined : await dbRequest('readonly', (store) => store.get(storageKey));
     const featureSize = product(web.inputs[0].shape.slice(1).map(Number));
+    const activeClasses = ClassSlots.parse(web.active_classes, web.num_classes, 'web.json');
     let reservoir = null;
-    let state = { samplesSeen: web.counters.samples_seen, steps: web.counters.steps, app: {}, resumed: false };
+    let state = { samplesSeen: web.counters.samples_seen, steps: web.counters.steps, app: {}, resumed: false, activeClasses };
     if (saved) {
       await ortCall('restore saved parameters', session.loadParametersBuffer(new Uint8Array(saved.params.buffer), true));
       if (saved.replay) {
         const r = saved.replay;
         reservoir = new Reservoir(r.capacity, featureSize, { seen: r.seen, x: r.x, y: r.y, random: new Random(r.random) });
       }
-      state = { samplesSeen: saved.samplesSeen, steps: saved.steps, app: saved.app || {}, resumed: true };
+      state = {
+        samplesSeen: saved.samplesSeen,
+        steps: saved.steps,
+        app: saved.app || {},
+        resumed: true,
+        // a state saved before slots were tracked has none: the artifacts' list
+        activeClasses: saved.activeClasses === undefined ? activeClasses : ClassSlots.parse(saved.activeClasses, web.num_classes, 'saved'),
+      };
     } else if (web.replay) {
       const r = web.replay;
       const bytes = await fetchChecked(base, r.file, web.files);
@@ -250,12 +307,12 @@ export class DeviceLearner {
     return { loss, logits: out[this.logitsName].data, skipped };
   }
 
-  /** Logits (n * numClasses floats) from the eval graph; changes no state. */
+  /** Logits (n * numClasses floats) from the eval graph (reserved slots not yet in use: -Infinity); changes no state. */
   async predict(x) {
     const features = this.features(x);
     const n = features.length / this.featureSize;
     const out = await ortCall('run the eval graph', this.session.runEvalStep(this.feeds(features, new Array(n).fill(0))));
-    return out[this.logitsName].data;
+    return this.classes.mask(out[this.logitsName].data);
   }
 
   /** Test-then-train on one batch with replay, then save to IndexedDB; returns the step's stats. */
@@ -263,6 +320,7 @@ export class DeviceLearner {
     const features = this.features(x);
     const n = features.length / this.featureSize;
     const labels = this.labels(y, n);
+    this.classes.activate(labels);  // a reserved slot is in use from its first label on
     const start = performance.now();
     const nReplay = this.replay ? Math.min(this.replayBatchSize, this.replay.size) : 0;
     let lossSum = 0;
@@ -279,7 +337,7 @@ export class DeviceLearner {
         trainY = labels.concat(rehearsal.y);
       }
       const { loss, logits, skipped } = await this.trainStep(trainX, trainY);
-      if (iteration === 0) correct = countCorrect(logits, labels, this.numClasses);
+      if (iteration === 0) correct = countCorrect(this.classes.mask(logits), labels, this.numClasses);
       steps += skipped ? 0 : 1;
       lossSum += loss;
     }
@@ -299,7 +357,7 @@ export class DeviceLearner {
     };
   }
 
-  /** Save parameters, buffer, counters and `app` data to IndexedDB (observe() calls it). */
+  /** Save parameters, buffer, counters, active classes and `app` data to IndexedDB (observe() calls it). */
   async save() {
     const params = await ortCall('read the parameters', this.session.getContiguousParameters(true));
     const data = params.data ?? params[2];
@@ -309,6 +367,7 @@ export class DeviceLearner {
       replay: r && { capacity: r.capacity, seen: r.seen, x: r.x.slice(0, r.size * r.featureSize), y: r.y.slice(), random: r.random.state },
       samplesSeen: this.samplesSeen,
       steps: this.steps,
+      activeClasses: this.classes.toJSON(),
       app: this.app,
     };
     await dbRequest('readwrite', (store) => store.put(record, this.key));

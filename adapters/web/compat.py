@@ -19,7 +19,8 @@
 - **Replay buffer.** ``replay.npz`` is rewritten as ``replay.bin``: raw little-endian
   buffers (features float32, then labels int64) described by a JSON header in ``web.json``.
 - **``web.json``** records what a client needs: file names and SHA-256, input and label
-  names/dtypes/shapes, the logits and loss outputs, the learning rate, the batch plan.
+  names/dtypes/shapes, the logits and loss outputs, the learning rate, the batch plan, and
+  the classes in use when output slots are reserved (``active_classes``, None: all).
 
 The manifest's SHA-256 table is refreshed to cover the rewritten and added files.
 
@@ -269,6 +270,7 @@ def _web_manifest(folder: Path, staging: Path, manifest: dict[str, Any], replay:
             "loss": _loss_output(evaluation, output["name"]),
         },
         "num_classes": int(manifest["num_classes"]),
+        "active_classes": manifest.get("active_classes"),  # reserved slots not yet in use are masked (device/class_slots.py)
         "optimizer": {**manifest["optimizer"], "lr_in_graph": True},
         "batch_plan": {
             "batch_size": manifest.get("batch_size"),
