@@ -132,8 +132,11 @@ def test_conv1d_as_conv2d_is_exact_in_outputs_and_gradients(options: dict) -> No
     [
         (1, {"padding": 1}, "ExportConv2d"),  # only the centre tap reads the 1x1 map
         (2, {"stride": 2, "padding": 1}, "ExportConv2d"),  # 2x2 of the 3x3 taps read it
-        (1, {"padding": 1, "groups": 6}, "ExportConv2d"),  # depthwise on one position: a product
-        (2, {"padding": 1, "groups": 6, "bias": False}, None),  # every tap reads the 2x2 map: kept
+        (1, {"padding": 1, "groups": 6}, "ExportConv2d"),  # depthwise on one position: a product per channel
+        (2, {"padding": 1, "groups": 6, "bias": False}, "ExportConv2d"),  # depthwise on a 2x2 map: per-channel matrices
+        (2, {"stride": 2, "padding": 1, "groups": 6}, "ExportConv2d"),
+        (4, {"padding": 1, "groups": 6}, None),  # 16 x 16 positions: the convolution is cheaper
+        (2, {"padding": 1, "bias": False}, None),  # every tap reads the 2x2 map: kept
         (1, {"kernel_size": 5, "padding": 2, "groups": 2}, "ExportConv2d"),
         (3, {"padding": 1, "dilation": 2}, None),  # dilated: kept
         (2, {"stride": 2, "padding": 1, "padding_mode": "reflect"}, None),
