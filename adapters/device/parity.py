@@ -5,7 +5,10 @@ optimizer state, a wrong loss reduction, a transform that is not equivalent). Be
 artifacts are published, :func:`check_parity` runs the same batches through a
 :class:`TorchTrainer` (the eager reference) and a backend's :class:`Trainer`, and compares
 the outputs before and after training, every step's loss and every trainable parameter.
-Differences are scaled by magnitude (``|a - b| / max(1, |a|)``, maximum over elements) and
+Differences are scaled by magnitude (``|a - b| / max(1, |a|)``, maximum over elements; a
+loss by the larger of its own and the outputs' magnitude, since a loss computed from
+outputs of magnitude M carries their rounding, about M times the dtype's epsilon: a
+cross-entropy of 4 from logits near 150 differs by 5e-4 between float32 and float64) and
 compared with tolerances that default from the dtype. The module itself imports no torch
 (only :class:`TorchTrainer` does, when built).
 
@@ -294,7 +297,9 @@ class UnstableTrainingError(ExportError):
             f"departs from the same training in float64 by {self.torch_departure:.3g} over {report.steps} steps "
             f"(tolerance {tolerance:.3g}) and {report.backend} by {self.runtime_departure:.3g}, as rounding does ({report}). "
             "Likely causes: BatchNorm with batch statistics over few values per channel (small feature maps or batches), "
-            f"or a learning rate that makes the training chaotic. {advice}"
+            "a learning rate that makes the training chaotic, or a ReLU whose input is within rounding of 0 on one of the "
+            "gate's samples (its gradient is 0 in one precision and 1 in the other: one step moves a weight by about lr "
+            f"more; the more steps compared, the likelier). {advice}"
         )
 
 
@@ -316,9 +321,11 @@ def _run(trainer: Trainer, batches: Sequence[tuple[Any, np.ndarray]]) -> _Run:
 
 
 def _differences(expected: _Run, got: _Run) -> tuple[float, float, float]:
-    """The largest scaled output, loss and parameter differences of ``got`` from ``expected``."""
+    """The largest scaled output, loss and parameter differences of ``got`` from ``expected`` (losses
+    scaled at least by the largest finite output of ``expected``: they inherit the outputs' rounding)."""
     outputs = max(_scaled_diff(a, b) for a, b in zip([expected.first, *expected.outputs], [got.first, *got.outputs]))
-    losses = max(_scaled_diff(a, b) for a, b in zip(expected.losses, got.losses))
+    magnitude = max((_magnitude(value) for value in [expected.first, *expected.outputs]), default=1.0)
+    losses = max(_scaled_diff(a, b, floor=magnitude) for a, b in zip(expected.losses, got.losses))
     parameters = max((_scaled_diff(value, got.parameters[name]) for name, value in expected.parameters.items()), default=0.0)
     return outputs, losses, parameters
 
@@ -333,8 +340,14 @@ def default_tolerance(dtype: Any) -> float:
     return _TOLERANCES.get(str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype, _TOLERANCES["float32"])
 
 
-def _scaled_diff(reference: Any, candidate: Any) -> float:
-    """``max |a - b| / max(1, max |a|)``; ``inf`` on a shape mismatch or a non-finite value."""
+def _magnitude(value: Any) -> float:
+    """``max |value|`` over its finite elements, at least 1."""
+    a = np.abs(np.asarray(value, dtype=np.float64))
+    return max(1.0, float(a[np.isfinite(a)].max(initial=0.0)))
+
+
+def _scaled_diff(reference: Any, candidate: Any, *, floor: float = 1.0) -> float:
+    """``max |a - b| / max(floor, max |a|)``; ``inf`` on a shape mismatch or a non-finite value."""
     a = np.asarray(reference, dtype=np.float64)
     b = np.asarray(candidate, dtype=np.float64)
     if a.shape != b.shape:
@@ -343,7 +356,7 @@ def _scaled_diff(reference: Any, candidate: Any) -> float:
         return 0.0
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         return math.inf
-    return float(np.abs(a - b).max() / max(1.0, float(np.abs(a).max())))
+    return float(np.abs(a - b).max() / max(floor, float(np.abs(a).max())))
 
 
 def _finite(value: Any) -> bool:
