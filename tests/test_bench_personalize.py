@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from taste_cl.benchmarks import personalize
-from taste_cl.benchmarks.personalize import METHODS, build_cnn, parse_args, prepare, trainable_count
+from taste_cl.benchmarks.personalize import METHODS, build_cnn, criteria, parse_args, prepare, trainable_count
 
 pytest.importorskip("peft")
 
@@ -19,7 +19,7 @@ TINY = [
     "--user-samples", "32", "--test-samples", "32", "--steps", "3", "--batch-size", "8", "--lrs", "0.001,0.01",
     "--reselect-every", "2", "--no-progress",
 ]  # fmt: skip
-COLUMNS = ("lr", "trainable", "lift (pts)", "retention", "ms/step", "speedup", "w/ probes", "train MiB", "ORT", "ExecuTorch")
+COLUMNS = ("lr", "trainable", "% of full", "lift (pts)", "retention", "ms/step", "speedup", "w/ probes", "train MiB", "ORT", "ExecuTorch")
 
 
 def _run(tmp_path: Path, *extra: str) -> dict:
@@ -37,7 +37,8 @@ def test_tiny_run_reports_every_number_for_every_method(tmp_path: Path, capsys: 
     summary = result["methods"]
     assert set(summary) == set(METHODS)
     for method, row in summary.items():
-        for key in ("lift_points", "retention", "median_step_s", "mean_step_s", "speedup", "trainable_params", "training_memory_bytes"):
+        for key in ("lift_points", "retention", "median_step_s", "mean_step_s", "speedup", "trainable_params", "trainable_share",
+                    "training_memory_bytes"):  # fmt: skip
             assert isinstance(row[key], float | int), (method, key)
         scores = {float(lr): score for lr, score in result["lr_sweep"][method].items()}
         assert set(scores) == {0.001, 0.01} and row["lr"] == max(scores, key=scores.__getitem__)  # the validation user's best
@@ -46,6 +47,12 @@ def test_tiny_run_reports_every_number_for_every_method(tmp_path: Path, capsys: 
         assert "executorch" not in row["artifacts"]
     assert summary["full"]["speedup"] == 1.0
     assert summary["full"]["trainable_params"] == sum(p.numel() for p in build_cnn(4).parameters())
+    head = sum(p.numel() for p in build_cnn(4).head.parameters())
+    assert summary["full"]["trainable_share"] == 1.0 and summary["last_layer"]["trainable_share"] == head / summary["full"]["trainable_params"]
+    # the issue's targets, computed from this run's table and printed under it
+    assert [c["holds"] for c in result["criteria"]] == [c["holds"] for c in criteria(summary)]
+    assert all(isinstance(c["holds"], bool) for c in result["criteria"])
+    assert "issue #31's targets" in out and f"lora trains <= 10 % of full's parameters: {100 * summary['lora']['trainable_share']:.1f} %" in out
     assert len(result["per_user"]) == 2 and result["users"][0]["own_label"] in (8, 9)
     assert result["summary"].startswith("lift over the pretrained CNN")  # the README row
     assert "not run" in out  # the ExecuTorch column says it was not exported
@@ -95,13 +102,46 @@ def test_each_method_trains_only_what_it_claims(method: str) -> None:
     assert all(torch.equal(p, q) for p, q in zip(pretrained.parameters(), original))  # each method trains a copy
 
 
-def test_lora_at_the_default_size_trains_about_a_tenth() -> None:
+def test_lora_at_the_default_size_trains_under_a_tenth() -> None:
     args = parse_args([])
     pretrained = build_cnn(args.width)
     full, lora = (trainable_count(prepare(m, pretrained, 0.01, args, None)) for m in ("full", "lora"))
     assert full == sum(p.numel() for p in pretrained.parameters()) == 72_730
-    # rank 4 on the six convs (6,764) plus the whole head (650): 10.2 % of full's
-    assert lora == 7_414
+    # rank 3 on the six convs (1,691 per rank) plus the whole head (650): 7.9 % of full's (rank 4: 10.2 %)
+    assert lora == 5_723 and lora <= 0.10 * full
+
+
+def _summary(elastic: tuple[float, float] | None, last_layer: float | None, lora: tuple[float, float]) -> dict[str, dict[str, float]]:
+    """A summary with full at +26.0 points; elastic_0.5 (lift, speedup), last_layer's lift, lora (lift, share); None: not run."""
+    row = {"lift_points": 26.0, "speedup": 1.0, "trainable_share": 1.0}
+    summary = {"full": row, "lora": {**row, "lift_points": lora[0], "trainable_share": lora[1]}}
+    if elastic is not None:
+        summary["elastic_0.5"] = {**row, "lift_points": elastic[0], "speedup": elastic[1]}
+    if last_layer is not None:
+        summary["last_layer"] = {**row, "lift_points": last_layer}
+    return summary
+
+
+@pytest.mark.parametrize(
+    ("summary", "holds"),
+    [
+        # numbers like a loaded default run's: every target met
+        (_summary((29.1, 1.75), 23.6, (25.9, 0.079)), [True, True, True, True, True]),
+        # at the boundaries: exactly 1 / 2 points below, exactly 1.6x, exactly 10 %; elastic only tied with last_layer
+        (_summary((25.0, 1.6), 25.0, (24.0, 0.10)), [True, True, False, True, True]),
+        # LoRA at rank 4 (10.2 % of full's parameters) 2.1 points below; elastic too slow and 1.1 points below
+        (_summary((24.9, 1.5), 20.0, (23.9, 0.102)), [False, False, True, False, False]),
+        # methods left out (--methods): the targets comparing them are not judged
+        (_summary(None, None, (25.0, 0.05)), [None, None, None, True, True]),
+    ],
+)
+def test_criteria_are_computed_from_the_table(summary: dict[str, dict[str, float]], holds: list[bool | None]) -> None:
+    found = criteria(summary)
+    assert [c["holds"] for c in found] == holds
+    assert found[-1]["numbers"] == f"{100 * summary['lora']['trainable_share']:.1f} %"
+    assert found[3]["numbers"] == f"{summary['lora']['lift_points']:+.1f} vs +26.0 pts"
+    if "elastic_0.5" not in summary:
+        assert found[0]["numbers"] == "not run: elastic_0.5" and found[2]["numbers"] == "not run: elastic_0.5, last_layer"
 
 
 def test_elastic_trains_a_subset(tmp_path: Path) -> None:

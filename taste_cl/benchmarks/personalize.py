@@ -14,8 +14,8 @@ the same order, SGD with momentum 0.9, no replay):
 - ``last_layer``: the head only (weight and bias), backbone frozen;
 - ``bias_only``: TinyTL's FT-Bias: every bias plus the whole head (weight too: the
   user's new class needs its weights), every other weight frozen;
-- ``lora``: peft LoRA (rank ``--lora-rank``, alpha twice the rank) on every conv, plus
-  the whole head, base weights frozen;
+- ``lora``: peft LoRA (rank ``--lora-rank``, default 3, alpha twice the rank) on every
+  conv, plus the whole head, base weights frozen (7.9 % of full fine-tuning's parameters);
 - ``elastic_0.5``, ``elastic_0.3``: :class:`ElasticTrainer` at rho 0.5 and 0.3 over all
   parameters (tensor units, reselecting every ``--reselect-every`` steps, profile cached
   for the run);
@@ -29,10 +29,12 @@ points), retention (accuracy on held-out base data after personalization, unshif
 ``_common.alternating_rounds``, so load hits all alike; median, and the mean including
 elastic probe steps), speedup vs full, training memory (``measure_training_memory``:
 saved activations + gradients + optimizer state of one real step; parameters not
-included), trainable parameters (elastic: those of its final selection, out of all), and
-the on-device artifact size of the first user's personalized learner exported with
-``backend="onnxruntime"`` and ``"executorch"`` (sum of the folder's files; a refusal is
-reported in the table). Writes ``personalize.json`` and ``personalize.png``.
+included), trainable parameters (elastic: those of its final selection, out of all) and
+their share of full fine-tuning's, and the on-device artifact size of the first user's
+personalized learner exported with ``backend="onnxruntime"`` and ``"executorch"`` (sum of
+the folder's files; a refusal is reported in the table, its whole message in the JSON).
+Then :func:`criteria` says which of the issue's targets this run meets (computed from the
+table). Writes ``personalize.json`` and ``personalize.png``.
 Run: ``taste-cl bench personalize [--quick]``.
 """
 
@@ -59,7 +61,9 @@ from taste_cl.benchmarks._common import alternating_rounds, base_parser, parse, 
 from taste_cl.benchmarks.elastic import arrangements, render
 from taste_cl.elastic import measure_training_memory
 
-__all__ = ["METHODS", "SHIFTS", "User", "build_cnn", "main", "make_users", "parse_args", "prepare", "run", "trainable_count"]
+__all__ = [
+    "METHODS", "SHIFTS", "User", "build_cnn", "criteria", "main", "make_users", "parse_args", "prepare", "run", "trainable_count",
+]  # fmt: skip
 
 BASE_CLASSES = 8  # trained in pretraining; outputs 8 and 9 are reserved for the users' own classes
 OUTPUTS = 10
@@ -181,13 +185,17 @@ def make_users(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor], User,
     return data, validation, users
 
 
-def _lora(model: nn.Module, rank: int) -> nn.Module:
+def _lora(model: nn.Module, rank: int, seed: int) -> nn.Module:
+    """peft LoRA on every conv, the head trainable; ``lora_A`` drawn from ``seed`` (the global random
+    stream untouched), so every LoRA learner of a run starts alike whatever ran before it."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as error:  # pragma: no cover - depends on the installed extras
         raise ImportError("the lora method needs peft: pip install 'taste-cl[peft]'") from error
     convs = [name for name, module in model.named_modules() if isinstance(module, nn.Conv2d)]
-    wrapped = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=convs))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        wrapped = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=convs))
     for name, parameter in wrapped.named_parameters():
         if name.endswith(("head.weight", "head.bias")):
             parameter.requires_grad_(True)
@@ -202,7 +210,7 @@ def prepare(method: str, pretrained: nn.Module, lr: float, args: argparse.Namesp
         for name, parameter in model.named_parameters():
             parameter.requires_grad_(name.startswith("head.") or (method == "bias_only" and name.endswith(".bias")))
     elif method == "lora":
-        model = _lora(model, args.lora_rank)
+        model = _lora(model, args.lora_rank, args.seed)
     elif method.startswith("elastic_"):
         rho = float(method.removeprefix("elastic_"))
         plugins.append(ElasticTrainer(rho=rho, reselect_every=args.reselect_every, cache_dir=cache_dir, clock=args.clock))
@@ -257,12 +265,13 @@ def _export_size(learner: OnlineLearner, backend: str, example: tuple[torch.Tens
             warnings.simplefilter("ignore", UserWarning)  # ExecuTorch's memory planner warns once per convolution_backward output
             path = learner.export(folder / backend, backend=backend, example=example)
     except Exception as error:  # noqa: BLE001 - any refusal (not installed, unsupported, parity) is a table cell
-        return {"bytes": None, "refused": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+        return {"bytes": None, "refused": f"{type(error).__name__}: {error}"}  # whole: the advice ends the message
     from taste_cl.adapters.device.artifacts import read_manifest
 
     manifest = read_manifest(path)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    return {"bytes": size, "trainable_tensors": len(manifest.get("trainable", [])), "refused": None}
+    trainable = manifest.get("trainable")  # the ExecuTorch manifest lists none
+    return {"bytes": size, "trainable_tensors": None if trainable is None else len(trainable), "refused": None}
 
 
 def personalize_user(
@@ -277,6 +286,7 @@ def personalize_user(
 ) -> dict[str, dict[str, Any]]:
     """Personalize every method on ``user``'s stream; per-method results."""
     before = _accuracy(pretrained, user.test_x, user.test_y)
+    full_params = sum(p.numel() for p in pretrained.parameters())  # what full fine-tuning trains
     learners = {method: prepare(method, pretrained, lrs[method], args, cache_dir) for method in lrs}
     candidates = {method: trainable_count(learner) for method, learner in learners.items()}
     batches = _batches(user, args, args.seed + 1)
@@ -313,6 +323,7 @@ def personalize_user(
                 trainable_params=sum(sizes[name].numel() for name in plugin.selected),
                 warnings=[note for note in notes if note.startswith("ElasticTrainer") and f"rho={plugin.rho}" in note],
             )
+        results[method]["trainable_share"] = results[method]["trainable_params"] / full_params
         if export_to is not None:
             example = (probe[0][:8], probe[1][:8])
             results[method]["artifacts"] = {b: _export_size(learner, b, example, export_to / method) for b in args.backends}
@@ -347,7 +358,7 @@ def summarize(users: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any
 
 _MEANS = (
     "lift_points", "retention", "accuracy_before", "accuracy_after", "median_step_s", "mean_step_s", "cpu_median_step_s",
-    "cpu_mean_step_s", "trainable_params", "candidate_params", "training_memory_bytes",
+    "cpu_mean_step_s", "trainable_params", "trainable_share", "candidate_params", "training_memory_bytes",
 )  # fmt: skip
 
 
@@ -364,16 +375,59 @@ def _times(ratio: float | None) -> str | None:
 
 def table(summary: dict[str, dict[str, Any]]) -> str:
     """The aligned table of :func:`summarize`'s output."""
-    headers = ["method", "lr", "trainable", "lift (pts)", "retention", "ms/step", "speedup", "w/ probes", "train MiB", "ORT", "ExecuTorch"]
+    headers = [
+        "method", "lr", "trainable", "% of full", "lift (pts)", "retention", "ms/step", "speedup", "w/ probes", "train MiB", "ORT",
+        "ExecuTorch",
+    ]  # fmt: skip
     rows = [
         [
-            m, s["lr"], f"{s['trainable_params']:,.0f}", f"{s['lift_points']:+.1f}", s["retention"], 1000 * s["median_step_s"],
+            m, s["lr"], f"{s['trainable_params']:,.0f}", f"{100 * s['trainable_share']:.1f}%", f"{s['lift_points']:+.1f}", s["retention"],
+            1000 * s["median_step_s"],
             _times(s["speedup"]), _times(s["speedup_with_probes"]), s["training_memory_bytes"] / 2**20,
             _artifact_cell(s["artifacts"], "onnxruntime"), _artifact_cell(s["artifacts"], "executorch"),
         ]
         for m, s in summary.items()
     ]  # fmt: skip
     return format_table(headers, rows)
+
+
+# issue #31's targets: (what, the methods it compares, whether it holds and the numbers it rests on)
+_CRITERIA: tuple[tuple[str, tuple[str, ...], Callable[[dict[str, dict[str, Any]]], tuple[bool, str]]], ...] = (
+    ("elastic_0.5's lift at most 1 point below full's", ("elastic_0.5", "full"),
+     lambda s: (s["elastic_0.5"]["lift_points"] >= s["full"]["lift_points"] - 1,
+                f"{s['elastic_0.5']['lift_points']:+.1f} vs {s['full']['lift_points']:+.1f} pts")),
+    ("elastic_0.5 at >= 1.6x full's step speed (median)", ("elastic_0.5", "full"),
+     lambda s: (s["elastic_0.5"]["speedup"] >= 1.6, f"{s['elastic_0.5']['speedup']:.2f}x")),
+    ("elastic_0.5's lift above last_layer's", ("elastic_0.5", "last_layer"),
+     lambda s: (s["elastic_0.5"]["lift_points"] > s["last_layer"]["lift_points"],
+                f"{s['elastic_0.5']['lift_points']:+.1f} vs {s['last_layer']['lift_points']:+.1f} pts")),
+    ("lora's lift at most 2 points below full's", ("lora", "full"),
+     lambda s: (s["lora"]["lift_points"] >= s["full"]["lift_points"] - 2,
+                f"{s['lora']['lift_points']:+.1f} vs {s['full']['lift_points']:+.1f} pts")),
+    ("lora trains <= 10 % of full's parameters", ("lora",),
+     lambda s: (s["lora"]["trainable_share"] <= 0.10, f"{100 * s['lora']['trainable_share']:.1f} %")),
+)  # fmt: skip
+
+
+def criteria(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Which of the issue's targets :func:`summarize`'s output meets: per target, ``holds`` (None when
+    a method it compares was not run) and the numbers it rests on.
+
+    >>> row = {"lift_points": 26.0, "speedup": 1.0, "trainable_share": 1.0}
+    >>> [c["holds"] for c in criteria({"full": row, "lora": {**row, "lift_points": 25.0, "trainable_share": 0.08}})]
+    [None, None, None, True, True]
+    """
+    found = []
+    for what, methods, check in _CRITERIA:
+        missing = [m for m in methods if m not in summary]
+        holds, numbers = (None, f"not run: {', '.join(missing)}") if missing else check(summary)
+        found.append({"criterion": what, "holds": holds, "numbers": numbers})
+    return found
+
+
+def _criteria_block(found: list[dict[str, Any]]) -> str:
+    verdicts = {True: "holds", False: "FAILS", None: "n/a"}
+    return "\n".join(["issue #31's targets (this run):"] + [f"  {verdicts[c['holds']]:<5}  {c['criterion']}: {c['numbers']}" for c in found])
 
 
 def _plot(summary: dict[str, dict[str, Any]], path: Path) -> Path:
@@ -398,11 +452,10 @@ def _plot(summary: dict[str, dict[str, Any]], path: Path) -> Path:
 
 def headline(summary: dict[str, dict[str, Any]], users: int) -> str:
     """One line for the README's performance table."""
-    full = summary.get("full")
     parts = [
         f"{m} {s['lift_points']:+.1f} pts"
         + ("" if s["speedup"] is None or m == "full" else f" at {format_number(s['speedup'])}x")
-        + f", {format_number(s['trainable_params'] / full['trainable_params']) if full else '-'} of full's params"
+        + f", {100 * s['trainable_share']:.1f} % of full's params"
         for m, s in summary.items()
     ]
     return f"lift over the pretrained CNN, mean of {users} users; step speedup vs full: " + "; ".join(parts)
@@ -425,7 +478,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=16, help="channels of the CNN's first convs (doubling twice)")
     parser.add_argument("--pretrain-steps", type=int, default=250, help="pretraining steps (batch 64)")
     parser.add_argument("--pretrain-samples", type=int, default=4000, help="base-class training images")
-    parser.add_argument("--lora-rank", type=int, default=4, help="LoRA rank r (alpha 2r)")
+    parser.add_argument("--lora-rank", type=int, default=3, help="LoRA rank r (alpha 2r)")
     parser.add_argument("--reselect-every", type=int, default=16, help="ElasticTrainer: steps between reselections")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="ElasticTrainer's profiling clock")
     parser.add_argument("--backends", default="onnxruntime,executorch", help="device backends to export with ('none': no export)")
@@ -477,6 +530,8 @@ def run(args: argparse.Namespace) -> int:
     for method, row in summary.items():
         for note in row["warnings"]:
             print(f"  {method}: {note}")
+    targets = criteria(summary)
+    print(_criteria_block(targets))
     print(f"total {time.perf_counter() - start:.0f} s")
     plot = _plot(summary, Path(args.out) / "personalize.png")
     print(f"plot written to {plot}")
@@ -489,6 +544,7 @@ def run(args: argparse.Namespace) -> int:
         "users": users_info,
         "per_user": per_user,
         "methods": summary,
+        "criteria": targets,
     }
     save_result(args.out, "personalize", result, summary=headline(summary, len(users)))
     return 0
