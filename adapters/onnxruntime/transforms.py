@@ -51,7 +51,7 @@ and buffer (so names and values are unchanged):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -242,7 +242,7 @@ def _depthwise_matrix(conv: nn.Conv2d, x: torch.Tensor, h: _ConvAxis, w: _ConvAx
     product with a constant 0/1 matrix (padding is the zeros of that matrix), applied as a broadcast
     product and a sum: element-wise work over ``batch x channels x outputs x inputs`` values."""
     rows, columns = conv.kernel_size
-    (sh, sw), (ph, pw) = conv.stride, conv.padding
+    (sh, sw), (ph, pw) = conv.stride, (int(pad) for pad in conv.padding)  # not a str: _conv_axes refused those
     outputs, inputs = h.out * w.out, h.size * w.size
     pick = [[0.0] * (outputs * inputs) for _ in range(rows * columns)]
     for u in range(h.out):
@@ -305,7 +305,8 @@ def _rewrite_conv(conv: nn.Conv2d, shapes: set[tuple[int, ...]]) -> bool:
     if not (as_matrix or cropped):
         return False
     conv.__class__ = _ExportConv2d
-    conv.input_size, conv.as_matrix = (h.size, w.size), as_matrix
+    rewritten = cast(_ExportConv2d, conv)
+    rewritten.input_size, rewritten.as_matrix = (h.size, w.size), as_matrix
     return True
 
 
