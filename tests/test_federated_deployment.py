@@ -24,7 +24,7 @@ from taste_cl.adapters.flower.app import FleetConfig
 from taste_cl.adapters.flower.deployment import LoopbackDeployment, _app_module, _pyproject, launch_command
 from taste_cl.adapters.flower.fleet import InvalidUpdateError
 from taste_cl.adapters.flower.tls import write_node_key
-from taste_cl.adapters.flower.updates import array_spec, check_secagg_upload
+from taste_cl.adapters.flower.updates import array_spec, check_secagg_upload, named_arrays
 from taste_cl.benchmarks.federated.deployment import _simulate
 from taste_cl.datasets import make_mlp
 
@@ -128,11 +128,11 @@ def test_each_app_factory_refuses_the_other_mode() -> None:
 def test_secagg_device_names_casts_and_checks_its_own_update() -> None:
     initial = flower_secagg._initial(FleetConfig(secagg=True))
     spec = array_spec(initial)
-    named = flower_secagg._named(initial, [a.astype(np.float64) for a in initial.values()])
+    named = named_arrays(initial, [a.astype(np.float64) for a in initial.values()])
     assert list(named) == list(initial) and all(a.dtype == np.float32 for a in named.values())
     check_secagg_upload(named, spec, 1000)
     with pytest.raises(InvalidUpdateError, match="expected 4 shared arrays; got 3"):
-        flower_secagg._named(initial, list(initial.values())[:3])
+        named_arrays(initial, list(initial.values())[:3])
     named["0.bias"][0] = np.nan
     with pytest.raises(InvalidUpdateError, match="non-finite"):
         check_secagg_upload(named, spec, 1000)

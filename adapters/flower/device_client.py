@@ -43,9 +43,10 @@ from taste_cl.adapters.device.loader import load_learner
 from taste_cl.adapters.flower.device_data import DATA_FOLDER, FINETUNE_FOLDER, TRAIN_FOLDER, DeviceData
 from taste_cl.adapters.flower.updates import (
     MAX_WEIGHT,
-    InvalidUpdateError,
+    array_spec,
     check_secagg_upload,
     check_update,
+    named_arrays,
     personal_predicate,
     privacy_mod,
     require_flwr,
@@ -112,13 +113,8 @@ def _load_shared(learner: Any, arrays: Arrays, is_personal: Callable[[str], bool
     (SecAgg+ dequantizes to float64).
     """
     own = _own_shared(learner, is_personal)
-    if isinstance(arrays, Mapping):
-        shared = dict(arrays)
-    else:
-        if len(arrays) != len(own):
-            raise InvalidUpdateError(f"expected {len(own)} shared arrays; got {len(arrays)}")
-        shared = {name: np.asarray(a).astype(ref.dtype, copy=False) for (name, ref), a in zip(own.items(), arrays)}
-    check_update(shared, {name: (value.shape, value.dtype) for name, value in own.items()})
+    shared = dict(arrays) if isinstance(arrays, Mapping) else named_arrays(own, arrays)
+    check_update(shared, array_spec(own))
     learner.load_parameters(shared)
 
 
@@ -241,7 +237,7 @@ def _secagg_client_class() -> type:
         def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict[str, Any]]:
             shared, metrics = fit_on_device(config, self.ctx, parameters)
             weight = min(int(metrics.pop("num-examples")), int(MAX_WEIGHT))
-            check_secagg_upload(shared, {name: (value.shape, value.dtype) for name, value in shared.items()}, weight)
+            check_secagg_upload(shared, array_spec(shared), weight)
             return list(shared.values()), weight, metrics
 
         def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict[str, Any]]:

@@ -67,6 +67,7 @@ from taste_cl.adapters.flower.updates import (
     SHARES,
     array_spec,
     check_secagg_upload,
+    named_arrays,
     privacy_mod,
 )
 
@@ -88,16 +89,6 @@ def _initial(cfg: FleetConfig) -> dict[str, np.ndarray]:
     return shared_state(_fleet(cfg.devices, cfg.rounds, cfg.seed).build_learner(0).model, personal=cfg.prefixes)
 
 
-def _named(spec: Mapping[str, np.ndarray], arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
-    """Name an ordered list of arrays after the shared part ``spec`` and cast each to its dtype.
-
-    Casting matters: SecAgg+ dequantizes to float64 and DP noise is float64.
-    """
-    if len(arrays) != len(spec):
-        raise InvalidUpdateError(f"expected {len(spec)} shared arrays; got {len(arrays)}")
-    return {name: np.asarray(a).astype(ref.dtype, copy=False) for (name, ref), a in zip(spec.items(), arrays)}
-
-
 def _client_class() -> type:
     from flwr.client import NumPyClient
 
@@ -108,13 +99,13 @@ def _client_class() -> type:
             self.cfg, self.ctx = cfg, context
 
         def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict[str, Any]]:
-            shared, metrics = fit_device(self.cfg, self.ctx, _named(_initial(self.cfg), parameters), int(config["server-round"]))
+            shared, metrics = fit_device(self.cfg, self.ctx, named_arrays(_initial(self.cfg), parameters), int(config["server-round"]))
             weight = min(int(metrics.pop("num-examples")), int(MAX_WEIGHT))
             check_secagg_upload(shared, array_spec(_initial(self.cfg)), weight)  # the server cannot check a masked update
             return list(shared.values()), weight, metrics
 
         def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict[str, Any]]:
-            metrics = evaluate_device(self.cfg, self.ctx, _named(_initial(self.cfg), parameters), int(config["server-round"]))
+            metrics = evaluate_device(self.cfg, self.ctx, named_arrays(_initial(self.cfg), parameters), int(config["server-round"]))
             return 1.0 - float(metrics["accuracy-all"]), int(metrics["num-examples"]), metrics
 
     return SecAggDevice
@@ -228,7 +219,7 @@ def _strategy_class(aggregator: str) -> type:
             if not results:
                 return None, {}
             try:  # every reply holds the same aggregate (SecAgg+ wrote it there)
-                aggregate = _named(self.initial, parameters_to_ndarrays(results[0][1].parameters))
+                aggregate = named_arrays(self.initial, parameters_to_ndarrays(results[0][1].parameters))
                 check_update(aggregate, array_spec(self.initial))
                 problem = AggregationPolicy().value_problem(aggregate)
             except InvalidUpdateError as error:
@@ -239,7 +230,7 @@ def _strategy_class(aggregator: str) -> type:
                 return None, {}
             average = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(list(aggregate.values())), 1, {})
             stepped, _ = super().aggregate_fit(server_round, [(results[0][0], average)], [])
-            return ndarrays_to_parameters(list(_named(self.initial, parameters_to_ndarrays(stepped)).values())), {}
+            return ndarrays_to_parameters(list(named_arrays(self.initial, parameters_to_ndarrays(stepped)).values())), {}
 
         def configure_evaluate(self, server_round: int, parameters: Any, client_manager: Any) -> Any:
             if not self.cfg.evaluate_every_round and server_round != self.cfg.rounds:
@@ -302,7 +293,7 @@ def _run_workflow(cfg: FleetConfig, grid: Grid, context: Context, folder: Path) 
     workflow(cast("Grid", counting), legacy)
     if cfg.out_dir:
         final = parameters_to_ndarrays(compat.arrayrecord_to_parameters(legacy.state.array_records[MAIN_PARAMS_RECORD], keep_input=True))
-        write_outputs(cfg, _named(initial, final), time.perf_counter() - start, strategy.rounds, strategy.dropped, strategy.evaluations)
+        write_outputs(cfg, named_arrays(initial, final), time.perf_counter() - start, strategy.rounds, strategy.dropped, strategy.evaluations)
 
 
 def _privacy_mod(fixed: FleetConfig | None) -> Callable[..., Message]:

@@ -84,6 +84,17 @@ def array_spec(arrays: Mapping[str, np.ndarray]) -> ArraySpec:
     return {name: (tuple(a.shape), a.dtype) for name, a in arrays.items()}
 
 
+def named_arrays(spec: Mapping[str, np.ndarray], arrays: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+    """Name an ordered list of arrays after the shared part ``spec`` and cast each to its dtype.
+
+    SecAgg+ and the legacy ``NumPyClient`` API carry lists; casting matters because SecAgg+
+    dequantizes to float64 and DP noise is float64.
+    """
+    if len(arrays) != len(spec):
+        raise InvalidUpdateError(f"expected {len(spec)} shared arrays; got {len(arrays)}")
+    return {name: np.asarray(a).astype(ref.dtype, copy=False) for (name, ref), a in zip(spec.items(), arrays)}
+
+
 def check_update(arrays: Mapping[str, np.ndarray], expected: ArraySpec) -> None:
     """Raise :class:`InvalidUpdateError` unless ``arrays`` match ``expected`` and are finite."""
     missing, extra = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
