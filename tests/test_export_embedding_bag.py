@@ -199,7 +199,8 @@ def test_onnxruntime_replays_dict_rows_and_keeps_them_across_save(tmp_path: Path
 
 
 def test_onnxruntime_refuses_ids_outside_the_tables_before_the_runtime(tmp_path: Path) -> None:
-    from taste_cl.adapters.onnxruntime.runtime import REPLAY_FILE, OrtOnlineLearner
+    from taste_cl.adapters.onnxruntime.manifest import REPLAY_FILE
+    from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
     learner_ = learner(replay_batch_size=4)
     for seed in range(2):
@@ -231,7 +232,7 @@ def test_onnxruntime_refuses_ids_outside_the_tables_before_the_runtime(tmp_path:
 
 
 def test_onnxruntime_manifest_bounds_are_validated(tmp_path: Path) -> None:
-    from taste_cl.adapters.onnxruntime.runtime import parse_manifest
+    from taste_cl.adapters.onnxruntime.manifest import parse_manifest
 
     learner_ = learner()
     learner_.observe(stream(8, 0))

@@ -139,15 +139,15 @@ class _OrtRuntime:
     min_batch, max_batch = 1, None
 
     def __init__(self, learner: Any) -> None:
-        from taste_cl.adapters.onnxruntime.runtime import _ort
+        from taste_cl.adapters.onnxruntime.session import ort_bindings
 
         self.learner = learner
-        self.name = f"onnxruntime {_ort().get_version_string()}"
+        self.name = f"onnxruntime {ort_bindings().get_version_string()}"
         self.threads: int | None = None  # set by the tuner; None: ONNX Runtime's default (one per core)
         self._probes: dict[int | None, Any] = {}
 
     def artifact_key(self) -> str:
-        from taste_cl.adapters.onnxruntime.runtime import OPTIMIZER_MODEL, TRAINING_MODEL
+        from taste_cl.adapters.onnxruntime.manifest import OPTIMIZER_MODEL, TRAINING_MODEL
 
         files = self.learner.manifest["files"]
         optimizer = {k: v for k, v in self.learner.spec.optimizer.items() if k != "lr"}
@@ -165,9 +165,10 @@ class _OrtRuntime:
         momentum and learning rate, with ``threads`` intra-op threads. Its folder lives as long as it does
         (ONNX Runtime reads the eval graph again when exporting)."""
         from taste_cl.adapters.device.artifacts import read_verified
-        from taste_cl.adapters.onnxruntime.runtime import CHECKPOINT, EVAL_MODEL, OPTIMIZER_MODEL, TRAINING_MODEL, OrtSession, _ort
+        from taste_cl.adapters.onnxruntime.manifest import CHECKPOINT, EVAL_MODEL, OPTIMIZER_MODEL, TRAINING_MODEL
+        from taste_cl.adapters.onnxruntime.session import OrtSession, ort_bindings
 
-        C, live = _ort(), self.learner.session
+        C, live = ort_bindings(), self.learner.session
         folder = tempfile.TemporaryDirectory(prefix="taste-cl-tuner-")
         path = Path(folder.name)
         try:

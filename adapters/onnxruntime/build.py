@@ -49,9 +49,25 @@ from taste_cl.adapters.device.parity import (
 )
 from taste_cl.adapters.device.trainable import freeze_untrained, trained_parameters
 from taste_cl.adapters.device.transforms import FrozenBatchNorm
-from taste_cl.adapters.onnxruntime import runtime as device
+from taste_cl.adapters.onnxruntime.batches import features
 from taste_cl.adapters.onnxruntime.fold import fold_frozen_batchnorm
 from taste_cl.adapters.onnxruntime.losses import traceable_loss
+from taste_cl.adapters.onnxruntime.manifest import (
+    ARTIFACT_FORMAT,
+    CHECKPOINT,
+    EVAL_MODEL,
+    LABEL_NAME,
+    LOSS_NAME,
+    OPTIMIZER_MODEL,
+    OUTPUT_NAME,
+    REPLAY_FILE,
+    TRAINING_MODEL,
+    DeviceSpec,
+    TensorSpec,
+    parse_manifest,
+)
+from taste_cl.adapters.onnxruntime.runtime import load
+from taste_cl.adapters.onnxruntime.session import OrtSession
 from taste_cl.adapters.onnxruntime.transforms import (
     apply_transforms,
     check_equivalent,
@@ -175,7 +191,7 @@ def _export_dtype(tensor: torch.Tensor, what: str) -> torch.dtype:
 
 
 def _spec(name: str, dtype: torch.dtype, example: torch.Tensor, bound: int | None = None) -> dict[str, Any]:
-    return device.TensorSpec(name, str(dtype).removeprefix("torch."), tuple(example.shape[1:]), bound).as_json()
+    return TensorSpec(name, str(dtype).removeprefix("torch."), tuple(example.shape[1:]), bound).as_json()
 
 
 def _as_numpy(value: Any, dtype: torch.dtype) -> np.ndarray:
@@ -247,7 +263,7 @@ def _torch_mode_adamw(path: Path) -> None:
     onnx.save(model, str(path))
 
 
-def _write_adamw_state(folder: Path, spec: device.DeviceSpec, state: dict[str, dict[str, torch.Tensor]], example: Any) -> None:
+def _write_adamw_state(folder: Path, spec: DeviceSpec, state: dict[str, dict[str, torch.Tensor]], example: Any) -> None:
     """Put PyTorch's AdamW moments and step into the ORT checkpoint.
 
     ORT has no setter for optimizer state, so one step with learning rate 0 (which leaves
@@ -256,16 +272,16 @@ def _write_adamw_state(folder: Path, spec: device.DeviceSpec, state: dict[str, d
     """
     from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import Checkpoint
 
-    session = device.OrtSession(folder, spec)
+    session = OrtSession(folder, spec)
     session.lr = 0.0
     session.module.lazy_reset_grad()  # a bare step: no running statistics written back
     inputs, labels = example
     session._run(inputs, labels, True)
     assert session.optimizer is not None  # the session was built from a training folder
     session.optimizer.optimizer_step()
-    session._C.save_checkpoint(session.state, str(folder / device.CHECKPOINT), True)
+    session._C.save_checkpoint(session.state, str(folder / CHECKPOINT), True)
     del session
-    data = bytearray((folder / device.CHECKPOINT).read_bytes())
+    data = bytearray((folder / CHECKPOINT).read_bytes())
     root = Checkpoint.Checkpoint.GetRootAs(data, 0)
     steps = {int(s["step"]) for s in state.values()}
     if len(steps) != 1:
@@ -289,7 +305,7 @@ def _write_adamw_state(folder: Path, spec: device.DeviceSpec, state: dict[str, d
                 if len(value) != tensor._tab.VectorLen(raw):
                     raise ExportError(f"AdamW state of {name!r} does not match the parameter's size")
                 data[start : start + len(value)] = value
-    (folder / device.CHECKPOINT).write_bytes(bytes(data))
+    (folder / CHECKPOINT).write_bytes(bytes(data))
 
 
 # --------------------------------------------------------------------- graphs
@@ -321,7 +337,7 @@ def _trace(graph_module: _Graph, tensors: list[torch.Tensor], names: list[str], 
 
     modules = _module_names(graph_module.model)
     buffer = io.BytesIO()
-    axes = {name: {0: "batch"} for name in [*names, device.LABEL_NAME, device.OUTPUT_NAME]}
+    axes = {name: {0: "batch"} for name in [*names, LABEL_NAME, OUTPUT_NAME]}
     with warnings.catch_warnings():  # the legacy exporter (what ORT 1.19 training takes) warns on every call
         warnings.simplefilter("ignore")
         try:
@@ -329,8 +345,8 @@ def _trace(graph_module: _Graph, tensors: list[torch.Tensor], names: list[str], 
                 graph_module,
                 tuple(tensors),
                 buffer,  # type: ignore[arg-type]
-                input_names=[*names, device.LABEL_NAME],
-                output_names=[device.LOSS_NAME, device.OUTPUT_NAME],
+                input_names=[*names, LABEL_NAME],
+                output_names=[LOSS_NAME, OUTPUT_NAME],
                 dynamic_axes=axes,
                 opset_version=opset,
                 do_constant_folding=False,
@@ -602,13 +618,13 @@ class _SessionTrainer:
         self.spec, self.session = loaded.spec, loaded.session
 
     def train_step(self, x: Any, y: np.ndarray) -> float:
-        return self.session.train_step(device._features(x, self.spec), y)[1]
+        return self.session.train_step(features(x, self.spec), y)[1]
 
     def parameters(self) -> dict[str, np.ndarray]:
         return self.session.parameters(trainable_only=True)
 
     def predict(self, x: Any) -> np.ndarray:
-        return self.session.predict(device._features(x, self.spec))
+        return self.session.predict(features(x, self.spec))
 
 
 def export_model(
@@ -718,13 +734,13 @@ def export_model(
     if task is not None:
         num_classes = task.num_classes(output_shape)
     manifest: dict[str, Any] = {
-        "format": device.ARTIFACT_FORMAT,
+        "format": ARTIFACT_FORMAT,
         "producer": f"taste_cl {__version__}",
         "opset": opset,
         "structure": structure,
         "inputs": [_spec(name, d, t, bounds.get(name)) for name, d, t in zip(names, dtypes, ex_inputs)],
-        "labels": _spec(device.LABEL_NAME, label_dtype, ex_labels),
-        "output": device.TensorSpec(device.OUTPUT_NAME, "float32", tuple(output_shape)).as_json(),
+        "labels": _spec(LABEL_NAME, label_dtype, ex_labels),
+        "output": TensorSpec(OUTPUT_NAME, "float32", tuple(output_shape)).as_json(),
         "loss": type(loss_fn).__name__,
         "task": None if task is None else task.config(),
         "num_classes": num_classes,
@@ -756,28 +772,28 @@ def export_model(
                     requires_grad=requires_grad,
                     frozen_params=frozen,
                     loss=onnxblock.blocks.PassThrough(),
-                    loss_input_names=[device.LOSS_NAME],
+                    loss_input_names=[LOSS_NAME],
                     optimizer=_adamw_block(config) if adamw else None,
                     artifact_directory=stage,
-                    additional_output_names=[device.OUTPUT_NAME, *(stat["output"] for stat in running_stats)],
+                    additional_output_names=[OUTPUT_NAME, *(stat["output"] for stat in running_stats)],
                 )
         except Exception as error:  # ORT reports a missing gradient as a bare RuntimeError
             raise _gradient_failure(error, graph) from error
-        _fix_eval_graph(stage / device.EVAL_MODEL)
-        _strict_clip_gradients(stage / device.TRAINING_MODEL)
+        _fix_eval_graph(stage / EVAL_MODEL)
+        _strict_clip_gradients(stage / TRAINING_MODEL)
         if adamw:
-            _torch_mode_adamw(stage / device.OPTIMIZER_MODEL)
+            _torch_mode_adamw(stage / OPTIMIZER_MODEL)
         modules = _module_names(work)
-        _refuse_crashing_gradients(stage / device.TRAINING_MODEL, graph, modules)
+        _refuse_crashing_gradients(stage / TRAINING_MODEL, graph, modules)
         try:  # the first run of these graphs happens where a crash cannot take this process with it
             trial_run(stage, {**manifest, "files": {}}, *feed)
         except TrialFailure as failure:
             raise _trial_failure(failure, graph, modules) from failure
-        spec = device.parse_manifest({**manifest, "files": {}})
+        spec = parse_manifest({**manifest, "files": {}})
         if adamw and work_optimizer.state:
             state = {name: work_optimizer.state[p] for name, p in work.named_parameters() if p in work_optimizer.state}
             _write_adamw_state(stage, spec, state, feed)
-        session = device.OrtSession(stage, spec, _sgd_buffers(work, work_optimizer, requires_grad))
+        session = OrtSession(stage, spec, _sgd_buffers(work, work_optimizer, requires_grad))
         session.save(stage)  # the checkpoint (AdamW state included), SGD buffers, inference model
         if session.sgd_state:
             manifest["sgd_state"] = session.sgd_order()
@@ -786,8 +802,8 @@ def export_model(
             replay = ReplayRows(replay.x, task_targets(task, replay.x, replay.y, output_shape), replay.capacity,
                                 replay.seen, replay.seed)  # fmt: skip
             data, size = _replay_bytes(replay, dtypes, label_dtype)
-            (stage / device.REPLAY_FILE).write_bytes(data)
-            manifest["replay"] = {"file": device.REPLAY_FILE, "capacity": replay.capacity, "size": size,
+            (stage / REPLAY_FILE).write_bytes(data)
+            manifest["replay"] = {"file": REPLAY_FILE, "capacity": replay.capacity, "size": size,
                                   "seen": max(replay.seen, size), "seed": replay.seed, "rng": None}  # fmt: skip
         report = None
         if verify:
@@ -844,9 +860,9 @@ def _parity_gate(
         param_tolerance = max(tol, 2.0 * float(work_optimizer.param_groups[0]["lr"]) * steps)
     reference = _reference(work, work_optimizer, loss)
     with tempfile.TemporaryDirectory(prefix="taste_cl_parity_") as scratch:
-        graph = Path(scratch) / device.TRAINING_MODEL
-        _without_dropout(stage / device.TRAINING_MODEL, graph)
-        candidate = _SessionTrainer(device.load(stage, training_model=graph))
+        graph = Path(scratch) / TRAINING_MODEL
+        _without_dropout(stage / TRAINING_MODEL, graph)
+        candidate = _SessionTrainer(load(stage, training_model=graph))
         return check_parity(reference, candidate, numpy_batches, backend="onnxruntime", tolerance=tolerance,
                             param_tolerance=param_tolerance, alternatives=alternatives,
                             precise=partial(_reference, work, work_optimizer, loss, "float64"))  # fmt: skip

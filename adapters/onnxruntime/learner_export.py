@@ -42,15 +42,8 @@ from taste_cl.adapters.onnxruntime.build import (
     UnsupportedOperatorError,
     export_model,
 )
-from taste_cl.adapters.onnxruntime.runtime import (
-    CHECKPOINT,
-    EVAL_MODEL,
-    INFERENCE_MODEL,
-    OPTIMIZER_MODEL,
-    TRAINING_MODEL,
-    DeviceObserveStats,
-    OrtOnlineLearner,
-)
+from taste_cl.adapters.onnxruntime.manifest import CHECKPOINT, EVAL_MODEL, INFERENCE_MODEL, OPTIMIZER_MODEL, TRAINING_MODEL
+from taste_cl.adapters.onnxruntime.runtime import DeviceObserveStats, OrtOnlineLearner
 from taste_cl.learner import OnlineLearner
 from taste_cl.learner.heads import reserved_slots
 from taste_cl.outputs import selecting

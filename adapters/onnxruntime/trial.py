@@ -4,7 +4,7 @@ ONNX Runtime's training kernels can kill the process that runs them instead of r
 (1.19's ``AveragePoolGrad`` divides by zero on a dynamic batch: SIGFPE, no exception). A
 known crash is refused from the graph before anything runs (:mod:`.build`); as a net for the
 unknown ones, :func:`trial_run` loads the staged artifacts with the device runtime
-(:class:`~taste_cl.adapters.onnxruntime.runtime.OrtSession`) in a child Python and trains
+(:class:`~taste_cl.adapters.onnxruntime.session.OrtSession`) in a child Python and trains
 one step on the example batch and one on a batch of another size, then runs the eval
 graph. A child killed by a signal or failing in ONNX Runtime becomes an
 :class:`~taste_cl.adapters.device.artifacts.ExportError` naming the signal, the step and
@@ -105,14 +105,15 @@ def _child(folder: Path, scratch: Path) -> None:
         print(_STEP + what, flush=True)
 
     _import_onnxruntime_bindings()
-    from taste_cl.adapters.onnxruntime import runtime
+    from taste_cl.adapters.onnxruntime.manifest import parse_manifest
+    from taste_cl.adapters.onnxruntime.session import OrtSession
 
-    spec = runtime.parse_manifest(json.loads((scratch / _MANIFEST).read_text()))
+    spec = parse_manifest(json.loads((scratch / _MANIFEST).read_text()))
     with np.load(scratch / _FEED, allow_pickle=False) as feed:
         labels = feed["y"]
         inputs = [feed[f"x{i}"] for i in range(len(feed.files) - 1)]
     step("loading the artifacts")
-    session = runtime.OrtSession(folder, spec)
+    session = OrtSession(folder, spec)
     for batch in (inputs, [np.concatenate([array, array[:1]]) for array in inputs]):
         rows = batch[0].shape[0]
         step(f"a training step on {rows} rows")
