@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from taste_cl.benchmarks import personalize
-from taste_cl.benchmarks.personalize import METHODS, build_cnn, criteria, parse_args, prepare, trainable_count
+from taste_cl.benchmarks.personalize import METHODS, build_cnn, choose_lr, criteria, parse_args, prepare, trainable_count
 
 pytest.importorskip("peft")
 
@@ -41,7 +41,7 @@ def test_tiny_run_reports_every_number_for_every_method(tmp_path: Path, capsys: 
                     "training_memory_bytes"):  # fmt: skip
             assert isinstance(row[key], float | int), (method, key)
         scores = {float(lr): score for lr, score in result["lr_sweep"][method].items()}
-        assert set(scores) == {0.001, 0.01} and row["lr"] == max(scores, key=scores.__getitem__)  # the validation user's best
+        assert set(scores) == {0.001, 0.01} and row["lr"] == choose_lr(scores, result["config"]["test_samples"])
         ort = row["artifacts"]["onnxruntime"]
         assert (ort["bytes"] or 0) > 0 or ort["refused"], method
         assert "executorch" not in row["artifacts"]
@@ -167,3 +167,19 @@ def test_both_backends_export_every_method(tmp_path: Path) -> None:
         assert (entry["refused"] is None and entry["bytes"] > 0) or (isinstance(entry["refused"], str) and entry["refused"]), (method, entry)
     sizes = {method: row["artifacts"]["onnxruntime"]["bytes"] for method, row in result["methods"].items()}
     assert sizes["last_layer"] < sizes["full"]  # a smaller trainable set, a smaller artifact
+
+
+@pytest.mark.parametrize(
+    ("accuracy", "chosen"),
+    [
+        ({0.001: 0.994, 0.003: 0.996, 0.01: 0.998, 0.03: 0.978}, 0.003),  # one sample behind the best: the smaller rate
+        ({0.001: 0.99, 0.003: 0.994, 0.01: 0.998, 0.03: 0.996}, 0.01),  # two samples behind: out
+        ({0.003: 0.9959999918937683, 0.01: 0.9980000257492065}, 0.003),  # float32 accuracies one sample apart
+        ({0.001: 0.5, 0.003: 0.8, 0.01: 0.9, 0.03: 0.2}, 0.01),  # a clear best (its standard error is 0.013)
+        ({0.001: 0.89, 0.003: 0.9, 0.01: 0.2}, 0.001),  # within one standard error (0.013) of the best
+        ({0.001: 0.88, 0.003: 0.9, 0.01: 0.2}, 0.003),  # two points behind: more than one standard error
+        ({0.03: 1.0, 0.01: 1.0}, 0.01),  # ties: the smallest
+    ],
+)
+def test_choose_lr_takes_the_smallest_rate_within_one_standard_error_of_the_best(accuracy: dict[float, float], chosen: float) -> None:
+    assert choose_lr(accuracy, 500) == chosen
