@@ -21,7 +21,7 @@ import torch
 from taste_cl._batch import Inputs, cat_batches, index_batch, leaves
 from taste_cl._checks import check_int
 
-__all__ = ["BatchPlan", "MicroBatcher", "OnBatcher", "plan_from", "rescale_lr"]
+__all__ = ["BatchPlan", "Chunk", "MicroBatcher", "OnBatcher", "plan_from", "replaying_micro_batch", "rescale_lr"]
 
 T = TypeVar("T")
 Chunk = tuple[Inputs, torch.Tensor, int]  # stream inputs, targets, replayed samples to add
@@ -79,6 +79,23 @@ def rescale_lr(optimizer: torch.optim.Optimizer, old: BatchPlan | None, new: Bat
                 group["lr"].mul_(factor)
             else:
                 group["lr"] = group["lr"] * factor
+
+
+def replay_part(micro_batch_size: int, share: float) -> int:
+    """Replayed samples in a micro-batch of ``micro_batch_size`` at replay ``share`` (at least one stream sample)."""
+    return min(round(micro_batch_size * share), micro_batch_size - 1)
+
+
+def replaying_micro_batch(stream_batch_size: int, replay_batch_size: int) -> int:
+    """The smallest micro-batch that holds a replayed sample at the learner's stream:replay ratio
+    (1 without replay): a smaller one would train on the stream alone and forget."""
+    if replay_batch_size <= 0:
+        return 1
+    share = replay_batch_size / (stream_batch_size + replay_batch_size)
+    micro = 2
+    while replay_part(micro, share) < 1:
+        micro += 1
+    return micro
 
 
 class MicroBatcher:
@@ -141,8 +158,8 @@ class MicroBatcher:
         assert self.plan is not None and self.stream_batch_size is not None
         micro = self.plan.micro_batch_size
         share = replay_batch_size / (self.stream_batch_size + replay_batch_size) if stored else 0.0
-        replay_part = min(round(micro * share), micro - 1)
-        return micro - replay_part, replay_part
+        replayed = replay_part(micro, share)
+        return micro - replayed, replayed
 
     def waited_too_long(self) -> bool:
         """Whether the plan's freshness bound asks for a step now."""

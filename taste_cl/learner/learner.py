@@ -39,7 +39,7 @@ from torch import nn
 
 from taste_cl._batch import BatchLike, Inputs, Spec, batch_len, call_model, cat_batches, map_leaves, split_batch, to_inputs, to_like
 from taste_cl.guards.update import UpdateGuard
-from taste_cl.learner.batching import BatchPlan, MicroBatcher, OnBatcher, plan_from, rescale_lr
+from taste_cl.learner.batching import BatchPlan, Chunk, MicroBatcher, OnBatcher, plan_from, rescale_lr
 from taste_cl.learner.checks import check_arguments, check_optimizer_covers, check_replay_fits, settle_first_batch
 from taste_cl.learner.heads import plan_growth
 from taste_cl.learner.stats import ObserveStats, Totals
@@ -264,8 +264,7 @@ class OnlineLearner:
             start = time.perf_counter()
             totals = Totals()
             batcher.arrive(n)
-            for chunk_x, chunk_y, n_replay in batcher.chunks(x, y, self.replay_batch_size, self._stored()):
-                self._learn_chunk(chunk_x, chunk_y, n_replay, totals)
+            self._learn_chunks(batcher.chunks(x, y, self.replay_batch_size, self._stored()), totals)
             if batcher.waited_too_long():
                 self._flush(totals)
             elapsed = time.perf_counter() - start
@@ -284,39 +283,45 @@ class OnlineLearner:
         """Train the pending stream samples as one smaller micro-batch and apply the window."""
         chunk = self._batcher.take_pending(self.replay_batch_size, self._stored())
         if chunk is not None:
-            self._learn_chunk(*chunk, totals)
+            self._learn_chunks([chunk], totals)
         totals.add_step(self._apply_accumulated())
 
-    def _learn_chunk(self, x: Inputs, y: torch.Tensor, n_replay: int, totals: Totals) -> None:
-        """Score ``x`` (test), train ``train_iterations`` micro-batches on it with replay, then store it.
+    def _learn_chunks(self, chunks: list[Chunk], totals: Totals) -> None:
+        """Score each chunk (test), train ``train_iterations`` passes over them with replay, then store them.
 
-        The score comes from an eval-mode forward (what :meth:`predict` returns) when the
-        model's output depends on the train/eval mode, else from the first training forward.
-        A chunk whose loss overflowed is scored but never stored: it would poison later steps.
-        With a plan, each micro-batch's loss is weighted by the batcher (see :meth:`MicroBatcher.enter`).
+        Each pass trains every chunk once, so under a plan an accumulation window spans
+        different samples of one pass, as the learner's own step does, not the iterations of
+        one chunk. The score comes from an eval-mode forward (what :meth:`predict` returns)
+        when the model's output depends on the train/eval mode, else from the chunk's first
+        training forward. A chunk whose loss overflowed is scored but never stored: it would
+        poison later steps. With a plan, each micro-batch's loss is weighted by the batcher
+        (see :meth:`MicroBatcher.enter`).
         """
-        n = y.shape[0]
         batcher = self._batcher
-        weight = 1.0 if batcher.plan is None else batcher.enter(n, self.replay_batch_size, self._stored())
-        finite = True
-        stream_outputs = self._logits(x) if self._score_eval else None
+        weights = [1.0 if batcher.plan is None else batcher.enter(y.shape[0], self.replay_batch_size, self._stored()) for _, y, _ in chunks]
+        finite = [True] * len(chunks)
+        scored: list[torch.Tensor | None] = [self._logits(x) if self._score_eval else None for x, _, _ in chunks]
+        last: list[torch.Tensor | None] = [None] * len(chunks)
         for _ in range(self.train_iterations):
-            train_x, train_y, fields = self._with_replay(x, y, n_replay)
-            outputs, loss = self._micro_step(train_x, train_y, n, fields, weight)
-            outputs = outputs[:n]  # the stream rows
-            finite &= math.isfinite(loss)
-            if stream_outputs is None:
-                stream_outputs = outputs  # scored before any update on this chunk
-            totals.add_micro(loss, train_y.shape[0], n_replay)
-            if batcher.window_full():
-                totals.add_step(self._apply_accumulated())
-        assert stream_outputs is not None
-        totals.add_scored(self.monitor.record(x, y, stream_outputs, validated=True, store=finite))
-        if self.replay is not None and finite:
-            self.replay.add_validated(x, y, **self.strategy.fields(x, y, outputs))
-        if self.monitor.due():
-            self.monitor.evaluate(lambda probe_x: self._logits(self._place(probe_x)))
-        self.strategy.after_chunk(self)
+            for i, (x, y, n_replay) in enumerate(chunks):
+                n = y.shape[0]
+                train_x, train_y, fields = self._with_replay(x, y, n_replay)
+                outputs, loss = self._micro_step(train_x, train_y, n, fields, weights[i])
+                last[i] = outputs[:n]  # the stream rows
+                finite[i] &= math.isfinite(loss)
+                if scored[i] is None:
+                    scored[i] = last[i]  # scored before any update on this chunk
+                totals.add_micro(loss, train_y.shape[0], n_replay)
+                if batcher.window_full():
+                    totals.add_step(self._apply_accumulated())
+        for (x, y, _), score, trained, ok in zip(chunks, scored, last, finite):
+            assert score is not None and trained is not None
+            totals.add_scored(self.monitor.record(x, y, score, validated=True, store=ok))
+            if self.replay is not None and ok:
+                self.replay.add_validated(x, y, **self.strategy.fields(x, y, trained))
+            if self.monitor.due():
+                self.monitor.evaluate(lambda probe_x: self._logits(self._place(probe_x)))
+            self.strategy.after_chunk(self)
 
     def _with_replay(self, x: Inputs, y: torch.Tensor, n_replay: int) -> tuple[Inputs, torch.Tensor, dict[str, torch.Tensor]]:
         """The micro-batch ``[stream | replayed]`` and the replayed samples' stored fields (those the strategy uses)."""

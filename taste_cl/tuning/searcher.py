@@ -131,14 +131,16 @@ def result_from_state(saved: Any) -> TuningResult:
     )
 
 
-def split_plan(result: TuningResult, effective: int) -> tuple[int, int] | None:
+def split_plan(result: TuningResult, effective: int, *, smallest: int = 1) -> tuple[int, int] | None:
     """``(micro_batch, accumulation_steps)`` that split a step of ``effective`` samples into balanced
-    micro-batches of at most the tuned size, or None when one step of ``effective`` is as fast: the
-    tuned size must be smaller and at least ``_SPLIT_GAIN`` (10 %) faster than the anchor measured."""
+    micro-batches of at most the tuned size (but at least ``smallest``), or None when one step of
+    ``effective`` is as fast: the tuned size must be smaller and at least ``_SPLIT_GAIN`` (10 %)
+    faster than the anchor measured."""
     top = result.top_samples_per_s
-    if result.batch_size >= effective or (top is not None and result.samples_per_s < _SPLIT_GAIN * top):
+    size = max(result.batch_size, smallest)
+    if size >= effective or (top is not None and result.samples_per_s < _SPLIT_GAIN * top):
         return None
-    accumulation = math.ceil(effective / result.batch_size)
+    accumulation = math.ceil(effective / size)
     return max(math.ceil(effective / accumulation), result.min_batch_size), accumulation
 
 

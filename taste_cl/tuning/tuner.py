@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from taste_cl._batch import batch_len, index_batch
+from taste_cl.learner.batching import replaying_micro_batch
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.tuning.cache import (
     CachedSurface,
@@ -369,16 +370,19 @@ class BatchSizeTuner(LearnerPlugin):
             raise TuningError("no real samples to probe with yet (empty replay buffer and no stream batch since loading)")
         return self._recent
 
-    def plan_for(self, result: TuningResult, optimizer: torch.optim.Optimizer) -> tuple[int, int, float] | None:
+    def plan_for(self, result: TuningResult, optimizer: torch.optim.Optimizer, replay_batch_size: int = 0) -> tuple[int, int, float] | None:
         """``(micro_batch, accumulation_steps, lr_scale)`` for ``result``, or None to keep the
         learner's own step (one per ``observe``, the default when it is also the fastest).
 
         The effective batch goes in one micro-batch unless balanced micro-batches of at most
-        the tuned size are at least 10 % faster; a micro-batch never exceeds the effective batch.
+        the tuned size are at least 10 % faster; a micro-batch never exceeds the effective batch,
+        and holds at least one replayed sample when the learner replays ``replay_batch_size``
+        per stream batch (:func:`~taste_cl.learner.batching.replaying_micro_batch`).
         """
         reference = self.reference_ or result.batch_size
         effective = max(self.effective_batch_size or reference, result.min_batch_size)
-        split = split_plan(result, effective)
+        smallest = replaying_micro_batch(max(reference - replay_batch_size, 1), replay_batch_size)
+        split = split_plan(result, effective, smallest=smallest)
         if split is None:
             if self.effective_batch_size is None:
                 return None
@@ -393,7 +397,7 @@ class BatchSizeTuner(LearnerPlugin):
             result = self.tune(
                 learner.model, learner.optimizer, learner.loss_fn, self._probe_samples(learner), anchor=effective, output=learner.output
             )
-            plan = self.plan_for(result, learner.optimizer)
+            plan = self.plan_for(result, learner.optimizer, learner.replay_batch_size if learner.replay is not None else 0)
             micro, accumulation, lr_scale = plan if plan is not None else (None, 1, 1.0)
             learner.set_batch_plan(
                 micro,
