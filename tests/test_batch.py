@@ -174,7 +174,7 @@ def _dict_learner() -> OnlineLearner:
 def test_structured_samples_waiting_for_a_micro_batch_survive_a_checkpoint(tmp_path):
     straight, resumed = _dict_learner(), _dict_learner()
     for learner in (straight, resumed):
-        learner.set_batch_plan(5)
+        learner.set_batch_plan(8)  # 5 stream samples and 3 replayed: batches of 3 leave samples waiting
         for seed in range(3):
             learner.observe(_dict_batch(seed))
     assert resumed._pending is not None and set(resumed._pending[0]) == {"ids", "feats"}

@@ -140,7 +140,7 @@ class MicroBatcher:
             if self.pending is not None:  # left by a plan that was removed
                 (x, y), self.pending = (cat_batches([self.pending[0], x]), torch.cat([self.pending[1], y])), None
             return [(x, y, min(replay_batch_size, stored))]
-        stream_part, replay_part = self.micro_split(replay_batch_size, stored)
+        stream_part, replay_part = self.micro_split(replay_batch_size)
         pending_x = x if self.pending is None else cat_batches([self.pending[0], x])
         pending_y = y if self.pending is None else torch.cat([self.pending[1], y])
         total = pending_y.shape[0]
@@ -152,14 +152,21 @@ class MicroBatcher:
             for i in range(0, full, stream_part)
         ]
 
-    def micro_split(self, replay_batch_size: int, stored: int) -> tuple[int, int]:
-        """Stream and replay samples of a full micro-batch of the plan (the learner's stream:replay
-        ratio; no replay share while the buffer is empty)."""
+    def micro_split(self, replay_batch_size: int) -> tuple[int, int]:
+        """Stream and replay samples of a full micro-batch of the plan: the learner's stream:replay
+        ratio, also while the buffer holds fewer rows (its micro-batches then replay what it has),
+        so an observe's stream splits the same way from the first batch on."""
         assert self.plan is not None and self.stream_batch_size is not None
         micro = self.plan.micro_batch_size
-        share = replay_batch_size / (self.stream_batch_size + replay_batch_size) if stored else 0.0
+        share = replay_batch_size / (self.stream_batch_size + replay_batch_size)
         replayed = replay_part(micro, share)
         return micro - replayed, replayed
+
+    def per_observe(self, replay_batch_size: int) -> bool:
+        """Whether a full window is at most one stream batch plus its replay (the tuner's plan for
+        the learner's own step), rather than spanning observes (a larger effective batch)."""
+        assert self.plan is not None and self.stream_batch_size is not None
+        return self.plan.micro_batch_size * self.plan.accumulation_steps <= self.stream_batch_size + replay_batch_size
 
     def waited_too_long(self) -> bool:
         """Whether the plan's freshness bound asks for a step now."""
@@ -176,13 +183,13 @@ class MicroBatcher:
         if self.pending is None:
             return None
         (x, y), self.pending = self.pending, None
-        stream_part, replay_part = self.micro_split(replay_batch_size, stored)
+        stream_part, replay_part = self.micro_split(replay_batch_size)
         return x, y, min(round(y.shape[0] * replay_part / stream_part), stored)
 
     def pending_count(self) -> int:
         return 0 if self.pending is None else self.pending[1].shape[0]
 
-    def enter(self, n: int, replay_batch_size: int, stored: int) -> float:
+    def enter(self, n: int, replay_batch_size: int) -> float:
         """Count a chunk of ``n`` stream samples into the window; return its loss weight.
 
         Each micro-batch's loss is weighted by its stream samples over those of a full
@@ -191,7 +198,7 @@ class MicroBatcher:
         """
         assert self.plan is not None
         self.window_stream += n
-        return n / (self.micro_split(replay_batch_size, stored)[0] * self.plan.accumulation_steps)
+        return n / (self.micro_split(replay_batch_size)[0] * self.plan.accumulation_steps)
 
     def add_micro(self, finite: bool) -> None:
         """Count one micro-batch's gradient into the window (``finite``: its loss was)."""

@@ -264,7 +264,7 @@ class OnlineLearner:
             start = time.perf_counter()
             totals = Totals()
             batcher.arrive(n)
-            self._learn_chunks(batcher.chunks(x, y, self.replay_batch_size, self._stored()), totals)
+            self._learn_chunks(batcher.chunks(x, y, self._replay_rows(), self._stored()), totals)
             if batcher.waited_too_long():
                 self._flush(totals)
             elapsed = time.perf_counter() - start
@@ -279,9 +279,13 @@ class OnlineLearner:
     def _stored(self) -> int:
         return len(self.replay) if self.replay is not None else 0
 
+    def _replay_rows(self) -> int:
+        """Replayed samples per stream batch (0 without a buffer)."""
+        return self.replay_batch_size if self.replay is not None else 0
+
     def _flush(self, totals: Totals) -> None:
         """Train the pending stream samples as one smaller micro-batch and apply the window."""
-        chunk = self._batcher.take_pending(self.replay_batch_size, self._stored())
+        chunk = self._batcher.take_pending(self._replay_rows(), self._stored())
         if chunk is not None:
             self._learn_chunks([chunk], totals)
         totals.add_step(self._apply_accumulated())
@@ -289,20 +293,25 @@ class OnlineLearner:
     def _learn_chunks(self, chunks: list[Chunk], totals: Totals) -> None:
         """Score each chunk (test), train ``train_iterations`` passes over them with replay, then store them.
 
-        Each pass trains every chunk once, so under a plan an accumulation window spans
-        different samples of one pass, as the learner's own step does, not the iterations of
-        one chunk. The score comes from an eval-mode forward (what :meth:`predict` returns)
+        Each pass trains every chunk once. Under a plan whose window is one stream batch with
+        its replay (:meth:`MicroBatcher.per_observe`), a window still open when the next pass
+        starts is applied then (its loss weights make it a proportionally smaller step), so a
+        window never holds two passes over the same samples, as the learner's own step; a
+        larger effective batch accumulates across passes and observes. The score comes from an eval-mode forward (what :meth:`predict` returns)
         when the model's output depends on the train/eval mode, else from the chunk's first
         training forward. A chunk whose loss overflowed is scored but never stored: it would
         poison later steps. With a plan, each micro-batch's loss is weighted by the batcher
         (see :meth:`MicroBatcher.enter`).
         """
         batcher = self._batcher
-        weights = [1.0 if batcher.plan is None else batcher.enter(y.shape[0], self.replay_batch_size, self._stored()) for _, y, _ in chunks]
+        weights = [1.0 if batcher.plan is None else batcher.enter(y.shape[0], self._replay_rows()) for _, y, _ in chunks]
         finite = [True] * len(chunks)
         scored: list[torch.Tensor | None] = [self._logits(x) if self._score_eval else None for x, _, _ in chunks]
         last: list[torch.Tensor | None] = [None] * len(chunks)
-        for _ in range(self.train_iterations):
+        per_observe = batcher.plan is not None and batcher.per_observe(self._replay_rows())
+        for iteration in range(self.train_iterations):
+            if iteration and chunks and per_observe and batcher.accumulated:  # one pass, one step: as the learner's own
+                totals.add_step(self._apply_accumulated())
             for i, (x, y, n_replay) in enumerate(chunks):
                 n = y.shape[0]
                 train_x, train_y, fields = self._with_replay(x, y, n_replay)
