@@ -117,3 +117,16 @@ def test_bench_device_reports_both_backends(tmp_path, capsys):
     assert set(run["backends"]) == {"onnxruntime", "executorch"}
     assert run["backends"]["executorch"]["samples_per_s"] > 0 and run["backends"]["executorch"]["artifact_bytes"] > 0
     assert "device/torch" in capsys.readouterr().out
+
+
+def test_bench_device_keeps_a_refusal_message_whole_in_its_json(tmp_path):
+    """The table cuts a refusal to fit; the JSON keeps every line (the advice is at the end)."""
+    from taste_cl.benchmarks.device_runtimes import _export
+
+    class Refusing:
+        def export(self, *args: object, **kwargs: object) -> None:
+            raise ValueError("refusing to publish: " + "x" * 200 + "\nwhat to do: pass a smaller learning rate")
+
+    learner, facts = _export(Refusing(), "onnxruntime", tmp_path / "art", 1, None)  # type: ignore[arg-type]
+    assert learner is None
+    assert facts == {"refused": "ValueError: refusing to publish: " + "x" * 200 + "\nwhat to do: pass a smaller learning rate"}
