@@ -201,6 +201,11 @@ class OnlineLearner:
         self._batcher.plan = plan
 
     @property
+    def replay_rows(self) -> int:
+        """Replayed samples mixed into each stream batch's step (0 without a buffer)."""
+        return self.replay_batch_size if self.replay is not None else 0
+
+    @property
     def device(self) -> torch.device:
         return self._placement()[0]
 
@@ -264,7 +269,7 @@ class OnlineLearner:
             start = time.perf_counter()
             totals = Totals()
             batcher.arrive(n)
-            self._learn_chunks(batcher.chunks(x, y, self._replay_rows(), self._stored()), totals)
+            self._learn_chunks(batcher.chunks(x, y, self.replay_rows, self._stored()), totals)
             if batcher.waited_too_long():
                 self._flush(totals)
             elapsed = time.perf_counter() - start
@@ -279,13 +284,9 @@ class OnlineLearner:
     def _stored(self) -> int:
         return len(self.replay) if self.replay is not None else 0
 
-    def _replay_rows(self) -> int:
-        """Replayed samples per stream batch (0 without a buffer)."""
-        return self.replay_batch_size if self.replay is not None else 0
-
     def _flush(self, totals: Totals) -> None:
         """Train the pending stream samples as one smaller micro-batch and apply the window."""
-        chunk = self._batcher.take_pending(self._replay_rows(), self._stored())
+        chunk = self._batcher.take_pending(self.replay_rows, self._stored())
         if chunk is not None:
             self._learn_chunks([chunk], totals)
         totals.add_step(self._apply_accumulated())
@@ -297,18 +298,18 @@ class OnlineLearner:
         its replay (:meth:`MicroBatcher.per_observe`), a window still open when the next pass
         starts is applied then (its loss weights make it a proportionally smaller step), so a
         window never holds two passes over the same samples, as the learner's own step; a
-        larger effective batch accumulates across passes and observes. The score comes from an eval-mode forward (what :meth:`predict` returns)
-        when the model's output depends on the train/eval mode, else from the chunk's first
-        training forward. A chunk whose loss overflowed is scored but never stored: it would
+        larger effective batch accumulates across passes and observes. The score comes from
+        an eval-mode forward (what :meth:`predict` returns) when the model's output depends on
+        the train/eval mode, else from the chunk's first training forward. A chunk whose loss overflowed is scored but never stored: it would
         poison later steps. With a plan, each micro-batch's loss is weighted by the batcher
         (see :meth:`MicroBatcher.enter`).
         """
         batcher = self._batcher
-        weights = [1.0 if batcher.plan is None else batcher.enter(y.shape[0], self._replay_rows()) for _, y, _ in chunks]
+        weights = [1.0 if batcher.plan is None else batcher.enter(y.shape[0], self.replay_rows) for _, y, _ in chunks]
         finite = [True] * len(chunks)
         scored: list[torch.Tensor | None] = [self._logits(x) if self._score_eval else None for x, _, _ in chunks]
         last: list[torch.Tensor | None] = [None] * len(chunks)
-        per_observe = batcher.plan is not None and batcher.per_observe(self._replay_rows())
+        per_observe = batcher.plan is not None and batcher.per_observe(self.replay_rows)
         for iteration in range(self.train_iterations):
             if iteration and chunks and per_observe and batcher.accumulated:  # one pass, one step: as the learner's own
                 totals.add_step(self._apply_accumulated())

@@ -329,7 +329,7 @@ class BatchSizeTuner(LearnerPlugin):
 
     def on_first_batch(self, learner: OnlineLearner, x: Any, y: Any = None, **kwargs: Any) -> None:
         if self.reference_ is None:
-            self.reference_ = batch_len(x) + (learner.replay_batch_size if learner.replay is not None else 0)
+            self.reference_ = batch_len(x) + learner.replay_rows
         if y is not None:
             keep = torch.arange(min(batch_len(x), self.probe_samples))
             self._recent = (index_batch(x, keep), index_batch(y, keep))
@@ -397,7 +397,7 @@ class BatchSizeTuner(LearnerPlugin):
             result = self.tune(
                 learner.model, learner.optimizer, learner.loss_fn, self._probe_samples(learner), anchor=effective, output=learner.output
             )
-            plan = self.plan_for(result, learner.optimizer, learner.replay_batch_size if learner.replay is not None else 0)
+            plan = self.plan_for(result, learner.optimizer, learner.replay_rows)
             micro, accumulation, lr_scale = plan if plan is not None else (None, 1, 1.0)
             learner.set_batch_plan(
                 micro,
