@@ -120,6 +120,43 @@ def test_healthy_training_is_watched_for_ten_steps() -> None:
             check_parity(_line(0.16), _line(0.16), BATCHES, backend="runtime", watch_steps=bad)
 
 
+class _Shifted:
+    """A trainer that trains like ``inner`` and predicts its outputs plus ``shift`` (a rounding stand-in)."""
+
+    def __init__(self, inner: TorchTrainer, shift: float) -> None:
+        self.inner, self.shift = inner, shift
+
+    def train_step(self, x: Any, y: np.ndarray) -> float:
+        return self.inner.train_step(x, y)
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return self.inner.parameters()
+
+    def predict(self, x: Any) -> np.ndarray:
+        return self.inner.predict(x) + np.float32(self.shift)
+
+
+def _exact_line() -> TorchTrainer:
+    model = nn.Linear(1, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    return TorchTrainer(model, torch.optim.SGD(model.parameters(), lr=0.16), nn.MSELoss(), dtype="float64")
+
+
+def test_a_runtime_within_the_tolerance_of_float64_passes_though_torch_rounds_the_other_way() -> None:
+    """Torch 6e-5 above exact, the runtime 6e-5 below: 1.2e-4 apart (tolerance 1e-4), each faithful."""
+    reference, candidate = _Shifted(_line(0.16), 6e-5), _Shifted(_line(0.16), -6e-5)
+    with pytest.raises(ParityError, match=r"outputs 0.00012 \(tol 0.0001\)"):
+        check_parity(reference, candidate, BATCHES, backend="runtime")
+    reference, candidate = _Shifted(_line(0.16), 6e-5), _Shifted(_line(0.16), -6e-5)
+    report = check_parity(reference, candidate, BATCHES, backend="runtime", precise=_exact_line)
+    assert report.passed and report.max_output_diff > report.output_tol and report.exact_departure == pytest.approx(6e-5, rel=0.01)
+    assert "6e-05 from float64" in str(report)
+    reference, candidate = _Shifted(_line(0.16), 6e-5), _Shifted(_line(0.16), -2e-4)  # the runtime itself is off
+    with pytest.raises(ParityError, match=r"outputs 0.00026 .* 0.0002 from float64") as caught:
+        check_parity(reference, candidate, BATCHES, backend="runtime", precise=_exact_line)
+    assert not caught.value.report.passed
+
+
 # --------------------------------------------------------------------- exports
 def _export_line(tmp_path: Path, lr: float) -> Path:
     from taste_cl.adapters.onnxruntime.learner_export import export_model

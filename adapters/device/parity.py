@@ -31,7 +31,10 @@ runtime from a wrong one. Given a float64 reference (``precise``), a failed comp
 checked against it: when torch's float32 departs from it beyond the tolerance and the
 runtime departs no more than :data:`ROUNDING_FACTOR` times as far,
 :class:`UnstableTrainingError` says so and which ``alternatives`` (trained in float32 and in
-float64) keep torch within the tolerance of exact arithmetic.
+float64) keep torch within the tolerance of exact arithmetic. A runtime within the tolerance
+of the float64 run passes whatever torch's float32 did: two faithful float32 runs, each
+within the tolerance of exact arithmetic, may differ from each other by up to twice it (a
+ResNet-18's outputs by 1.1e-4 between ONNX Runtime and torch on one CI machine).
 
 >>> import numpy as np
 >>> class Const:
@@ -48,7 +51,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -200,12 +203,15 @@ class ParityReport:
     param_tol: float
     watched_steps: int = 0  # steps both trained while watched for divergence (the compared ones included)
     diverged: str = ""  # how the backend diverged while torch did not; empty when it did not
+    exact_departure: float | None = None  # the backend's departure from a float64 run, when one was compared
 
     @property
     def passed(self) -> bool:
-        """Every difference is finite and within its tolerance, and the backend did not diverge alone."""
+        """Every difference is finite and within its tolerance, or the backend is within the output
+        tolerance of the float64 run, and the backend did not diverge alone."""
         within = self.max_output_diff <= self.output_tol and self.max_loss_diff <= self.loss_tol and self.max_param_diff <= self.param_tol
-        return within and not self.diverged
+        exact = self.exact_departure is not None and self.exact_departure <= self.output_tol
+        return (within or exact) and not self.diverged
 
     def __str__(self) -> str:
         verdict = "passed" if self.passed else "FAILED"
@@ -213,7 +219,9 @@ class ParityReport:
             f"{self.backend} parity {verdict} over {self.steps} steps: "
             f"outputs {self.max_output_diff:.3g} (tol {self.output_tol:.3g}), "
             f"losses {self.max_loss_diff:.3g} (tol {self.loss_tol:.3g}), "
-            f"parameters {self.max_param_diff:.3g} (tol {self.param_tol:.3g})" + (f"; {self.diverged}" if self.diverged else "")
+            f"parameters {self.max_param_diff:.3g} (tol {self.param_tol:.3g})"
+            + (f"; {self.exact_departure:.3g} from float64" if self.exact_departure is not None else "")
+            + (f"; {self.diverged}" if self.diverged else "")
         )
 
 
@@ -414,8 +422,9 @@ def check_parity(
     a fresh torch trainer with that setting; called with ``dtype="float64"`` for its float64
     twin) trains as long, and :class:`TrainingDivergesError` says which stay finite; when
     the candidate alone diverges, parity fails. When the comparison fails and ``precise``
-    (a fresh float64 twin of the reference) is given, a training that amplifies rounding is
-    :class:`UnstableTrainingError` (see the module). Returns the report.
+    (a fresh float64 twin of the reference) is given, a runtime within the tolerance of the
+    float64 run passes (its departure in ``exact_departure``) and a training that amplifies
+    rounding is :class:`UnstableTrainingError` (see the module). Returns the report.
     """
     batches = list(batches)
     if not batches:
@@ -455,7 +464,8 @@ def check_parity(
         exact = _run(precise(), batches)
         torch_departure = _departure(_differences(exact, expected), tolerances)
         runtime_departure = _departure(_differences(exact, got), tolerances)
-        if tol < torch_departure and runtime_departure <= ROUNDING_FACTOR * torch_departure:
+        report = replace(report, exact_departure=runtime_departure)
+        if not report.passed and tol < torch_departure and runtime_departure <= ROUNDING_FACTOR * torch_departure:
             tried_stability = {
                 setting: _departure(_differences(_run(make(dtype="float64"), batches), _run(make(), batches)), tolerances)
                 for setting, make in (alternatives or {}).items()

@@ -336,6 +336,7 @@ def _report_json(report: ParityReport) -> dict[str, Any]:
         "max_param_diff": report.max_param_diff,
         "tolerance": report.param_tol,
         "watched_steps": report.watched_steps,
+        "float64_departure": report.exact_departure,
         "summary": str(report),
     }
 

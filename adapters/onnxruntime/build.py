@@ -823,7 +823,7 @@ def export_model(
             "steps": report.steps, "max_output_diff": report.max_output_diff,
             "max_loss_diff": report.max_loss_diff, "max_param_diff": report.max_param_diff,
             "tolerance": report.output_tol, "param_tolerance": report.param_tol,
-            "watched_steps": report.watched_steps}  # fmt: skip
+            "watched_steps": report.watched_steps, "float64_departure": report.exact_departure}  # fmt: skip
         write_manifest(stage, manifest)
         add_web_artifacts(stage)  # the browser learner's files, or the reason it cannot train this model
     return Path(directory).absolute()
