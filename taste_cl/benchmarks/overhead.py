@@ -146,6 +146,7 @@ class Phases:
         self.wrap(learner, "_validate", "validation")
         self.wrap(learner, "_micro_step", "forward/backward")
         self.wrap(learner, "_apply_accumulated", "step+guard")
+        self.wrap(learner, "_draw_replay", "replay")
         self.wrap(learner, "_with_replay", "replay")
         if learner.replay is not None:
             self.wrap(learner.replay, "add_validated", "replay")

@@ -131,26 +131,39 @@ class MicroBatcher:
             self.arrivals.append([time.monotonic(), n])
 
     def chunks(self, x: Inputs, y: torch.Tensor, replay_batch_size: int, stored: int) -> list[Chunk]:
-        """Split the stream into training chunks: the batch itself, or full micro-batches of the plan.
+        """Split the stream into training chunks: the batch itself, or micro-batches of the plan.
 
-        ``stored`` is the replay buffer's size now; the stream samples that do not fill a
-        micro-batch wait in :attr:`pending`.
+        ``stored`` is the replay buffer's size now. Under a plan whose window spans observes,
+        the stream samples that do not fill a micro-batch wait in :attr:`pending`; under a
+        per-observe plan (:meth:`per_observe`) they train now as one smaller micro-batch (replay
+        in the plan's proportion), so an observe's samples are stepped on in that observe, as
+        the learner's own step on a short batch (a stream's last batch of a task).
         """
         if self.plan is None:
             if self.pending is not None:  # left by a plan that was removed
                 (x, y), self.pending = (cat_batches([self.pending[0], x]), torch.cat([self.pending[1], y])), None
             return [(x, y, min(replay_batch_size, stored))]
-        stream_part, replay_part = self.micro_split(replay_batch_size)
+        stream_part = self.micro_split(replay_batch_size)[0]
         pending_x = x if self.pending is None else cat_batches([self.pending[0], x])
         pending_y = y if self.pending is None else torch.cat([self.pending[1], y])
         total = pending_y.shape[0]
-        full = total // stream_part * stream_part
+        full = total if self.per_observe(replay_batch_size) else total // stream_part * stream_part
         # Views are safe: both are the learner's own copies, never the caller's memory.
         self.pending = None if full == total else (index_batch(pending_x, slice(full, None)), pending_y[full:])
-        return [
-            (index_batch(pending_x, slice(i, i + stream_part)), pending_y[i : i + stream_part], min(replay_part, stored))
+        chunks = [
+            (index_batch(pending_x, slice(i, i + stream_part)), pending_y[i : i + stream_part],
+             self._replayed(min(stream_part, full - i), replay_batch_size, stored))
             for i in range(0, full, stream_part)
-        ]
+        ]  # fmt: skip
+        if full == total and chunks and self.per_observe(replay_batch_size):  # the observe replays what the learner's step does
+            x_last, y_last, _ = chunks[-1]
+            chunks[-1] = (x_last, y_last, max(0, min(replay_batch_size, stored) - sum(r for *_, r in chunks[:-1])))
+        return chunks
+
+    def _replayed(self, n: int, replay_batch_size: int, stored: int) -> int:
+        """Replayed rows beside ``n`` stream samples: the plan's share (a full micro-batch's own)."""
+        stream_part, replay_part = self.micro_split(replay_batch_size)
+        return min(round(n * replay_part / stream_part), stored)
 
     def micro_split(self, replay_batch_size: int) -> tuple[int, int]:
         """Stream and replay samples of a full micro-batch of the plan: the learner's stream:replay
@@ -183,22 +196,31 @@ class MicroBatcher:
         if self.pending is None:
             return None
         (x, y), self.pending = self.pending, None
-        stream_part, replay_part = self.micro_split(replay_batch_size)
-        return x, y, min(round(y.shape[0] * replay_part / stream_part), stored)
+        return x, y, self._replayed(y.shape[0], replay_batch_size, stored)
 
     def pending_count(self) -> int:
         return 0 if self.pending is None else self.pending[1].shape[0]
 
-    def enter(self, n: int, replay_batch_size: int) -> float:
-        """Count a chunk of ``n`` stream samples into the window; return its loss weight.
+    def weights(self, sizes: list[int], replay_batch_size: int) -> list[float]:
+        """The loss weights of chunks of ``sizes`` stream samples: each one's share of its window's.
 
-        Each micro-batch's loss is weighted by its stream samples over those of a full
-        accumulation window: a full window is the mean, a forced smaller step (freshness
-        bound) proportionally smaller. Only called under a plan (the weight is 1 without).
+        A full accumulation window is the mean over its samples. Under a per-observe plan an
+        observe's chunks form whole windows, the last possibly smaller and still a mean (as
+        the learner's own step on a short batch); otherwise each is weighted against a full
+        window, so a forced smaller step (freshness bound) is proportionally smaller. Only
+        called under a plan (the weight is 1 without).
         """
         assert self.plan is not None
+        accumulation = self.plan.accumulation_steps
+        if not self.per_observe(replay_batch_size):
+            full = self.micro_split(replay_batch_size)[0] * accumulation
+            return [n / full for n in sizes]
+        windows = [sum(sizes[i : i + accumulation]) for i in range(0, len(sizes), accumulation)]  # rows: stream and replay
+        return [n / windows[i // accumulation] for i, n in enumerate(sizes)]
+
+    def enter(self, n: int) -> None:
+        """Count ``n`` stream samples into the window (their arrivals leave with its step)."""
         self.window_stream += n
-        return n / (self.micro_split(replay_batch_size)[0] * self.plan.accumulation_steps)
 
     def add_micro(self, finite: bool) -> None:
         """Count one micro-batch's gradient into the window (``finite``: its loss was)."""

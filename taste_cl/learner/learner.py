@@ -37,7 +37,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from taste_cl._batch import BatchLike, Inputs, Spec, batch_len, call_model, cat_batches, map_leaves, split_batch, to_inputs, to_like
+from taste_cl._batch import (
+    BatchLike,
+    Inputs,
+    Spec,
+    batch_len,
+    call_model,
+    cat_batches,
+    index_batch,
+    map_leaves,
+    split_batch,
+    to_inputs,
+    to_like,
+)  # fmt: skip
 from taste_cl.guards.update import UpdateGuard
 from taste_cl.learner.batching import BatchPlan, Chunk, MicroBatcher, OnBatcher, plan_from, rescale_lr
 from taste_cl.learner.checks import check_arguments, check_optimizer_covers, check_replay_fits, settle_first_batch
@@ -58,6 +70,18 @@ __all__ = ["OnlineLearner"]
 logger = logging.getLogger(__name__)
 
 _FEW_TENSORS = 16  # gradient tensors up to which _total_norm reads each norm
+
+
+Replayed = tuple[Inputs, torch.Tensor, dict[str, torch.Tensor]]  # replayed inputs, targets and stored fields
+
+
+def _rows(drawn: Replayed, start: int, n: int) -> Replayed | None:
+    """Rows ``start:start + n`` of replayed samples; None for none."""
+    if not n:
+        return None
+    x, y, fields = drawn
+    rows = slice(start, start + n)
+    return index_batch(x, rows), y[rows], {name: value[rows] for name, value in fields.items()}
 
 
 class OnlineLearner:
@@ -239,7 +263,9 @@ class OnlineLearner:
         configuration: the *live* learning rates (whatever a scheduler has set) are
         multiplied by ``lr_scale / previous lr_scale``, so scheduler decay is kept and
         ``None`` (back to one step per ``observe``) divides the previous factor out.
-        Stream samples are buffered until a micro-batch is full; ``max_wait_samples``
+        A plan whose window is at most one stream batch plus its replay steps on each observe
+        in full (its last micro-batch smaller); under a larger one, stream samples are
+        buffered until a micro-batch is full; ``max_wait_samples``
         (waiting stream samples) and ``max_wait_s`` (age of the oldest) force a step on
         what is there, weighted by its share of stream samples. An accumulation window in
         progress is applied first. The batch-size tuner calls this.
@@ -295,27 +321,36 @@ class OnlineLearner:
         """Score each chunk (test), train ``train_iterations`` passes over them with replay, then store them.
 
         Each pass trains every chunk once. Under a plan whose window is one stream batch with
-        its replay (:meth:`MicroBatcher.per_observe`), a window still open when the next pass
-        starts is applied then (its loss weights make it a proportionally smaller step), so a
-        window never holds two passes over the same samples, as the learner's own step; a
-        larger effective batch accumulates across passes and observes. The score comes from
+        its replay (:meth:`MicroBatcher.per_observe`), a window still open when a pass ends
+        is applied then (its loss weights make it the mean over its own samples), so a window
+        never holds two passes or two observes, as the learner's own step; a larger
+        effective batch accumulates across passes and observes. The score comes from
         an eval-mode forward (what :meth:`predict` returns) when the model's output depends on
         the train/eval mode, else from the chunk's first training forward. A chunk whose loss overflowed is scored but never stored: it would
         poison later steps. With a plan, each micro-batch's loss is weighted by the batcher
         (see :meth:`MicroBatcher.enter`).
         """
         batcher = self._batcher
-        weights = [1.0 if batcher.plan is None else batcher.enter(y.shape[0], self.replay_rows) for _, y, _ in chunks]
+        sizes = [y.shape[0] for _, y, _ in chunks]
+        if batcher.plan is not None:
+            rows = [y.shape[0] + r for _, y, r in chunks] if batcher.per_observe(self.replay_rows) else sizes
+            weights = batcher.weights(rows, self.replay_rows)
+            batcher.enter(sum(sizes))
+        else:
+            weights = [1.0] * len(chunks)
         finite = [True] * len(chunks)
         scored: list[torch.Tensor | None] = [self._logits(x) if self._score_eval else None for x, _, _ in chunks]
         last: list[torch.Tensor | None] = [None] * len(chunks)
         per_observe = batcher.plan is not None and batcher.per_observe(self.replay_rows)
-        for iteration in range(self.train_iterations):
-            if iteration and chunks and per_observe and batcher.accumulated:  # one pass, one step: as the learner's own
-                totals.add_step(self._apply_accumulated())
+        for _ in range(self.train_iterations):
+            # a per-observe plan draws the observe's replayed rows at once and splits them, as the learner's own step
+            shared = self._draw_replay(sum(r for *_, r in chunks)) if per_observe else None
+            offset = 0
             for i, (x, y, n_replay) in enumerate(chunks):
                 n = y.shape[0]
-                train_x, train_y, fields = self._with_replay(x, y, n_replay)
+                drawn = self._draw_replay(n_replay) if shared is None else _rows(shared, offset, n_replay)
+                offset += n_replay
+                train_x, train_y, fields = self._with_replay(x, y, drawn)
                 outputs, loss = self._micro_step(train_x, train_y, n, fields, weights[i])
                 last[i] = outputs[:n]  # the stream rows
                 finite[i] &= math.isfinite(loss)
@@ -324,6 +359,8 @@ class OnlineLearner:
                 totals.add_micro(loss, train_y.shape[0], n_replay)
                 if batcher.window_full():
                     totals.add_step(self._apply_accumulated())
+            if per_observe and batcher.accumulated:  # one pass, one step: as the learner's own
+                totals.add_step(self._apply_accumulated())
         for (x, y, _), score, trained, ok in zip(chunks, scored, last, finite):
             assert score is not None and trained is not None
             totals.add_scored(self.monitor.record(x, y, score, validated=True, store=ok))
@@ -333,16 +370,21 @@ class OnlineLearner:
                 self.monitor.evaluate(lambda probe_x: self._logits(self._place(probe_x)))
             self.strategy.after_chunk(self)
 
-    def _with_replay(self, x: Inputs, y: torch.Tensor, n_replay: int) -> tuple[Inputs, torch.Tensor, dict[str, torch.Tensor]]:
-        """The micro-batch ``[stream | replayed]`` and the replayed samples' stored fields (those the strategy uses)."""
-        if not n_replay:
-            return x, y, {}
+    def _draw_replay(self, n: int) -> Replayed | None:
+        """``n`` replayed samples with their stored fields (those the strategy uses); None for none."""
+        if not n:
+            return None
         assert self.replay is not None
-        fields: dict[str, torch.Tensor] = {}
         if self.strategy.stored_fields:
-            replay_x, replay_y, fields = self.replay.sample(n_replay, with_fields=True)  # type: ignore[call-arg, misc]
-        else:
-            replay_x, replay_y = self.replay.sample(n_replay)
+            return self.replay.sample(n, with_fields=True)  # type: ignore[call-arg, return-value]
+        replay_x, replay_y = self.replay.sample(n)
+        return replay_x, replay_y, {}
+
+    def _with_replay(self, x: Inputs, y: torch.Tensor, drawn: Replayed | None) -> tuple[Inputs, torch.Tensor, dict[str, torch.Tensor]]:
+        """The micro-batch ``[stream | replayed]`` and the replayed samples' stored fields."""
+        if drawn is None:
+            return x, y, {}
+        replay_x, replay_y, fields = drawn
         replay_y = to_like(replay_y, y)
         if isinstance(x, torch.Tensor):  # the common case, without the pytree walk
             return torch.cat([x, to_like(replay_x, x)]), torch.cat([y, replay_y]), fields
