@@ -33,9 +33,7 @@ def test_missing_flwr_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_shared_state_leaves_out_personal_entries() -> None:
     shared = flower.shared_state(make_mlp(), personal=PERSONAL)
     assert set(shared) == {"0.weight", "0.bias", "2.weight", "2.bias", "4.weight"}
-    assert set(flower.shared_state(make_mlp(), personal=lambda name: name.startswith("0."))) == {
-        "2.weight", "2.bias", "4.weight", "4.bias"
-    }
+    assert set(flower.shared_state(make_mlp(), personal=lambda name: name.startswith("0."))) == {"2.weight", "2.bias", "4.weight", "4.bias"}
 
 
 @pytest.mark.parametrize(
@@ -280,3 +278,11 @@ def test_validating_strategy_drops_huge_values_caps_liars_and_logs_both(caplog: 
 def test_bad_policy_settings_are_rejected(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         flower.AggregationPolicy(**kwargs)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_device_gets_its_own_classes_whatever_the_seed(seed: int) -> None:
+    """``split_digits`` orders its tasks by the seed: the fleet looks each class up (seed 1 indexed past a task's rows)."""
+    fleet = make_fleet(10, num_rounds=10, seed=seed)
+    for classes, y in zip(fleet.classes, fleet.y_train):
+        assert set(y.unique().tolist()) == set(classes)

@@ -151,3 +151,42 @@ def test_device_runtime_supernodes_equal_the_simulation_and_stay_small() -> None
         twin = simulated["evaluations"]["2"][d]
         for name, (_, y) in fleet.eval_sets(int(d)).items():  # at most one held-out sample apart (aggregation order)
             assert abs(metrics[f"accuracy-{name}"] - twin[f"accuracy-{name}"]) <= 1.0 / y.shape[0] + 1e-9
+
+
+def test_local_only_on_the_artifacts_runtime_trains_the_device_learner(fedbabu) -> None:
+    """The bench's local-only baseline on ``device="artifacts"`` is the torch-free learner of the parity-gated
+    export, fed the device's batches: the same numbers as driving that learner by hand."""
+    from taste_cl.adapters.device import export
+    from taste_cl.benchmarks.federated import make_fleet, run_local
+
+    _, folder, _ = fedbabu
+    fleet = make_fleet(2, num_rounds=2)
+    found = run_local(fleet, device="artifacts")
+    assert sorted(found) == [0, 1] and all(set(m) == {"accuracy-all", "accuracy-own"} for m in found.values())
+    art = export(fleet.build_learner(0), folder / "local", backend="onnxruntime", example=(fleet.x_train[0][:8], fleet.y_train[0][:8]))
+    device = OrtOnlineLearner.from_artifacts(art)
+    for server_round in (1, 2):
+        for x, y in fleet.train_batches(1, server_round):
+            device.observe((x.numpy(), y.numpy()))
+    x, y = fleet.eval_sets(1)["own"]
+    assert found[1]["accuracy-own"] == float((device.predict(x.numpy()).argmax(axis=1) == y.numpy()).mean())
+    with pytest.raises(ValueError, match="`device == 'browser'`, must be 'torch' or 'artifacts'"):
+        run_local(fleet, device="browser")
+
+
+@pytest.mark.slow
+def test_the_seed_sweep_judges_each_variant_on_its_mean_over_seeds(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench federated --deployment --seeds K``: every variant per seed in the simulation engine, beside local only
+    on the same runtime; the verdict compares the means."""
+    from taste_cl.benchmarks.federated import make_fleet, run_local
+    from taste_cl.benchmarks.federated.deployment import _mean_own, _seed_sweep, _simulate
+    from taste_cl.benchmarks.federated.tables import last_evaluation
+
+    config = FleetConfig(devices=2, rounds=1, device="artifacts", evaluate_every_round=False)
+    sweep = _seed_sweep({"fedper": config}, [0, 1], "artifacts")
+    twin = _mean_own(last_evaluation(_simulate(FleetConfig(**{**config.__dict__, "seed": 1}))))
+    assert sweep["own"]["fedper"]["1"] == twin
+    assert sweep["own"]["local only"]["1"] == _mean_own(run_local(make_fleet(2, num_rounds=1, seed=1), device="artifacts"))
+    means = {name: np.mean(list(by_seed.values())) for name, by_seed in sweep["own"].items()}
+    assert sweep["beats_local_mean"] == {"fedper": bool(means["fedper"] > means["local only"])}
+    assert "seeds beating local" in capsys.readouterr().out

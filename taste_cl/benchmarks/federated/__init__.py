@@ -15,8 +15,9 @@ Run: ``taste-cl bench federated`` (needs ``pip install 'taste-cl[federated]'``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,18 +71,18 @@ class Fleet:
 def make_fleet(num_devices: int, *, num_rounds: int, batch_size: int = 10, replay_capacity: int = 200, seed: int = 0) -> Fleet:
     """Give each device 2-4 digit classes in a random order and a disjoint share of their samples."""
     rng = np.random.default_rng(seed)
-    tasks = split_digits(10, seed=seed)
+    tasks = split_digits(10, seed=seed)  # in a seeded class order: looked up by class below
+    by_class = {task.classes[0]: task for task in tasks}
     classes = [[int(c) for c in rng.choice(10, size=int(rng.integers(2, 5)), replace=False)] for _ in range(num_devices)]
     holders = {c: [d for d in range(num_devices) if c in classes[d]] for c in range(10)}
     shares: dict[tuple[int, int], np.ndarray] = {}
-    for task in tasks:
-        (c,) = task.classes
+    for c, task in sorted(by_class.items()):
         for d, part in zip(holders[c], np.array_split(rng.permutation(task.x_train.shape[0]), max(len(holders[c]), 1))):
             shares[(d, c)] = part
     x_train, y_train = [], []
     for d in range(num_devices):
-        x_train.append(torch.cat([tasks[c].x_train[shares[(d, c)]] for c in classes[d]]))
-        y_train.append(torch.cat([tasks[c].y_train[shares[(d, c)]] for c in classes[d]]))
+        x_train.append(torch.cat([by_class[c].x_train[shares[(d, c)]] for c in classes[d]]))
+        y_train.append(torch.cat([by_class[c].y_train[shares[(d, c)]] for c in classes[d]]))
     return Fleet(
         classes=classes,
         x_train=x_train,
@@ -95,8 +96,19 @@ def make_fleet(num_devices: int, *, num_rounds: int, batch_size: int = 10, repla
     )
 
 
-def run_local(fleet: Fleet) -> dict[int, dict[str, float]]:
-    """Each device alone: the same batches, no communication."""
+def run_local(fleet: Fleet, *, device: str = "torch") -> dict[int, dict[str, float]]:
+    """Each device alone: the same batches, no communication, on the fleet's runtime.
+
+    ``device="torch"`` trains the reference :class:`OnlineLearner`; ``"artifacts"`` the
+    torch-free ONNX Runtime learner of its parity-gated export, as a deployed device does:
+    the two draw replayed rows from different random streams, which on these short
+    class-incremental streams moves a device's own-class accuracy by up to 0.3, so a fleet
+    is compared with local learning on its own runtime.
+    """
+    if device not in ("torch", "artifacts"):
+        raise ValueError(f"`device == {device!r}`, must be 'torch' or 'artifacts'")
+    if device == "artifacts":
+        return _run_local_artifacts(fleet)
     results = {}
     for d in range(len(fleet.classes)):
         torch.manual_seed(fleet.seed)
@@ -106,6 +118,32 @@ def run_local(fleet: Fleet) -> dict[int, dict[str, float]]:
                 learner.observe(batch)
         results[d] = {f"accuracy-{k}": accuracy(learner.predict, x, y) for k, (x, y) in fleet.eval_sets(d).items()}
     return results
+
+
+def _run_local_artifacts(fleet: Fleet) -> dict[int, dict[str, float]]:
+    """:func:`run_local` on the ONNX Runtime device learner, exported once from the reference learner."""
+    import tempfile
+    from pathlib import Path
+
+    from taste_cl.adapters.device import export
+    from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="taste-cl-local-") as tmp:
+        example = (fleet.x_train[0][:8], fleet.y_train[0][:8])
+        folder = export(fleet.build_learner(0), Path(tmp) / "train", backend="onnxruntime", example=example)
+        for d in range(len(fleet.classes)):
+            learner = OrtOnlineLearner.from_artifacts(folder)
+            for server_round in range(1, fleet.num_rounds + 1):
+                for x, y in fleet.train_batches(d, server_round):
+                    learner.observe((x.numpy(), y.numpy()))
+            results[d] = {f"accuracy-{k}": accuracy(_torch_predict(learner), x, y) for k, (x, y) in fleet.eval_sets(d).items()}
+    return results
+
+
+def _torch_predict(learner: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A device learner's numpy ``predict`` on tensors."""
+    return lambda x: torch.from_numpy(learner.predict(x.numpy()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,6 +169,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--compare-torch", action="store_true", help="add the FedPer run with PyTorch ClientApps, side by side (--deployment)")
     parser.add_argument("--simulation-devices", type=int, default=None, help="also simulate FedPer with this many devices, up to 200 (--deployment)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="also run every method but SecAgg+ and local only in the simulation engine over this many seeds from --seed, "
+        "on the deployment's runtime, and judge them on the mean (--deployment; 1: the deployment's seed only)",
+    )
     parser.add_argument("--server-momentum", type=float, default=0.9, help="FedAvgM server momentum (0 = FedAvg)")
     parser.add_argument("--client-cpus", type=float, default=1.0, help="CPU share of one simulated device")
     args = parse(parser, argv)
@@ -143,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"`--simulation-devices == {args.simulation_devices}`, must be in [1, 200]")
     if args.rounds < 1:
         parser.error(f"`--rounds == {args.rounds}`, must be >= 1")
+    if args.seeds < 1:
+        parser.error(f"`--seeds == {args.seeds}`, must be >= 1")
     if args.deployment:
         from taste_cl.benchmarks.federated.deployment import run_deployment_bench
 
