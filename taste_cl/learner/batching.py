@@ -202,13 +202,13 @@ class MicroBatcher:
         return 0 if self.pending is None else self.pending[1].shape[0]
 
     def weights(self, sizes: list[int], replay_batch_size: int) -> list[float]:
-        """The loss weights of chunks of ``sizes`` stream samples: each one's share of its window's.
+        """The loss weights of chunks of ``sizes`` samples: each one's share of its window's.
 
-        A full accumulation window is the mean over its samples. Under a per-observe plan an
-        observe's chunks form whole windows, the last possibly smaller and still a mean (as
-        the learner's own step on a short batch); otherwise each is weighted against a full
-        window, so a forced smaller step (freshness bound) is proportionally smaller. Only
-        called under a plan (the weight is 1 without).
+        Under a per-observe plan ``sizes`` are the chunks' rows (stream and replay): an
+        observe's chunks form whole windows, the last possibly smaller, each the mean over its
+        rows (as the learner's own step, short batches included). Otherwise they are stream
+        samples, weighted against a full window's, so a forced smaller step (freshness bound)
+        is proportionally smaller. Only called under a plan (the weight is 1 without).
         """
         assert self.plan is not None
         accumulation = self.plan.accumulation_steps
