@@ -821,7 +821,7 @@ def test_probes_train_on_targets_shaped_like_the_learners_and_refuse_broadcastin
         ProbeRunner(classifier, torch.optim.SGD(classifier.parameters(), lr=0.1), nn.CrossEntropyLoss(), (x, torch.full((12,), 5)))
 
 
-@pytest.mark.parametrize(("replay_batch_size", "plan"), [(0, (5, 2)), (10, (10, 2)), (10, (2, 10))])
+@pytest.mark.parametrize(("replay_batch_size", "plan"), [(0, (5, 2)), (10, (10, 2)), (10, (2, 10)), (30, (4, 10))])
 def test_plan_passes_take_the_learners_own_steps(replay_batch_size: int, plan: tuple[int, int]) -> None:
     """With ``train_iterations=3`` each pass over an observe's micro-batches is one optimizer step, as the
     learner's own step: the plan draws the pass's replayed rows at once, as the learner does, so its

@@ -174,3 +174,32 @@ def test_zoo_tuner_probes_train_on_the_learners_targets(name):
     _, targets = learner._validate((x, y))
     runner = ProbeRunner(model, optimizer, loss_fn, (x, y), output=learner.output)
     assert torch.equal(runner.samples[1], targets) and runner.samples[1].dtype == targets.dtype
+
+
+# deterministic (no dropout, no BatchNorm) with a loss that is a mean over rows: a plan computes the learner's steps
+EXACT_UNDER_PLANS = {"regression_mlp", "multilabel_mlp", "lstm"}
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_case_trains_under_a_per_observe_plan_with_short_batches(name):
+    """A plan for the learner's own step (micro-batches of 5 at the learner's stream:replay ratio, as many as
+    one stream batch fills), short batches included: every architecture trains the same steps as without
+    it, and the deterministic ones with a mean loss end with the same parameters."""
+    from taste_cl.learner.batching import replay_part
+
+    case = ZOO[name]
+    own, planned = _learner(case), _learner(case)
+    planned.train_iterations = own.train_iterations = 2
+    n = _batch_size(case)
+    stream_part = 5 - replay_part(5, own.replay_rows / (n + own.replay_rows))
+    assert n % stream_part == 0  # the plan tiles a whole stream batch
+    for step in range(6):
+        batch = case.batch(n if step % 3 != 2 else 3, seed=step)  # every third batch short, as a task's last
+        if step == 1:
+            planned.set_batch_plan(5, accumulation_steps=n // stream_part)
+        stats = planned.observe(batch)
+        assert stats.steps == own.observe(batch).steps == 2 and stats.pending == 0, stats
+    for (key, a), b in zip(own.model.named_parameters(), planned.model.parameters()):
+        assert torch.isfinite(b).all(), key
+        if name in EXACT_UNDER_PLANS:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=key)

@@ -135,9 +135,10 @@ class MicroBatcher:
 
         ``stored`` is the replay buffer's size now. Under a plan whose window spans observes,
         the stream samples that do not fill a micro-batch wait in :attr:`pending`; under a
-        per-observe plan (:meth:`per_observe`) they train now as one smaller micro-batch (replay
-        in the plan's proportion), so an observe's samples are stepped on in that observe, as
-        the learner's own step on a short batch (a stream's last batch of a task).
+        per-observe plan (:meth:`per_observe`) they train now as one smaller micro-batch, so an
+        observe's samples are stepped on in that observe, and its micro-batches replay as many
+        rows in all as the learner's own step (the plan's share each while the buffer's rows
+        last, the rest with the last one), short batches (a task's last) included.
         """
         if self.plan is None:
             if self.pending is not None:  # left by a plan that was removed
@@ -147,17 +148,18 @@ class MicroBatcher:
         pending_x = x if self.pending is None else cat_batches([self.pending[0], x])
         pending_y = y if self.pending is None else torch.cat([self.pending[1], y])
         total = pending_y.shape[0]
-        full = total if self.per_observe(replay_batch_size) else total // stream_part * stream_part
+        per_observe = self.per_observe(replay_batch_size)
+        full = total if per_observe else total // stream_part * stream_part
         # Views are safe: both are the learner's own copies, never the caller's memory.
         self.pending = None if full == total else (index_batch(pending_x, slice(full, None)), pending_y[full:])
-        chunks = [
-            (index_batch(pending_x, slice(i, i + stream_part)), pending_y[i : i + stream_part],
-             self._replayed(min(stream_part, full - i), replay_batch_size, stored))
-            for i in range(0, full, stream_part)
-        ]  # fmt: skip
-        if full == total and chunks and self.per_observe(replay_batch_size):  # the observe replays what the learner's step does
-            x_last, y_last, _ = chunks[-1]
-            chunks[-1] = (x_last, y_last, max(0, min(replay_batch_size, stored) - sum(r for *_, r in chunks[:-1])))
+        budget = min(replay_batch_size, stored)  # a per-observe plan replays what the learner's own step does
+        chunks = []
+        for i in range(0, full, stream_part):
+            replayed = self._replayed(min(stream_part, full - i), replay_batch_size, stored)
+            if per_observe:  # the plan's share while it lasts, the rest with the last micro-batch
+                replayed = budget if i + stream_part >= full else min(replayed, budget)
+                budget -= replayed
+            chunks.append((index_batch(pending_x, slice(i, i + stream_part)), pending_y[i : i + stream_part], replayed))
         return chunks
 
     def _replayed(self, n: int, replay_batch_size: int, stored: int) -> int:
@@ -201,22 +203,23 @@ class MicroBatcher:
     def pending_count(self) -> int:
         return 0 if self.pending is None else self.pending[1].shape[0]
 
-    def weights(self, sizes: list[int], replay_batch_size: int) -> list[float]:
-        """The loss weights of chunks of ``sizes`` samples: each one's share of its window's.
+    def weights(self, sizes: list[tuple[int, int]], replay_batch_size: int) -> list[float]:
+        """The loss weights of chunks of ``(stream, replayed)`` samples: each one's share of its window's.
 
-        Under a per-observe plan ``sizes`` are the chunks' rows (stream and replay): an
-        observe's chunks form whole windows, the last possibly smaller, each the mean over its
-        rows (as the learner's own step, short batches included). Otherwise they are stream
-        samples, weighted against a full window's, so a forced smaller step (freshness bound)
-        is proportionally smaller. Only called under a plan (the weight is 1 without).
+        Under a per-observe plan an observe's chunks form whole windows, the last possibly
+        smaller, each the mean over its rows, stream and replayed (as the learner's own step,
+        short batches included). Otherwise each chunk's stream samples are weighted against a
+        full window's, so a forced smaller step (freshness bound) is proportionally smaller.
+        Only called under a plan (the weight is 1 without).
         """
         assert self.plan is not None
         accumulation = self.plan.accumulation_steps
         if not self.per_observe(replay_batch_size):
             full = self.micro_split(replay_batch_size)[0] * accumulation
-            return [n / full for n in sizes]
-        windows = [sum(sizes[i : i + accumulation]) for i in range(0, len(sizes), accumulation)]  # rows: stream and replay
-        return [n / windows[i // accumulation] for i, n in enumerate(sizes)]
+            return [n / full for n, _ in sizes]
+        rows = [n + r for n, r in sizes]
+        windows = [sum(rows[i : i + accumulation]) for i in range(0, len(rows), accumulation)]
+        return [n / windows[i // accumulation] for i, n in enumerate(rows)]
 
     def enter(self, n: int) -> None:
         """Count ``n`` stream samples into the window (their arrivals leave with its step)."""

@@ -331,13 +331,10 @@ class OnlineLearner:
         (see :meth:`MicroBatcher.enter`).
         """
         batcher = self._batcher
-        sizes = [y.shape[0] for _, y, _ in chunks]
+        weights = [1.0] * len(chunks)
         if batcher.plan is not None:
-            rows = [y.shape[0] + r for _, y, r in chunks] if batcher.per_observe(self.replay_rows) else sizes
-            weights = batcher.weights(rows, self.replay_rows)
-            batcher.enter(sum(sizes))
-        else:
-            weights = [1.0] * len(chunks)
+            weights = batcher.weights([(y.shape[0], r) for _, y, r in chunks], self.replay_rows)
+            batcher.enter(sum(y.shape[0] for _, y, _ in chunks))
         finite = [True] * len(chunks)
         scored: list[torch.Tensor | None] = [self._logits(x) if self._score_eval else None for x, _, _ in chunks]
         last: list[torch.Tensor | None] = [None] * len(chunks)
