@@ -235,18 +235,17 @@ def _seed_sweep(variants: dict[str, Any], seeds: list[int], device: str) -> dict
             own[name][seed] = _mean_own(last_evaluation(_simulate(FleetConfig(**{**config.__dict__, "seed": seed}))))
         print(f"seed {seed}: " + ", ".join(f"{name} {by_seed[seed]:.3f}" for name, by_seed in own.items()), flush=True)
     local = own["local only"]
-    rows, verdicts = [], {}
-    for name, by_seed in own.items():
-        values = [by_seed[s] for s in seeds]
-        wins = "" if name == "local only" else f"{sum(by_seed[s] > local[s] for s in seeds)} of {len(seeds)}"
-        rows.append([name, *values, float(np.mean(values)), float(np.std(values)), wins])
-        if name != "local only":
-            verdicts[name] = float(np.mean(values)) > float(np.mean(list(local.values())))
+    means = {name: float(np.mean([by_seed[s] for s in seeds])) for name, by_seed in own.items()}
+    rows = [
+        [name, *(by_seed[s] for s in seeds), means[name], float(np.std([by_seed[s] for s in seeds])),
+         "" if name == "local only" else f"{sum(by_seed[s] > local[s] for s in seeds)} of {len(seeds)}"]
+        for name, by_seed in own.items()
+    ]  # fmt: skip
+    verdicts = {name: means[name] > means["local only"] for name in variants}
     print(f"\nmean own-class accuracy per seed, simulation engine, {device} runtime")
     print(format_table(["variant", *(f"seed {s}" for s in seeds), "mean", "sd", "seeds beating local"], rows))
-    mean_local = float(np.mean(list(local.values())))
     for name, beats in verdicts.items():
-        mean = float(np.mean([own[name][s] for s in seeds]))
-        print(f"{name}: mean over {len(seeds)} seeds {mean:.3f} {'beats' if beats else 'does NOT beat'} local only {mean_local:.3f}")
+        verdict = "beats" if beats else "does NOT beat"
+        print(f"{name}: mean over {len(seeds)} seeds {means[name]:.3f} {verdict} local only {means['local only']:.3f}")
     return {"seeds": seeds, "device": device, "own": {n: {str(s): v for s, v in by.items()} for n, by in own.items()},
             "beats_local_mean": verdicts}  # fmt: skip
