@@ -3,7 +3,8 @@
 Gaussian class clusters whose centres move every ``--drift-every`` samples (so drift
 events keep firing); reservoir replay, the default monitor, optionally the batch-size
 tuner. Prints RSS after warm-up and at the end, the growth, and the size of every
-history (buffer, monitor events, tuner history, checkpoint bytes), and writes JSON.
+history (buffer, monitor events, tuner history, checkpoint bytes with and without the
+capped histories), and writes JSON.
 Run: ``taste-cl bench soak`` (200k samples) or ``--samples 20000`` for a short one.
 """
 
@@ -29,8 +30,18 @@ from taste_cl.tuning.tuner import BatchSizeTuner
 __all__ = ["main", "run_soak"]
 
 
-def _state_bytes(learner: OnlineLearner) -> int:
-    return len(encode_state(learner.state_dict()))
+def _state_bytes(learner: OnlineLearner) -> tuple[int, int]:
+    """The checkpoint's bytes, and its bytes without the capped histories (monitor events, tuner history).
+
+    The histories fill up to their caps (asserted separately), possibly long after warm-up;
+    everything else must not grow with the stream at all.
+    """
+    state = learner.state_dict()
+    total = len(encode_state(state))
+    state["monitor"]["events"] = []
+    if "batch_size_tuner" in state["plugins"]:
+        state["plugins"]["batch_size_tuner"]["history"] = []
+    return total, len(encode_state(state))
 
 
 def run_soak(
@@ -70,7 +81,7 @@ def run_soak(
     rss: list[tuple[int, float]] = []
     losses: list[float] = []
     warm_up = samples // 5
-    warm_bytes = 0
+    warm_bytes = warm_uncapped = 0
     start = time.perf_counter()
     offsets = range(0, samples, batch_size)
     for i, offset in enumerate(progress_bar(offsets, enabled=progress, desc="soak", unit="batch")):
@@ -84,12 +95,13 @@ def run_soak(
         if i % rss_every == 0:
             rss.append((learner.samples_seen, process.memory_info().rss / 2**20))
         if not warm_bytes and learner.samples_seen >= warm_up:
-            warm_bytes = _state_bytes(learner)
+            warm_bytes, warm_uncapped = _state_bytes(learner)
     seconds = time.perf_counter() - start
     rss.append((learner.samples_seen, process.memory_info().rss / 2**20))
     after_warm_up = [mb for seen, mb in rss if seen >= warm_up]
     tuner = plugins[0] if plugins else None
     tenth = max(1, len(losses) // 10)
+    final_bytes, final_uncapped = _state_bytes(learner)
     return {
         "samples": learner.samples_seen,
         "seconds": seconds,
@@ -107,7 +119,9 @@ def run_soak(
         "tuner_history": None if tuner is None else len(tuner.history_),
         "tuner_history_max": None if tuner is None else tuner.history_.maxlen,
         "state_bytes_warm": warm_bytes,
-        "state_bytes_final": _state_bytes(learner),
+        "state_bytes_final": final_bytes,
+        "state_bytes_uncapped_warm": warm_uncapped,
+        "state_bytes_uncapped_final": final_uncapped,
         "loss_first_tenth": sum(losses[:tenth]) / tenth,
         "loss_last_tenth": sum(losses[-tenth:]) / tenth,
     }
@@ -137,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["events fired", result["event_counts"]],
         ["tuner history kept / max", f"{result['tuner_history']} / {result['tuner_history_max']}"],
         ["checkpoint bytes warm -> final", f"{result['state_bytes_warm']} -> {result['state_bytes_final']}"],
+        [
+            "  without capped histories",
+            f"{result['state_bytes_uncapped_warm']} -> {result['state_bytes_uncapped_final']}",
+        ],
         ["mean loss first -> last tenth", f"{result['loss_first_tenth']:.3f} -> {result['loss_last_tenth']:.3f}"],
     ]
     print(format_table(["measure", "value"], rows))
