@@ -362,6 +362,20 @@ def apply_policy(contents: Sequence[RecordDict], weight_key: str, policy: Aggreg
     return notes
 
 
+def _in_sent_dtypes(arrays: ArrayRecord, spec: ArraySpec) -> ArrayRecord:
+    """``arrays`` with each array in the dtype the server sent it in.
+
+    Flower's ``FedAdam`` keeps its moments in float64 and returns its aggregate in float64;
+    a device checks every array it receives against its own (float32) and refuses others.
+    """
+    from flwr.app import Array, ArrayRecord
+
+    named = _record_to_numpy(arrays)
+    if all(named[name].dtype == dtype for name, (_, dtype) in spec.items() if name in named):
+        return arrays
+    return ArrayRecord({name: Array(value.astype(spec[name][1]) if name in spec else value) for name, value in named.items()})
+
+
 def _build_validating_strategy() -> type:
     require_flwr()
     from flwr.serverapp.strategy import Strategy
@@ -448,7 +462,8 @@ def _build_validating_strategy() -> type:
                     mean_client_train_s=float(np.mean(client_s)) if client_s else float("nan"),
                 )
             )
-            return self.strategy.aggregate_train(server_round, kept)
+            aggregate, summary = self.strategy.aggregate_train(server_round, kept)
+            return (None if aggregate is None else _in_sent_dtypes(aggregate, self._expected)), summary
 
         def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
             return self.strategy.configure_evaluate(server_round, arrays, config, grid)
