@@ -46,6 +46,7 @@ def test_fleet_config_round_trips_through_the_run_config() -> None:
         ({"server_eta": 0.0}, r"`server_eta == 0.0`, must be > 0"),
         ({"personal": ","}, r"must name at least one state_dict prefix"),
         ({"secagg": True, "devices": 2}, r"`devices == 2` with `secagg=True`, must be >= 3"),
+        ({"method": "fedbabu", "finetune_steps": 0}, r"`finetune_steps == 0` with `method='fedbabu'`"),
         ({"secagg": True, "privacy": "central"}, r"the server cannot clip updates it cannot see"),
     ],
 )
@@ -102,15 +103,44 @@ def test_server_option_picks_flowers_strategy_in_both_apps(kwargs: dict[str, obj
         assert getattr(plain, setting[0]) == getattr(legacy, setting[0]) == setting[1]
 
 
-def test_fedbabu_finetune_moves_only_a_copy_of_the_head() -> None:
+def test_head_refit_moves_only_a_copy_of_the_head() -> None:
     model = make_mlp(seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = torch.randn(40, 64), torch.randint(0, 10, (40,))
-    tuned = flower_app._finetune(model, FleetConfig(finetune_steps=5), x, y).state_dict()
+    tuned = flower_app.refit_head(model, FleetConfig(finetune_steps=5), x, y).state_dict()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     for name, value in tuned.items():
         assert torch.equal(value, before[name]) != name.startswith("4.")
     assert all(p.requires_grad for p in model.parameters())
+
+
+def test_fleet_command_refuses_fedbabu_without_its_head_refit(capsys: pytest.CaptureFixture[str]) -> None:
+    from taste_cl.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fleet", "--method", "fedbabu", "--finetune-steps", "0"])
+    assert exit_info.value.code == 2 and "`finetune_steps == 0` with `method='fedbabu'`" in capsys.readouterr().err
+
+
+def test_local_only_re_fits_its_head_as_the_fleets_devices_do() -> None:
+    """``run_local(refit=config)`` scores each device after the fleet's head re-fit on all it has seen;
+    a config with the re-fit off scores the learner as it is."""
+    from taste_cl.benchmarks.federated import make_fleet, run_local
+    from taste_cl.monitor.evaluation import accuracy
+
+    fleet, config = make_fleet(2, num_rounds=1), FleetConfig(devices=2, rounds=1, finetune_steps=20)
+    plain, refit = run_local(fleet), run_local(fleet, refit=config)
+    assert run_local(fleet, refit=FleetConfig(devices=2, rounds=1, finetune_steps=0)) == plain
+    torch.manual_seed(fleet.seed)
+    learner = fleet.build_learner(1)
+    for batch in fleet.train_batches(1, 1):
+        learner.observe(batch)
+    x, y = fleet.eval_sets(1)["own"]
+    assert accuracy(learner.predict, x, y) == plain[1]["accuracy-own"]
+    tuned = flower_app.refit_head(learner.model, config, *fleet.seen(1, 1))
+    with torch.no_grad():
+        assert accuracy(tuned, x, y) == refit[1]["accuracy-own"]
+        assert not torch.equal(tuned(x), learner.model(x))
 
 
 def test_generated_app_module_imports_only_the_chosen_app() -> None:

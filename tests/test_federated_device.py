@@ -17,6 +17,7 @@ pytest.importorskip("onnxruntime.training")
 
 from taste_cl.adapters.flower.app import FleetConfig, _fleet
 from taste_cl.adapters.flower.deployment import LoopbackDeployment, _app_module, _client_module, _pyproject
+from taste_cl.adapters.flower.device_client import refit_head_on_device
 from taste_cl.adapters.flower.device_server import export_fleet
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
@@ -153,13 +154,34 @@ def test_device_runtime_supernodes_equal_the_simulation_and_stay_small() -> None
             assert abs(metrics[f"accuracy-{name}"] - twin[f"accuracy-{name}"]) <= 1.0 / y.shape[0] + 1e-9
 
 
+def test_the_aggregate_reaches_devices_in_the_dtype_the_server_sent() -> None:
+    """Flower's FedAdam aggregates in float64; devices refuse anything but their own float32, so the
+    server casts back. Before, every device of an artifacts fleet under ``server="fedadam"`` refused
+    round 2 (``0.bias must be float32``) and the run ended with no evaluation."""
+    from flwr.app import Array, ArrayRecord
+
+    from taste_cl.adapters.flower.fleet import _in_sent_dtypes, _record_to_numpy
+    from taste_cl.benchmarks.federated.deployment import _simulate
+    from taste_cl.benchmarks.federated.tables import last_evaluation
+
+    spec = {"w": ((2,), np.dtype(np.float32)), "b": ((1,), np.dtype(np.float32))}
+    wide = ArrayRecord({"w": Array(np.array([0.1, 0.2])), "b": Array(np.array([1.0]))})
+    cast = _record_to_numpy(_in_sent_dtypes(wide, spec))
+    assert {k: v.dtype for k, v in cast.items()} == {"w": np.float32, "b": np.float32} and np.allclose(cast["w"], [0.1, 0.2])
+    same = ArrayRecord({"w": Array(np.zeros(2, np.float32)), "b": Array(np.zeros(1, np.float32))})
+    assert _in_sent_dtypes(same, spec) is same
+    result = _simulate(FleetConfig(devices=3, rounds=2, server="fedadam", device="artifacts", evaluate_every_round=False))
+    assert all(r["dropped"] == 0 for r in result["rounds"])
+    assert all(0.0 < m["accuracy-own"] <= 1.0 for m in last_evaluation(result).values()) and len(last_evaluation(result)) == 3
+
+
 def test_local_only_on_the_artifacts_runtime_trains_the_device_learner(fedbabu) -> None:
     """The bench's local-only baseline on ``device="artifacts"`` is the torch-free learner of the parity-gated
     export, fed the device's batches: the same numbers as driving that learner by hand."""
     from taste_cl.adapters.device import export
     from taste_cl.benchmarks.federated import make_fleet, run_local
 
-    _, folder, _ = fedbabu
+    cfg, folder, _ = fedbabu
     fleet = make_fleet(2, num_rounds=2)
     found = run_local(fleet, device="artifacts")
     assert sorted(found) == [0, 1] and all(set(m) == {"accuracy-all", "accuracy-own"} for m in found.values())
@@ -170,6 +192,11 @@ def test_local_only_on_the_artifacts_runtime_trains_the_device_learner(fedbabu) 
             device.observe((x.numpy(), y.numpy()))
     x, y = fleet.eval_sets(1)["own"]
     assert found[1]["accuracy-own"] == float((device.predict(x.numpy()).argmax(axis=1) == y.numpy()).mean())
+    seen_x, seen_y = (t.numpy() for t in fleet.seen(1, 2))  # with the fleet's head re-fit, as its devices are scored
+    tuned = refit_head_on_device(device, folder / "finetune", seen_x, seen_y, steps=cfg.finetune_steps, lr=cfg.finetune_lr, seed=cfg.seed)
+    assert not np.array_equal(tuned.predict(x.numpy()), device.predict(x.numpy()))
+    refit = run_local(fleet, device="artifacts", refit=cfg)
+    assert refit[1]["accuracy-own"] == float((tuned.predict(x.numpy()).argmax(axis=1) == y.numpy()).mean())
     with pytest.raises(ValueError, match="`device == 'browser'`, must be 'torch' or 'artifacts'"):
         run_local(fleet, device="browser")
 
@@ -186,7 +213,8 @@ def test_the_seed_sweep_judges_each_variant_on_its_mean_over_seeds(capsys: pytes
     sweep = _seed_sweep({"fedper": config}, [0, 1], "artifacts")
     twin = _mean_own(last_evaluation(_simulate(FleetConfig(**{**config.__dict__, "seed": 1}))))
     assert sweep["own"]["fedper"]["1"] == twin
-    assert sweep["own"]["local only"]["1"] == _mean_own(run_local(make_fleet(2, num_rounds=1, seed=1), device="artifacts"))
+    local = run_local(make_fleet(2, num_rounds=1, seed=1), device="artifacts", refit=FleetConfig(**{**config.__dict__, "seed": 1}))
+    assert sweep["own"]["local only"]["1"] == _mean_own(local)
     means = {name: np.mean(list(by_seed.values())) for name, by_seed in sweep["own"].items()}
     assert sweep["beats_local_mean"] == {"fedper": bool(means["fedper"] > means["local only"])}
     assert "seeds beating local" in capsys.readouterr().out

@@ -11,8 +11,9 @@ process running it stays small. Per message the node:
    state and counters never leave the device);
 2. checks the shared arrays it received against its own shared part and loads them by name;
 3. ``train``: observes its stream slice for the round (test-then-train with replay) and
-   replies with its shared tensors only; ``evaluate``: scores its held-out sets, for
-   FedBABU after ``finetune-steps`` SGD steps of the head on a throwaway copy.
+   replies with its shared tensors only; ``evaluate``: scores its held-out sets after
+   ``finetune-steps`` SGD steps of the head on a throwaway copy
+   (:attr:`~taste_cl.adapters.flower.app.FleetConfig.finetunes_head`).
 
 Everything the node needs comes in the message's config record (the server sends its
 :class:`~taste_cl.adapters.flower.app.FleetConfig` plus the ``artifacts`` folder), and its
@@ -56,7 +57,15 @@ if TYPE_CHECKING:
     from flwr.app import Context, Message
     from flwr.clientapp import ClientApp
 
-__all__ = ["client_app", "evaluate_on_device", "fit_on_device", "make_device_client_app", "make_device_secagg_client_app", "secagg_client_app"]
+__all__ = [
+    "client_app",
+    "evaluate_on_device",
+    "fit_on_device",
+    "make_device_client_app",
+    "make_device_secagg_client_app",
+    "refit_head_on_device",
+    "secagg_client_app",
+]
 
 STATE_KEY = "taste_cl-device"
 
@@ -140,17 +149,26 @@ def fit_on_device(settings: Mapping[str, Any], context: Context, arrays: Arrays)
     return shared, {"num-examples": max(samples, 1), "train-seconds": seconds, "rss-mb": psutil.Process().memory_info().rss / 2**20}
 
 
-def _finetuned(learner: Any, settings: Mapping[str, Any], data: DeviceData, server_round: int) -> Any:
-    """A copy of the device model whose head took ``finetune-steps`` SGD steps on everything seen (FedBABU)."""
-    tuner = load_learner(Path(str(settings["artifacts"])) / FINETUNE_FOLDER)  # only the head trains in these artifacts
+def refit_head_on_device(learner: Any, head: Path, x: np.ndarray, y: np.ndarray, *, steps: int, lr: float, seed: int) -> Any:
+    """The device learner's model in the ``head`` artifacts (only the head trains there) after
+    ``steps`` SGD steps at ``lr`` on batches of 32 drawn from ``(x, y)``: the device-runtime twin
+    of :func:`~taste_cl.adapters.flower.app.refit_head`."""
+    tuner = load_learner(head)
     tuner.load_parameters(learner.parameters())
-    tuner.lr = float(settings["finetune-lr"])
-    x, y = data.seen(server_round)
-    rng = np.random.default_rng(int(settings["seed"]))
-    for _ in range(int(settings["finetune-steps"])):
+    tuner.lr = lr
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
         idx = rng.integers(0, y.shape[0], size=min(32, y.shape[0]))
         tuner.train_step(x[idx], y[idx])
     return tuner
+
+
+def _refit(learner: Any, settings: Mapping[str, Any], data: DeviceData, server_round: int) -> Any:
+    """:func:`refit_head_on_device` with the run's settings on everything the device has seen."""
+    x, y = data.seen(server_round)
+    head = Path(str(settings["artifacts"])) / FINETUNE_FOLDER
+    steps, lr, seed = int(settings["finetune-steps"]), float(settings["finetune-lr"]), int(settings["seed"])
+    return refit_head_on_device(learner, head, x, y, steps=steps, lr=lr, seed=seed)
 
 
 def evaluate_on_device(settings: Mapping[str, Any], context: Context, arrays: Arrays) -> dict[str, Any]:
@@ -165,7 +183,7 @@ def evaluate_on_device(settings: Mapping[str, Any], context: Context, arrays: Ar
         _load_shared(learner, arrays, _is_personal(settings))
         if settings["out-dir"] and server_round == int(settings["rounds"]):
             np.savez(Path(str(settings["out-dir"])) / f"device-{partition}.npz", **learner.parameters())
-        model = _finetuned(learner, settings, data, server_round) if settings["method"] == "fedbabu" else learner
+        model = _refit(learner, settings, data, server_round) if int(settings["finetune-steps"]) > 0 else learner
         metrics: dict[str, Any] = {"partition-id": partition}
         for name, (x, y) in data.eval_sets().items():
             metrics[f"accuracy-{name}"] = float((model.predict(x).argmax(axis=1) == y).mean()) if y.shape[0] else float("nan")

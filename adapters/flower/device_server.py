@@ -8,8 +8,9 @@ the first round. It writes, under one folder that every device can read:
   device trains like PyTorch (the parity gate of :func:`taste_cl.adapters.device.export`);
   for FedBABU the head is frozen in them (it stays at its common initialisation during
   federated rounds);
-- ``finetune/`` (FedBABU only): the same model with only the head trainable, plain SGD at
-  ``finetune_lr``, which each device uses on a throwaway copy before it is evaluated;
+- ``finetune/`` (when :attr:`FleetConfig.finetunes_head`): the same model with only the
+  head trainable, plain SGD at ``finetune_lr``, which each device uses on a throwaway copy
+  before it is evaluated;
 - ``data/partition-<id>.npz``: each device's partition (loopback only: on a real fleet
   the data is the device's own).
 
@@ -30,12 +31,27 @@ from taste_cl.adapters.flower.updates import personal_predicate
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
 if TYPE_CHECKING:
+    import torch
+
     from taste_cl.adapters.flower.app import FleetConfig
     from taste_cl.benchmarks.federated import Fleet
+    from taste_cl.learner import OnlineLearner
 
-__all__ = ["export_fleet"]
+__all__ = ["export_fleet", "export_head"]
 
 _EXAMPLE_ROWS = 8
+
+
+def export_head(learner: OnlineLearner, folder: Path, cfg: FleetConfig, example: tuple[torch.Tensor, torch.Tensor]) -> Path:
+    """Artifacts of ``learner`` in which only the head (``cfg.personal``) trains, with plain SGD at
+    ``cfg.finetune_lr`` and no replay: what a device re-fits its head with before evaluation."""
+    is_personal = personal_predicate(cfg.prefixes)
+    personal = [name for name, _ in learner.model.named_parameters() if is_personal(name)]
+    if not personal:
+        raise ValueError(f"`personal == {cfg.personal!r}` names no parameter: the device re-fits a head (`finetune_steps > 0`)")
+    return export(
+        learner, folder, backend="onnxruntime", example=example, trainable=personal, optimizer="sgd", lr=cfg.finetune_lr, include_replay=False
+    )
 
 
 def export_fleet(cfg: FleetConfig, fleet: Fleet, folder: Path) -> dict[str, np.ndarray]:
@@ -43,18 +59,11 @@ def export_fleet(cfg: FleetConfig, fleet: Fleet, folder: Path) -> dict[str, np.n
     learner = fleet.build_learner(0)
     is_personal = personal_predicate(cfg.prefixes)
     names = [name for name, _ in learner.model.named_parameters()]
-    personal = [name for name in names if is_personal(name)]
     example = (fleet.x_train[0][:_EXAMPLE_ROWS], fleet.y_train[0][:_EXAMPLE_ROWS])
-    frozen_head = cfg.method == "fedbabu"
-    trainable = [name for name in names if not is_personal(name)] if frozen_head else None
+    trainable = [name for name in names if not is_personal(name)] if cfg.method == "fedbabu" else None
     export(learner, folder / TRAIN_FOLDER, backend="onnxruntime", example=example, trainable=trainable)
-    if frozen_head:
-        if not personal:
-            raise ValueError(f"`personal == {cfg.personal!r}` names no parameter: FedBABU needs a head to fine-tune")
-        export(
-            learner, folder / FINETUNE_FOLDER, backend="onnxruntime", example=example, trainable=personal,
-            optimizer="sgd", lr=cfg.finetune_lr, include_replay=False,
-        )  # fmt: skip
+    if cfg.finetunes_head:
+        export_head(learner, folder / FINETUNE_FOLDER, cfg, example)
     (folder / DATA_FOLDER).mkdir()
     for partition in range(cfg.devices):
         own = np.asarray(fleet.classes[partition])

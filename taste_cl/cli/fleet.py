@@ -65,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--clip", type=float, default=1.0, help="DP clipping norm of an update")
     parser.add_argument("--noise", type=float, default=0.1, help="DP noise multiplier (central, client)")
     parser.add_argument("--epsilon", type=float, default=10.0, help="local DP epsilon per round")
+    parser.add_argument(
+        "--finetune-steps",
+        type=int,
+        default=300,
+        help="SGD steps re-fitting each device's head on its own data before evaluation (0: off; FedBABU needs them)",
+    )
     parser.add_argument("--evaluate-last-only", action="store_true", help="evaluate the devices after the last round only (fewer messages, faster)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data partitions and models")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for startup and for the run")
@@ -97,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             clip=args.clip,
             noise=args.noise,
             epsilon=args.epsilon,
+            finetune_steps=args.finetune_steps,
             seed=args.seed,
         )
         deployment = LoopbackDeployment(args.devices, timeout_s=args.timeout, verbose=args.verbose, insecure=args.insecure)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from taste_cl.cli.demo import build_digits_learner
 from taste_cl.datasets import split_digits
 from taste_cl.learner import OnlineLearner
 from taste_cl.monitor.evaluation import accuracy
+
+if TYPE_CHECKING:
+    from taste_cl.adapters.flower.app import FleetConfig
 
 __all__ = ["Fleet", "main", "make_fleet"]
 
@@ -96,19 +99,26 @@ def make_fleet(num_devices: int, *, num_rounds: int, batch_size: int = 10, repla
     )
 
 
-def run_local(fleet: Fleet, *, device: str = "torch") -> dict[int, dict[str, float]]:
+def run_local(fleet: Fleet, *, device: str = "torch", refit: FleetConfig | None = None) -> dict[int, dict[str, float]]:
     """Each device alone: the same batches, no communication, on the fleet's runtime.
 
     ``device="torch"`` trains the reference :class:`OnlineLearner`; ``"artifacts"`` the
     torch-free ONNX Runtime learner of its parity-gated export, as a deployed device does:
     the two draw replayed rows from different random streams, which on these short
     class-incremental streams moves a device's own-class accuracy by up to 0.3, so a fleet
-    is compared with local learning on its own runtime.
+    is compared with local learning on its own runtime. With ``refit`` (the fleet's config,
+    when :attr:`~taste_cl.adapters.flower.app.FleetConfig.finetunes_head`) each device
+    re-fits its head on everything it has seen before it is scored, exactly as the fleet's
+    devices do, so the comparison measures federation and not the re-fit.
     """
     if device not in ("torch", "artifacts"):
         raise ValueError(f"`device == {device!r}`, must be 'torch' or 'artifacts'")
+    if refit is not None and not refit.finetunes_head:
+        refit = None
     if device == "artifacts":
-        return _run_local_artifacts(fleet)
+        return _run_local_artifacts(fleet, refit)
+    from taste_cl.adapters.flower.app import refit_head
+
     results = {}
     for d in range(len(fleet.classes)):
         torch.manual_seed(fleet.seed)
@@ -116,27 +126,35 @@ def run_local(fleet: Fleet, *, device: str = "torch") -> dict[int, dict[str, flo
         for server_round in range(1, fleet.num_rounds + 1):
             for batch in fleet.train_batches(d, server_round):
                 learner.observe(batch)
-        results[d] = {f"accuracy-{k}": accuracy(learner.predict, x, y) for k, (x, y) in fleet.eval_sets(d).items()}
+        predict = learner.predict if refit is None else torch.no_grad()(refit_head(learner.model, refit, *fleet.seen(d, fleet.num_rounds)))
+        results[d] = {f"accuracy-{k}": accuracy(predict, x, y) for k, (x, y) in fleet.eval_sets(d).items()}
     return results
 
 
-def _run_local_artifacts(fleet: Fleet) -> dict[int, dict[str, float]]:
+def _run_local_artifacts(fleet: Fleet, refit: FleetConfig | None) -> dict[int, dict[str, float]]:
     """:func:`run_local` on the ONNX Runtime device learner, exported once from the reference learner."""
     import tempfile
     from pathlib import Path
 
     from taste_cl.adapters.device import export
+    from taste_cl.adapters.flower.device_client import refit_head_on_device
+    from taste_cl.adapters.flower.device_server import export_head
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="taste-cl-local-") as tmp:
         example = (fleet.x_train[0][:8], fleet.y_train[0][:8])
         folder = export(fleet.build_learner(0), Path(tmp) / "train", backend="onnxruntime", example=example)
+        head = None if refit is None else export_head(fleet.build_learner(0), Path(tmp) / "head", refit, example)
         for d in range(len(fleet.classes)):
             learner = OrtOnlineLearner.from_artifacts(folder)
             for server_round in range(1, fleet.num_rounds + 1):
                 for x, y in fleet.train_batches(d, server_round):
                     learner.observe((x.numpy(), y.numpy()))
+            if refit is not None and head is not None:
+                seen_x, seen_y = (t.numpy() for t in fleet.seen(d, fleet.num_rounds))
+                steps, lr = refit.finetune_steps, refit.finetune_lr
+                learner = refit_head_on_device(learner, head, seen_x, seen_y, steps=steps, lr=lr, seed=refit.seed)
             results[d] = {f"accuracy-{k}": accuracy(_torch_predict(learner), x, y) for k, (x, y) in fleet.eval_sets(d).items()}
     return results
 
