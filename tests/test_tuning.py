@@ -821,11 +821,15 @@ def test_probes_train_on_targets_shaped_like_the_learners_and_refuse_broadcastin
         ProbeRunner(classifier, torch.optim.SGD(classifier.parameters(), lr=0.1), nn.CrossEntropyLoss(), (x, torch.full((12,), 5)))
 
 
-@pytest.mark.parametrize(("replay_batch_size", "plan"), [(0, (5, 2)), (10, (10, 2)), (10, (2, 10)), (30, (4, 10))])
+@pytest.mark.parametrize(("replay_batch_size", "plan"), [(0, (5, 2)), (10, (10, 2)), (10, (2, 10)), (30, (4, 10)), (4, (4, 3)), (10, (7, 3))])
 def test_plan_passes_take_the_learners_own_steps(replay_batch_size: int, plan: tuple[int, int]) -> None:
     """With ``train_iterations=3`` each pass over an observe's micro-batches is one optimizer step, as the
     learner's own step: the plan draws the pass's replayed rows at once, as the learner does, so its
-    parameters equal the unplanned learner's up to float rounding, short batches included."""
+    parameters equal the unplanned learner's up to float rounding, short batches included. The plan
+    (4, 3) beside replay 4 does not tile the stream batch of 10 (3 stream + 1 replayed per micro-batch:
+    4 micro-batches, the last 1 + 1): its 4 micro-batches are still one window, not a window of 3 and
+    a second, smaller step. The plan (7, 3) is the tuner's split of 20 rows (``split_plan`` rounds the
+    micro-batch up to 3 x 7 = 21): still one observe's window, not samples left waiting."""
 
     def learner() -> OnlineLearner:
         torch.manual_seed(0)

@@ -178,10 +178,22 @@ class MicroBatcher:
         return micro - replayed, replayed
 
     def per_observe(self, replay_batch_size: int) -> bool:
-        """Whether a full window is at most one stream batch plus its replay (the tuner's plan for
-        the learner's own step), rather than spanning observes (a larger effective batch)."""
+        """Whether a full window is one stream batch plus its replay (the tuner's plan for the
+        learner's own step), rather than spanning observes (a larger effective batch): at most
+        that many rows, or that many rounded up to whole micro-batches (``split_plan`` rounds the
+        micro-batch up: 20 rows as 3 x 7)."""
         assert self.plan is not None and self.stream_batch_size is not None
-        return self.plan.micro_batch_size * self.plan.accumulation_steps <= self.stream_batch_size + replay_batch_size
+        plan = self.plan
+        return plan.micro_batch_size * plan.accumulation_steps < self.stream_batch_size + replay_batch_size + plan.accumulation_steps
+
+    def observe_windows(self, count: int) -> list[int]:
+        """Micro-batches per window of one pass over an observe's ``count`` micro-batches under a
+        per-observe plan: ``round(count / accumulation_steps)`` windows (at least one), as even as
+        they can be. A plan that does not tile the stream batch (a rounded replay share, a
+        micro-batch rounded up) thus takes the learner's own steps, not one more, smaller one."""
+        assert self.plan is not None
+        windows = max(1, round(count / self.plan.accumulation_steps))
+        return [count // windows + (i < count % windows) for i in range(windows)]
 
     def waited_too_long(self) -> bool:
         """Whether the plan's freshness bound asks for a step now."""
@@ -206,20 +218,22 @@ class MicroBatcher:
     def weights(self, sizes: list[tuple[int, int]], replay_batch_size: int) -> list[float]:
         """The loss weights of chunks of ``(stream, replayed)`` samples: each one's share of its window's.
 
-        Under a per-observe plan an observe's chunks form whole windows, the last possibly
-        smaller, each the mean over its rows, stream and replayed (as the learner's own step,
-        short batches included). Otherwise each chunk's stream samples are weighted against a
+        Under a per-observe plan an observe's chunks form whole windows (:meth:`observe_windows`),
+        each the mean over its rows, stream and replayed (as the learner's own step, short
+        batches included). Otherwise each chunk's stream samples are weighted against a
         full window's, so a forced smaller step (freshness bound) is proportionally smaller.
         Only called under a plan (the weight is 1 without).
         """
         assert self.plan is not None
-        accumulation = self.plan.accumulation_steps
         if not self.per_observe(replay_batch_size):
-            full = self.micro_split(replay_batch_size)[0] * accumulation
+            full = self.micro_split(replay_batch_size)[0] * self.plan.accumulation_steps
             return [n / full for n, _ in sizes]
         rows = [n + r for n, r in sizes]
-        windows = [sum(rows[i : i + accumulation]) for i in range(0, len(rows), accumulation)]
-        return [n / windows[i // accumulation] for i, n in enumerate(rows)]
+        weights: list[float] = []
+        for size in self.observe_windows(len(rows)):
+            window, rows = rows[:size], rows[size:]
+            weights.extend(n / sum(window) for n in window)
+        return weights
 
     def enter(self, n: int) -> None:
         """Count ``n`` stream samples into the window (their arrivals leave with its step)."""

@@ -24,6 +24,7 @@ the documentation of its public methods (about 130 lines); its code is about 250
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -321,9 +322,10 @@ class OnlineLearner:
         """Score each chunk (test), train ``train_iterations`` passes over them with replay, then store them.
 
         Each pass trains every chunk once. Under a plan whose window is one stream batch with
-        its replay (:meth:`MicroBatcher.per_observe`), a window still open when a pass ends
-        is applied then (its loss weights make it the mean over its own samples), so a window
-        never holds two passes or two observes, as the learner's own step; a larger
+        its replay (:meth:`MicroBatcher.per_observe`), each pass splits the observe's chunks into
+        whole windows (:meth:`MicroBatcher.observe_windows`; their loss weights make each the
+        mean over its own samples), so a window never holds two passes or two observes, as the
+        learner's own step; a larger
         effective batch accumulates across passes and observes. The score comes from
         an eval-mode forward (what :meth:`predict` returns) when the model's output depends on
         the train/eval mode, else from the chunk's first training forward. A chunk whose loss overflowed is scored but never stored: it would
@@ -339,6 +341,7 @@ class OnlineLearner:
         scored: list[torch.Tensor | None] = [self._logits(x) if self._score_eval else None for x, _, _ in chunks]
         last: list[torch.Tensor | None] = [None] * len(chunks)
         per_observe = batcher.plan is not None and batcher.per_observe(self.replay_rows)
+        window_ends = set(itertools.accumulate(batcher.observe_windows(len(chunks)))) if per_observe else set()
         for _ in range(self.train_iterations):
             # a per-observe plan draws the observe's replayed rows at once and splits them, as the learner's own step
             shared = self._draw_replay(sum(r for *_, r in chunks)) if per_observe else None
@@ -354,10 +357,8 @@ class OnlineLearner:
                 if scored[i] is None:
                     scored[i] = last[i]  # scored before any update on this chunk
                 totals.add_micro(loss, train_y.shape[0], n_replay)
-                if batcher.window_full():
+                if i + 1 in window_ends if per_observe else batcher.window_full():  # a window never spans passes
                     totals.add_step(self._apply_accumulated())
-            if per_observe and batcher.accumulated:  # one pass, one step: as the learner's own
-                totals.add_step(self._apply_accumulated())
         for (x, y, _), score, trained, ok in zip(chunks, scored, last, finite):
             assert score is not None and trained is not None
             totals.add_scored(self.monitor.record(x, y, score, validated=True, store=ok))
