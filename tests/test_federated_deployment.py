@@ -122,6 +122,20 @@ def test_fleet_command_refuses_fedbabu_without_its_head_refit(capsys: pytest.Cap
     assert exit_info.value.code == 2 and "`finetune_steps == 0` with `method='fedbabu'`" in capsys.readouterr().err
 
 
+def test_fleet_command_warns_that_fedbabu_is_below_local_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from taste_cl.cli import fleet as fleet_cli
+
+    class Stop(Exception):
+        pass
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise Stop  # no processes: the warning comes before the deployment starts
+
+    monkeypatch.setattr(fleet_cli.signal, "signal", refuse)
+    with pytest.warns(UserWarning, match="FedBABU ends below local-only learning"), pytest.raises(Stop):
+        fleet_cli.main(["--method", "fedbabu"])
+
+
 def test_local_only_re_fits_its_head_as_the_fleets_devices_do() -> None:
     """``run_local(refit=config)`` scores each device after the fleet's head re-fit on all it has seen;
     a config with the re-fit off scores the learner as it is."""

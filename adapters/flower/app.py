@@ -188,7 +188,8 @@ class FleetConfig:
         on a class-incremental stream it favours the latest classes; the re-fit on all it has
         seen took FedPer from 0.819 to 0.949 and FedPer + central DP from 0.677 to 0.962 (3 x 2,
         seeds 0-4, device runtime). Local-only learning gains as much from the same re-fit
-        (0.792 to 0.961), so benchmarks give it the same (:func:`run_local`'s ``finetune``).
+        (0.792 to 0.961), so benchmarks give it the same (``run_local(refit=config)`` in
+        :mod:`taste_cl.benchmarks.federated`).
         """
         return self.finetune_steps > 0
 

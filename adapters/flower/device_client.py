@@ -172,7 +172,7 @@ def _refit(learner: Any, settings: Mapping[str, Any], data: DeviceData, server_r
 
 
 def evaluate_on_device(settings: Mapping[str, Any], context: Context, arrays: Arrays) -> dict[str, Any]:
-    """Score the device (shared ``arrays`` + its personal part) on its held-out sets; FedBABU fine-tunes a copy first.
+    """Score the device (shared ``arrays`` + its personal part) on its held-out sets, after re-fitting a copy of its head.
 
     With ``out-dir`` set, the last round also saves the device's whole model there.
     """
