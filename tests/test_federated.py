@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -286,3 +287,27 @@ def test_every_device_gets_its_own_classes_whatever_the_seed(seed: int) -> None:
     fleet = make_fleet(10, num_rounds=10, seed=seed)
     for classes, y in zip(fleet.classes, fleet.y_train):
         assert set(y.unique().tolist()) == set(classes)
+
+
+def test_simulations_drop_only_flowers_run_simulation_deprecation() -> None:
+    """A seed sweep runs ~20 simulations: flwr's four-line deprecation of ``run_simulation`` is dropped, other warnings stay."""
+    from flwr.supercore.logger import warn_deprecated_feature
+
+    from taste_cl.adapters.flower.fleet import SIMULATION_LOG_FILTER
+
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    flwr_logger, handler = logging.getLogger("flwr"), Collect()
+    flwr_logger.addHandler(handler)
+    flwr_logger.addFilter(SIMULATION_LOG_FILTER)
+    try:
+        warn_deprecated_feature("The `run_simulation` function is deprecated")
+        warn_deprecated_feature("The `other` function is deprecated")
+    finally:
+        flwr_logger.removeFilter(SIMULATION_LOG_FILTER)
+        flwr_logger.removeHandler(handler)
+    assert len(seen) == 1 and "`other`" in seen[0]

@@ -504,6 +504,21 @@ def __getattr__(name: str) -> Any:
 
 
 # ------------------------------------------------------------------------- simulation
+class _WithoutSimulationDeprecation(logging.Filter):
+    """Drops flwr 1.42's warning that ``run_simulation`` is deprecated (four lines per call).
+
+    The simulation engine is used on purpose (``flwr run`` is the deployment path); a seed
+    sweep would print the warning once per simulation.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith("DEPRECATED FEATURE") and "run_simulation" in str(record.args))
+
+
+SIMULATION_LOG_FILTER = _WithoutSimulationDeprecation()
+"""Add to the ``flwr`` logger around ``run_simulation`` unless the caller asked for Flower's logs."""
+
+
 @dataclass
 class FleetResult:
     """What a simulated fleet run produced.
@@ -576,6 +591,8 @@ def run_fleet_simulation(
     flwr_logger = logging.getLogger("flwr")
     level = flwr_logger.level
     flwr_logger.setLevel(logging.INFO if verbose else logging.WARNING)  # a round logs ~20 INFO lines
+    if not verbose:
+        flwr_logger.addFilter(SIMULATION_LOG_FILTER)
     try:
         run_simulation(
             server_app=server_app,
@@ -588,6 +605,7 @@ def run_fleet_simulation(
         )
     finally:
         flwr_logger.setLevel(level)
+        flwr_logger.removeFilter(SIMULATION_LOG_FILTER)
     if "result" not in outcome:
         raise RuntimeError("the Flower simulation ended without a result; see the Flower log above")
     final = outcome["result"].arrays
