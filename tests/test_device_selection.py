@@ -219,6 +219,21 @@ def test_bench_device_reports_selection_memory_and_ratios(tmp_path: Path, capsys
     assert set(tuned["rounds_samples_per_s"]) == {"torch", "untuned", "tuned"} and tuned["threads"] >= 1
     out = capsys.readouterr().out
     assert "device/torch" in out and "sel/all" in out and "tuned/untuned" in out
+    assert "first+head" not in out and "first+head" not in facts
+
+
+def test_bench_device_cuts_time_the_dx_chain_and_the_weight_gradients_apart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from taste_cl.cli import main
+
+    argv = ["bench", "device", "--models", "mlp 64", "--backends", "onnxruntime", "--steps", "1", "--repeats", "1", "--tuner-calls", "0"]
+    assert main([*argv, "--cuts", "--out", str(tmp_path)]) == 0
+    (run,) = json.loads((tmp_path / "device_runtimes.json").read_text())["runs"]
+    facts = run["backends"]["onnxruntime"]
+    for key in ("first+head", "later half"):  # the MLP's 6 tensors: fc1.weight + the head's two; the last three
+        assert facts[key]["samples_per_s"] > 0 and facts[key]["over_all"] > 0 and run["torch_cuts_samples_per_s"][key] > 0
+        assert f"onnxruntime {key}" in run["rounds_samples_per_s"] and f"torch {key}" in run["rounds_samples_per_s"]
+    out = capsys.readouterr().out
+    assert "first+head: 3/6" in out and "later half: 3/6" in out
 
 
 def test_the_cpu_hog_is_killed_after_its_block() -> None:

@@ -24,6 +24,12 @@ reported apart; retunes are off during the timing, so the plan alone is timed).
 ``--hog N`` starts N busy-loop processes before the tuning and kills them after the timing,
 so the plan is found and timed under that load.
 
+``--cuts`` adds two fixed trainable sets per model, timed the same way: the first tensor
+with the head (the backward runs the whole dX chain but computes few weight gradients)
+and the later half of the tensors (half the chain, all of its weight gradients). Their
+speed-ups over training everything show where a runtime's backward time goes; ElasticTrainer
+selects with torch's cost profile, so a runtime whose split differs gains less from it.
+
 The default models are the zoo CNNs at 32x32 (ResNet-18, MobileNetV2, MobileNetV3-small);
 ``--models`` picks others by a word of their name (``mlp``, ``cnn``, ``layernorm``, ``batchnorm``).
 Run: ``taste-cl bench device`` (needs the ``[onnx]`` and ``[executorch]`` extras).
@@ -97,6 +103,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "batchnorm+dropout mlp": (_batchnorm_mlp, (64,)),
 }
 DEFAULT_MODELS = ("resnet18 32x32", "mobilenet_v2 32x32", "mobilenet_v3_small 32x32")
+CUTS = ("first+head", "later half")
+"""``--cuts``: fixed trainable sets that show whether a runtime's backward time is in the dX chain or in the weight gradients."""
 
 
 # ------------------------------------------------------------------ memory
@@ -297,7 +305,10 @@ def run_model(name: str, args: Any, scratch: Path) -> tuple[dict[str, Any], list
     learner, elastic, x, y = _elastic_learner(build, shape, args)
     every = selected_parameters(learner)
     chosen = selected_parameters(learner, elastic) if elastic.selected else every
-    sets = {"all": (None, every), "selection": (elastic, chosen)}
+    sets: dict[str, tuple[Any, list[str]]] = {"all": (None, every), "selection": (elastic, chosen)}
+    if args.cuts:  # where each runtime's backward time goes: the dX chain or the weight gradients
+        first_and_head, later_half = [every[0], *every[-2:]], every[len(every) // 2 :]
+        sets.update({CUTS[0]: (first_and_head, first_and_head), CUTS[1]: (later_half, later_half)})
     variants: dict[str, Callable[[], Any]] = {}
     facts: dict[str, dict[str, Any]] = {backend: {} for backend in args.backends}
     for key, (trainable, names) in sets.items():
@@ -314,13 +325,13 @@ def run_model(name: str, args: Any, scratch: Path) -> tuple[dict[str, Any], list
     for backend in args.backends:
         for key in sets:
             fact, variant = facts[backend][key], f"{backend} {key}"
-            trains = "all" if key == "all" else f"rho {args.rho}: {len(chosen)}/{len(every)}"
+            trains = {"all": "all", "selection": f"rho {args.rho}: {len(chosen)}/{len(every)}"}.get(key, f"{key}: {len(sets[key][1])}/{len(every)}")
             if "refused" in fact:
                 rows.append([name, backend, trains, rates[f"torch {key}"], "refused", "", "", "", "", "", fact["refused"].splitlines()[0][:70]])
                 continue
             fact.update(samples_per_s=rates[variant], over_torch=rates[variant] / rates[f"torch {key}"], peak_step_mib=memory[variant])
             over_all: float | str = ""
-            if key == "selection" and f"{backend} all" in rates:
+            if key != "all" and f"{backend} all" in rates:
                 fact["over_all"] = over_all = rates[variant] / rates[f"{backend} all"]
             rows.append([name, backend, trains, rates[f"torch {key}"], rates[variant], fact["over_torch"], over_all,
                          memory[variant], fact["artifact_bytes"] / 1024, fact["export_s"], ""])  # fmt: skip
@@ -340,8 +351,12 @@ def run_model(name: str, args: Any, scratch: Path) -> tuple[dict[str, Any], list
         "torch_samples_per_s": rates["torch all"],
         "torch_selection_samples_per_s": rates["torch selection"],
         "torch_peak_step_mib": {"all": memory["torch all"], "selection": memory["torch selection"]},
+        "torch_cuts_samples_per_s": {key: rates[f"torch {key}"] for key in CUTS if key in sets},
         # compatible with earlier results: the all-tensor facts per backend, the selection's beside them
-        "backends": {backend: {**facts[backend]["all"], "selection": facts[backend]["selection"]} for backend in args.backends},
+        "backends": {
+            backend: {**facts[backend]["all"], "selection": facts[backend]["selection"], **{key: facts[backend][key] for key in CUTS if key in sets}}
+            for backend in args.backends
+        },
         "rounds_samples_per_s": {variant: [args.batch_size / s for s in values] for variant, values in seconds.items()},
     }
     return record, rows, tuner_rows
@@ -358,6 +373,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tuner-calls", type=int, default=6, help="probes of the device tuner's search (0: no tuner table)")
     parser.add_argument(
         "--hog", type=int, nargs="?", const=1, default=0, metavar="N", help="busy-loop processes to run during the tuner table (--hog alone: 1)"
+    )
+    parser.add_argument(
+        "--cuts",
+        action="store_true",
+        help="also time two fixed trainable sets: the first tensor with the head (the whole dX chain, few weight gradients) and "
+        "the later half of the tensors (half the chain)",
     )
     parser.add_argument(
         "--models", nargs="+", metavar="WORD", help=f"models whose name contains one of these words (default: {', '.join(DEFAULT_MODELS)})"
