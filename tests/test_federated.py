@@ -293,7 +293,7 @@ def test_simulations_drop_only_flowers_run_simulation_deprecation() -> None:
     """A seed sweep runs ~20 simulations: flwr's four-line deprecation of ``run_simulation`` is dropped, other warnings stay."""
     from flwr.supercore.logger import warn_deprecated_feature
 
-    from taste_cl.adapters.flower.fleet import SIMULATION_LOG_FILTER
+    from taste_cl.adapters.flower.fleet import without_simulation_deprecation
 
     seen: list[str] = []
 
@@ -303,11 +303,11 @@ def test_simulations_drop_only_flowers_run_simulation_deprecation() -> None:
 
     flwr_logger, handler = logging.getLogger("flwr"), Collect()
     flwr_logger.addHandler(handler)
-    flwr_logger.addFilter(SIMULATION_LOG_FILTER)
     try:
-        warn_deprecated_feature("The `run_simulation` function is deprecated")
-        warn_deprecated_feature("The `other` function is deprecated")
+        with without_simulation_deprecation():
+            warn_deprecated_feature("The `run_simulation` function is deprecated")
+            warn_deprecated_feature("The `other` function is deprecated")
+        warn_deprecated_feature("The `run_simulation` function is deprecated")  # outside the block it shows
     finally:
-        flwr_logger.removeFilter(SIMULATION_LOG_FILTER)
         flwr_logger.removeHandler(handler)
-    assert len(seen) == 1 and "`other`" in seen[0]
+    assert len(seen) == 2 and "`other`" in seen[0] and "`run_simulation`" in seen[1]

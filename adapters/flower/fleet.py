@@ -19,10 +19,11 @@ telemetry is switched off (``FLWR_TELEMETRY_ENABLED=0``) unless the user set it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
@@ -505,18 +506,25 @@ def __getattr__(name: str) -> Any:
 
 # ------------------------------------------------------------------------- simulation
 class _WithoutSimulationDeprecation(logging.Filter):
-    """Drops flwr 1.42's warning that ``run_simulation`` is deprecated (four lines per call).
-
-    The simulation engine is used on purpose (``flwr run`` is the deployment path); a seed
-    sweep would print the warning once per simulation.
-    """
+    """Drops flwr 1.42's warning that ``run_simulation`` is deprecated (four lines per call)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (str(record.msg).startswith("DEPRECATED FEATURE") and "run_simulation" in str(record.args))
 
 
-SIMULATION_LOG_FILTER = _WithoutSimulationDeprecation()
-"""Add to the ``flwr`` logger around ``run_simulation`` unless the caller asked for Flower's logs."""
+@contextlib.contextmanager
+def without_simulation_deprecation() -> Iterator[None]:
+    """Within the block, the ``flwr`` logger drops only its ``run_simulation`` deprecation warning.
+
+    The simulation engine is used on purpose (``flwr run`` is the deployment path); a seed
+    sweep would print the warning once per simulation.
+    """
+    flwr_logger, dropping = logging.getLogger("flwr"), _WithoutSimulationDeprecation()
+    flwr_logger.addFilter(dropping)
+    try:
+        yield
+    finally:
+        flwr_logger.removeFilter(dropping)
 
 
 @dataclass
@@ -591,21 +599,19 @@ def run_fleet_simulation(
     flwr_logger = logging.getLogger("flwr")
     level = flwr_logger.level
     flwr_logger.setLevel(logging.INFO if verbose else logging.WARNING)  # a round logs ~20 INFO lines
-    if not verbose:
-        flwr_logger.addFilter(SIMULATION_LOG_FILTER)
     try:
-        run_simulation(
-            server_app=server_app,
-            client_app=client_app,
-            num_supernodes=num_devices,
-            backend_config={
-                "client_resources": {"num_cpus": client_cpus, "num_gpus": 0.0},
-                "init_args": {"logging_level": "INFO" if verbose else "ERROR", "log_to_driver": verbose},
-            },
-        )
+        with contextlib.nullcontext() if verbose else without_simulation_deprecation():
+            run_simulation(
+                server_app=server_app,
+                client_app=client_app,
+                num_supernodes=num_devices,
+                backend_config={
+                    "client_resources": {"num_cpus": client_cpus, "num_gpus": 0.0},
+                    "init_args": {"logging_level": "INFO" if verbose else "ERROR", "log_to_driver": verbose},
+                },
+            )
     finally:
         flwr_logger.setLevel(level)
-        flwr_logger.removeFilter(SIMULATION_LOG_FILTER)
     if "result" not in outcome:
         raise RuntimeError("the Flower simulation ended without a result; see the Flower log above")
     final = outcome["result"].arrays

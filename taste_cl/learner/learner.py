@@ -357,7 +357,7 @@ class OnlineLearner:
                 if scored[i] is None:
                     scored[i] = last[i]  # scored before any update on this chunk
                 totals.add_micro(loss, train_y.shape[0], n_replay)
-                if i + 1 in window_ends if per_observe else batcher.window_full():  # a window never spans passes
+                if (i + 1 in window_ends) if per_observe else batcher.window_full():  # a window never spans passes
                     totals.add_step(self._apply_accumulated())
         for (x, y, _), score, trained, ok in zip(chunks, scored, last, finite):
             assert score is not None and trained is not None

@@ -143,9 +143,9 @@ def _run_local_artifacts(fleet: Fleet, refit: FleetConfig | None) -> dict[int, d
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="taste-cl-local-") as tmp:
-        example = (fleet.x_train[0][:8], fleet.y_train[0][:8])
-        folder = export(fleet.build_learner(0), Path(tmp) / "train", backend="onnxruntime", example=example)
-        head = None if refit is None else export_head(fleet.build_learner(0), Path(tmp) / "head", refit, example)
+        reference, example = fleet.build_learner(0), (fleet.x_train[0][:8], fleet.y_train[0][:8])
+        folder = export(reference, Path(tmp) / "train", backend="onnxruntime", example=example)  # exports copy the learner
+        head = None if refit is None else export_head(reference, Path(tmp) / "head", refit, example)
         for d in range(len(fleet.classes)):
             learner = OrtOnlineLearner.from_artifacts(folder)
             for server_round in range(1, fleet.num_rounds + 1):

@@ -45,25 +45,20 @@ def _simulate(config: Any) -> dict[str, Any]:
     from flwr.simulation import run_simulation
 
     from taste_cl.adapters.flower.app import make_fleet_apps, read_outputs
-    from taste_cl.adapters.flower.fleet import SIMULATION_LOG_FILTER
+    from taste_cl.adapters.flower.fleet import without_simulation_deprecation
 
-    flwr_logger = logging.getLogger("flwr")
-    flwr_logger.addFilter(SIMULATION_LOG_FILTER)
-    try:
-        with tempfile.TemporaryDirectory(prefix="taste-cl-sim-") as out:
-            server_app, client_app = make_fleet_apps(type(config)(**{**config.__dict__, "out_dir": out}))
-            run_simulation(
-                server_app=server_app,
-                client_app=client_app,
-                num_supernodes=config.devices,
-                backend_config={
-                    "client_resources": {"num_cpus": 1.0, "num_gpus": 0.0},
-                    "init_args": {"logging_level": "ERROR", "log_to_driver": False},
-                },
-            )
-            return read_outputs(out)[0]
-    finally:
-        flwr_logger.removeFilter(SIMULATION_LOG_FILTER)
+    with without_simulation_deprecation(), tempfile.TemporaryDirectory(prefix="taste-cl-sim-") as out:
+        server_app, client_app = make_fleet_apps(type(config)(**{**config.__dict__, "out_dir": out}))
+        run_simulation(
+            server_app=server_app,
+            client_app=client_app,
+            num_supernodes=config.devices,
+            backend_config={
+                "client_resources": {"num_cpus": 1.0, "num_gpus": 0.0},
+                "init_args": {"logging_level": "ERROR", "log_to_driver": False},
+            },
+        )
+        return read_outputs(out)[0]
 
 
 def _per_round(result: dict[str, Any]) -> dict[str, float]:
