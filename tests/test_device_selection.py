@@ -201,15 +201,20 @@ def test_bench_device_reports_selection_memory_and_ratios(tmp_path: Path, capsys
     from taste_cl.cli import main
 
     argv = ["bench", "device", "--models", "mlp 64", "--backends", "onnxruntime", "--steps", "1", "--repeats", "1", "--tuner-calls", "3"]
-    assert main([*argv, "--hog", "--out", str(tmp_path)]) == 0
+    assert main([*argv, "--hog", "--rho", "0.8", "--out", str(tmp_path)]) == 0  # on ONNX Runtime the MLP's forward is over half a step
     saved = json.loads((tmp_path / "device_runtimes.json").read_text())
     assert saved["hog"] == 1 and saved["tuner_calls"] == 3
     (run,) = saved["runs"]
-    assert run["selection"]["rho"] == 0.5 and 1 <= run["selection"]["tensors"] <= run["selection"]["of"] == 6
+    assert run["selection"]["rho"] == 0.8 and 1 <= run["selection"]["tensors"] <= run["selection"]["of"] == 6
     facts = run["backends"]["onnxruntime"]
     assert facts["samples_per_s"] > 0 and facts["over_torch"] > 0 and facts["artifact_bytes"] > 0
     assert facts["selection"]["samples_per_s"] > 0 and facts["selection"]["over_all"] > 0
-    assert set(run["rounds_samples_per_s"]) == {"torch all", "torch selection", "onnxruntime all", "onnxruntime selection"}
+    assert set(run["rounds_samples_per_s"]) == {
+        f"{runtime} {key}" for runtime in ("torch", "onnxruntime") for key in ("all", "selection", "ort costs")
+    }
+    costed = run["selection_ort_costs"]  # the selection budgeted with ONNX Runtime's own step costs, timed beside the others
+    assert 1 <= costed["tensors"] <= 6 and costed["predicted_speedup"] >= 1 and 0 <= costed["importance_share"] <= 1
+    assert facts["ort costs"]["samples_per_s"] > 0 and facts["ort costs"]["over_all"] > 0 and run["torch_ort_costs_samples_per_s"] > 0
     if Path("/proc/self/clear_refs").exists():
         assert facts["peak_step_mib"] is not None and facts["peak_step_mib"] >= 0
     tuned = facts["tuner"]  # the untuned device learner and the tuner's plan over the same observes (32 stream + 10 replayed rows)
@@ -218,7 +223,7 @@ def test_bench_device_reports_selection_memory_and_ratios(tmp_path: Path, capsys
     assert tuned["tuned_over_untuned"] == pytest.approx(tuned["tuned_samples_per_s"] / tuned["untuned_samples_per_s"])
     assert set(tuned["rounds_samples_per_s"]) == {"torch", "untuned", "tuned"} and tuned["threads"] >= 1
     out = capsys.readouterr().out
-    assert "device/torch" in out and "sel/all" in out and "tuned/untuned" in out
+    assert "device/torch" in out and "sel/all" in out and "tuned/untuned" in out and "rho 0.8, ORT costs" in out
     assert "first+head" not in out and "first+head" not in facts
 
 

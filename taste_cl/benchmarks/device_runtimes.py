@@ -24,6 +24,12 @@ reported apart; retunes are off during the timing, so the plan alone is timed).
 ``--hog N`` starts N busy-loop processes before the tuning and kills them after the timing,
 so the plan is found and timed under that load.
 
+With ONNX Runtime among the backends, a third selection is timed the same way: the
+ElasticTrainer's choice at ``--rho`` budgeted with ONNX Runtime's own step costs
+(:func:`~taste_cl.adapters.onnxruntime.step_costs.measure_step_costs`, two profiled
+exports; ``ElasticTrainer.selection_for``), with the share of the measured importance each
+selection keeps.
+
 ``--cuts`` adds two fixed trainable sets per model, timed the same way: the first tensor
 with the head (the backward runs the whole dX chain but computes few weight gradients)
 and the later half of the tensors (half the chain, all of its weight gradients). Their
@@ -103,6 +109,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "batchnorm+dropout mlp": (_batchnorm_mlp, (64,)),
 }
 DEFAULT_MODELS = ("resnet18 32x32", "mobilenet_v2 32x32", "mobilenet_v3_small 32x32")
+DEVICE_COSTS = "ort costs"
+"""The variant whose selection ElasticTrainer budgeted with ONNX Runtime's measured step costs (:mod:`taste_cl.adapters.onnxruntime.step_costs`)."""
 CUTS = ("first+head", "later half")
 """``--cuts``: fixed trainable sets that show whether a runtime's backward time is in the dX chain or in the weight gradients."""
 
@@ -297,6 +305,37 @@ def tuner_comparison(
     }
 
 
+def _importance_share(elastic: Any, names: Sequence[str]) -> float | None:
+    """The share of the ElasticTrainer's last measured importance that the units holding ``names`` carry."""
+    if elastic.importance_ is None or not sum(elastic.importance_):
+        return None
+    units = set(elastic.profile_.units)
+    kept = {name if name in units else name.rpartition(".")[0] for name in names}
+    return sum(score for unit, score in zip(elastic.profile_.units, elastic.importance_) if unit in kept) / sum(elastic.importance_)
+
+
+def _device_costed_selection(learner: OnlineLearner, elastic: Any, x: torch.Tensor, y: torch.Tensor, args: Any, scratch: Path) -> dict[str, Any]:
+    """The ElasticTrainer's selection at ``--rho`` budgeted with ONNX Runtime's own step costs; what it keeps and predicts."""
+    from taste_cl.adapters.onnxruntime.step_costs import measure_step_costs
+
+    start = time.perf_counter()
+    try:
+        costs = measure_step_costs(learner, elastic, (x, y), threads=args.threads, workdir=scratch / "ort-costs")
+        names = elastic.selection_for(costs, rho=args.rho)
+    except Exception as error:  # noqa: BLE001 - reported beside the other variants, as a refusal is
+        return {"refused": f"{type(error).__name__}: {error}"}
+    units = {unit: i for i, unit in enumerate(costs.units)}
+    kept = sorted({units[name] if name in units else units[name.rpartition(".")[0]] for name in names})
+    return {
+        "trainable": names,
+        "tensors": len(names),
+        "importance_share": _importance_share(elastic, names),
+        "predicted_speedup": costs.full_step_s / costs.step_s(kept),
+        "measure_s": time.perf_counter() - start,
+        "ort_ms": {"forward": costs.forward_s * 1e3, "weight_grads": sum(costs.weight_grad_s) * 1e3, "input_grads": sum(costs.act_grad_s[1:]) * 1e3},
+    }
+
+
 def run_model(name: str, args: Any, scratch: Path) -> tuple[dict[str, Any], list[list[Any]], list[list[Any]]]:
     """Export, measure and time one model; its JSON record, its table rows and its tuner table rows."""
     from taste_cl.adapters.device.trainable import selected_parameters
@@ -306,6 +345,9 @@ def run_model(name: str, args: Any, scratch: Path) -> tuple[dict[str, Any], list
     every = selected_parameters(learner)
     chosen = selected_parameters(learner, elastic) if elastic.selected else every
     sets: dict[str, tuple[Any, list[str]]] = {"all": (None, every), "selection": (elastic, chosen)}
+    device_costed = _device_costed_selection(learner, elastic, x, y, args, scratch) if "onnxruntime" in args.backends and elastic.selected else None
+    if device_costed is not None and "refused" not in device_costed:
+        sets[DEVICE_COSTS] = (device_costed["trainable"], device_costed["trainable"])
     if args.cuts:  # where each runtime's backward time goes: the dX chain or the weight gradients
         first_and_head, later_half = [every[0], *every[-2:]], every[len(every) // 2 :]
         sets.update({CUTS[0]: (first_and_head, first_and_head), CUTS[1]: (later_half, later_half)})
@@ -325,7 +367,11 @@ def run_model(name: str, args: Any, scratch: Path) -> tuple[dict[str, Any], list
     for backend in args.backends:
         for key in sets:
             fact, variant = facts[backend][key], f"{backend} {key}"
-            trains = {"all": "all", "selection": f"rho {args.rho}: {len(chosen)}/{len(every)}"}.get(key, f"{key}: {len(sets[key][1])}/{len(every)}")
+            trains = {
+                "all": "all",
+                "selection": f"rho {args.rho}: {len(chosen)}/{len(every)}",
+                DEVICE_COSTS: f"rho {args.rho}, ORT costs: {len(sets[key][1])}/{len(every)}",
+            }.get(key, f"{key}: {len(sets[key][1])}/{len(every)}")
             if "refused" in fact:
                 rows.append([name, backend, trains, rates[f"torch {key}"], "refused", "", "", "", "", "", fact["refused"].splitlines()[0][:70]])
                 continue
@@ -335,6 +381,8 @@ def run_model(name: str, args: Any, scratch: Path) -> tuple[dict[str, Any], list
                 fact["over_all"] = over_all = rates[variant] / rates[f"{backend} all"]
             rows.append([name, backend, trains, rates[f"torch {key}"], rates[variant], fact["over_torch"], over_all,
                          memory[variant], fact["artifact_bytes"] / 1024, fact["export_s"], ""])  # fmt: skip
+    if device_costed is not None and "refused" in device_costed:
+        rows.append([name, "onnxruntime", f"rho {args.rho}, ORT costs", "", "refused", "", "", "", "", "", device_costed["refused"][:90]])
     tuner_rows = []
     for backend in args.backends if args.tuner_calls else ():
         fact = facts[backend]["all"]
@@ -347,14 +395,22 @@ def run_model(name: str, args: Any, scratch: Path) -> tuple[dict[str, Any], list
                            tuned["peak_observe_mib"]["untuned"], tuned["peak_observe_mib"]["tuned"]])  # fmt: skip
     record = {
         "model": name,
-        "selection": {"rho": args.rho, "trainable": chosen, "tensors": len(chosen), "of": len(every)},
+        "selection": {
+            "rho": args.rho,
+            "trainable": chosen,
+            "tensors": len(chosen),
+            "of": len(every),
+            "importance_share": _importance_share(elastic, chosen),
+        },
+        "selection_ort_costs": device_costed,
         "torch_samples_per_s": rates["torch all"],
         "torch_selection_samples_per_s": rates["torch selection"],
+        "torch_ort_costs_samples_per_s": rates.get(f"torch {DEVICE_COSTS}"),
         "torch_peak_step_mib": {"all": memory["torch all"], "selection": memory["torch selection"]},
         "torch_cuts_samples_per_s": {key: rates[f"torch {key}"] for key in CUTS if key in sets},
         # compatible with earlier results: the all-tensor facts per backend, the selection's beside them
         "backends": {
-            backend: {**facts[backend]["all"], "selection": facts[backend]["selection"], **{key: facts[backend][key] for key in CUTS if key in sets}}
+            backend: {**facts[backend]["all"], **{key: facts[backend][key] for key in ("selection", DEVICE_COSTS, *CUTS) if key in sets}}
             for backend in args.backends
         },
         "rounds_samples_per_s": {variant: [args.batch_size / s for s in values] for variant, values in seconds.items()},

@@ -143,6 +143,34 @@ class SelectionCycle:
             "corrected_after_first": (statistics.fmean(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in later) if later else None),
         }
 
+    def selection_for(self, costs: TensorProfile, *, rho: float | None = None) -> list[str]:
+        """The parameter names to train where a step costs ``costs``: a device runtime's timing.
+
+        ``costs`` is a profile of the same units measured elsewhere (for ONNX Runtime,
+        :func:`taste_cl.adapters.onnxruntime.step_costs.measure_step_costs`); the units of
+        maximal importance (as last measured on this learner) whose forward + backward time
+        under ``costs`` is at most ``rho`` (default: the budget in force) of full training's
+        are chosen, within ``memory_budget_bytes`` if set. The result is what
+        ``learner.export(..., trainable=...)`` takes; this learner's own selection is unchanged.
+        ``ValueError`` before the first probe, for a profile of other units, or when no unit fits.
+        """
+        if self.profile_ is None or self.importance_ is None:
+            raise ValueError("ElasticTrainer has no importance yet: observe batches until its first probe has run")
+        if costs.units != self.profile_.units or costs.granularity != self.profile_.granularity:
+            raise ValueError("`costs` must profile this ElasticTrainer's units (same names, order and granularity)")
+        budget_rho = self.current_rho if rho is None else check_positive("rho", rho, upper=1.0)
+        budget = budget_rho * costs.full_step_s - costs.forward_s - costs.tail_grad_s
+        everything = budget_rho >= 1.0 and self.memory_budget_bytes is None
+        chosen = list(range(len(costs.units))) if everything else self._choose(costs, costs.weight_grad_s, costs.act_grad_s, budget)
+        if not chosen:
+            fixed = (costs.forward_s + costs.tail_grad_s) / costs.full_step_s
+            raise ValueError(
+                f"no selection of the trainable units fits rho={budget_rho} under these costs (the forward pass and tail take {fixed:.0%} of a step)"
+            )
+        groups = unit_parameters(self._attached().model, [costs.units[i] for i in chosen], costs.granularity, self.candidates())
+        ids = {id(p) for group in groups for p in group}
+        return [name for name, p in self._attached().model.named_parameters() if id(p) in ids]
+
     def apply_selection(self, selected: Sequence[str]) -> None:
         """Train only the units named in ``selected`` until the next probe.
 
@@ -282,17 +310,9 @@ class SelectionCycle:
         # the optimizer/bookkeeping overhead is predicted and reported, not budgeted
         full = timing.predict(everything) - overhead
         budget = self.current_rho * full - forward - tail
-        memory: dict[str, Any] = {}
-        if self.memory_budget_bytes is not None:
-            factor = optimizer_state_factor(self._attached().optimizer)
-            memory = {
-                "weight_bytes": [i + p * (1 + factor) for i, p in zip(profile.input_bytes, profile.param_bytes)],
-                "act_bytes": [float(b) for b in profile.act_bytes],
-                "budget_bytes": float(self.memory_budget_bytes),
-            }
-        chosen = select_tensors(self.importance_, weight_s, act_s, budget, resolution=self.resolution, **memory) if budget > 0 else []
+        chosen = self._choose(profile, weight_s, act_s, budget)
         if not chosen:
-            chosen = self._over_budget(memory, (forward + tail) / full)
+            chosen = self._over_budget(self._memory_budget(profile), (forward + tail) / full)
         self.apply_selection([profile.units[i] for i in chosen])
         self._window = []
         self._window_prediction = {
@@ -300,6 +320,24 @@ class SelectionCycle:
             "raw_s": timing.raw_prediction(chosen),
             "predicted_s": timing.predict(chosen),
         }
+
+    def _memory_budget(self, profile: TensorProfile) -> dict[str, Any]:
+        """``select_tensors``'s memory arguments for ``memory_budget_bytes`` (none without one)."""
+        if self.memory_budget_bytes is None:
+            return {}
+        factor = optimizer_state_factor(self._attached().optimizer)
+        return {
+            "weight_bytes": [i + p * (1 + factor) for i, p in zip(profile.input_bytes, profile.param_bytes)],
+            "act_bytes": [float(b) for b in profile.act_bytes],
+            "budget_bytes": float(self.memory_budget_bytes),
+        }
+
+    def _choose(self, profile: TensorProfile, weight_s: Sequence[float], act_s: Sequence[float], budget: float) -> list[int]:
+        """The most important units within ``budget`` seconds of backward (and the memory budget); [] if none fits."""
+        assert self.importance_ is not None
+        if budget <= 0:
+            return []
+        return select_tensors(self.importance_, weight_s, act_s, budget, resolution=self.resolution, **self._memory_budget(profile))
 
     def _over_budget(self, memory: dict[str, Any], fixed_share: float) -> list[int]:
         """The selection when no selection fits ``rho``: rho cannot be met, so train what the

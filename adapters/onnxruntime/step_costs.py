@@ -1,0 +1,199 @@
+"""What each trainable unit costs in ONNX Runtime's training step, for ElasticTrainer to select with.
+
+ElasticTrainer budgets with a profile of *torch's* backward (weight gradients per unit, the
+input-gradient chain per unit). ONNX Runtime splits the same backward differently: its
+``ConvGrad`` spends about two thirds of a ResNet-18 step on input gradients, so the chain
+matters more and the weight gradients less than in torch, and a selection chosen with
+torch's costs (early tensors kept: the whole chain paid) gains 1.3x on ONNX Runtime where it
+gains 1.9x in torch (``bench device --cuts``).
+
+:func:`measure_step_costs` measures the device runtime's own costs in the shape of a
+:class:`~taste_cl.elastic.tensor_profile.TensorProfile` over the ElasticTrainer's units, so
+:meth:`~taste_cl.elastic.ElasticTrainer.selection_for` can choose, with the importance the
+learner measured, what a device exported with ``trainable=`` should train:
+
+- the model is exported twice (each through the parity gate): every unit trainable, and only
+  the first unit trainable (the whole input-gradient chain with a single weight gradient);
+- both run ``steps`` training steps with ONNX Runtime's per-node profiler on;
+- per module, the first export's backward nodes time its input gradient, the difference
+  between the two its weight gradients; parameter-free modules (activations, residual adds,
+  pooling) and frozen ones are charged to the next unit, as in torch's profile, and those
+  after the last unit to the tail; forward and loss nodes make the forward time. The
+  gradient accumulators (per-parameter copies, microseconds each) are left out.
+
+Memory fields are copied from the learner's torch profile (the same units, the same tensors).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import statistics
+import tempfile
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from taste_cl._checks import check_int
+from taste_cl.elastic.profiling import unit_parameters
+from taste_cl.elastic.tensor_profile import TensorProfile
+
+__all__ = ["measure_step_costs"]
+
+_GRAD = "_Grad/"
+_KERNEL = "_kernel_time"
+
+
+def measure_step_costs(
+    learner: Any,
+    elastic: Any,
+    batch: tuple[Any, Any],
+    *,
+    steps: int = 6,
+    threads: int | None = None,
+    workdir: str | Path | None = None,
+) -> TensorProfile:
+    """ONNX Runtime's step costs per unit of ``elastic``'s profile, measured on ``batch``.
+
+    ``elastic`` is the :class:`~taste_cl.elastic.ElasticTrainer` attached to ``learner``,
+    after its first profile; ``batch`` is ``(inputs, targets)`` at the batch size the device
+    trains at; ``steps`` training steps are profiled per export after one untimed one, with
+    ``threads`` intra-op threads (None: ONNX Runtime's default). The learner is not changed
+    (the exports train copies). ``workdir`` keeps the two exports (default: a temporary folder,
+    removed).
+    """
+    import onnxruntime
+
+    from taste_cl.adapters.onnxruntime.build import _module_path
+    from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
+
+    if elastic not in learner.plugins or elastic.profile_ is None:
+        raise ValueError("measure_step_costs needs an ElasticTrainer attached to the learner, after its first profile (observe a batch first)")
+    check_int("steps", steps, 1)
+    if threads is not None:
+        check_int("threads", threads, 1)
+    profile: TensorProfile = elastic.profile_
+    model = learner.model
+    unit_modules = list(profile.units) if profile.granularity == "module" else [unit.rpartition(".")[0] or "<model>" for unit in profile.units]
+    (first_unit,) = unit_parameters(model, profile.units[:1], profile.granularity, elastic.candidates())
+    first = [name for name, p in model.named_parameters() if any(p is q for q in first_unit)]
+    modules = [name for name, _ in model.named_modules() if name]
+    x, y = (_numpy(part) for part in batch)
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(workdir) if workdir is not None else Path(scratch)
+        runs = {}
+        for key, trainable in (("all", None), ("first", first)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the exporter's tracer warnings: the parity gate is the check
+                folder = learner.export(root / key, backend="onnxruntime", trainable=trainable)
+            options = onnxruntime.SessionOptions()
+            options.log_severity_level = 3
+            if threads is not None:
+                options.intra_op_num_threads = threads
+            options.enable_profiling = True
+            options.profile_file_prefix = str(root / f"profile-{key}")
+            device = OrtOnlineLearner.from_artifacts(folder, session_options=options)
+            for _ in range(steps + 1):
+                device.train_step(x, y)
+            del device  # ONNX Runtime writes the profile when the session goes
+            gc.collect()
+            (written,) = sorted(root.glob(f"profile-{key}*.json"))
+            runs[key] = _per_step(json.loads(written.read_text()), lambda node: _module_path(node, modules))[1:]
+    return _profile(profile, unit_modules, runs["all"], runs["first"])
+
+
+def _numpy(value: Any) -> Any:
+    return value.detach().cpu().numpy() if hasattr(value, "detach") else value
+
+
+def _per_step(events: list[dict[str, Any]], module_of: Any) -> list[dict[tuple[str, bool], float]]:
+    """Seconds per (module, is-backward) in each ``model_run`` of an ONNX Runtime profile, in run order;
+    within a run, keys in order of first execution (so forward modules come in forward order)."""
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
+    out: list[dict[tuple[str, bool], float]] = [defaultdict(float) for _ in runs]
+    for event in sorted(events, key=lambda e: e.get("ts", 0)):
+        name = event.get("name", "")
+        if event.get("cat") != "Node" or not name.endswith(_KERNEL) or name.startswith("GradientAccumulator"):
+            continue
+        for index, (start, end) in enumerate(runs):
+            if start <= event["ts"] <= end:
+                backward = _GRAD in name
+                node = name.split(_GRAD)[0] if backward else name.removesuffix(_KERNEL)
+                out[index][(module_of(node), backward)] += event["dur"] / 1e6
+                break
+    return out
+
+
+def _profile(
+    torch_profile: TensorProfile,
+    unit_modules: list[str],
+    every: list[dict[tuple[str, bool], float]],
+    first: list[dict[tuple[str, bool], float]],
+) -> TensorProfile:
+    """A TensorProfile from the per-step node times of the two exports (see the module's docstring)."""
+    n = len(torch_profile.units)
+    owner: dict[str, int] = {}  # module -> the index of its first unit
+    for index, module in enumerate(unit_modules):
+        owner.setdefault(module, index)
+    # charge every backward module to the unit whose gradient chain passes it: its own unit, or the
+    # next unit in forward order (parameter-free and frozen modules); after the last unit: the tail
+    order = [module for module, backward in every[0] if not backward]
+    charged: dict[str, int | None] = {}
+    for position, module in enumerate(order):
+        charged[module] = next((owner[m] for m in order[position:] if m in owner), None)
+    samples: dict[str, list[list[float]]] = {"weight": [], "act": [], "forward": [], "tail": []}
+    for all_step, first_step in zip(every, first):
+        weight, act, forward, tail = [0.0] * n, [0.0] * n, 0.0, 0.0
+        for (module, backward), seconds in all_step.items():
+            if not backward:
+                forward += seconds
+                continue
+            unit = charged.get(module, owner.get(module))
+            chain = first_step.get((module, True), 0.0)
+            if unit is None:
+                tail += seconds
+            elif unit == 0 and module in owner:  # the first unit's module: no input gradient is ever needed
+                weight[0] += seconds
+            elif module in owner:
+                act[unit] += chain
+                weight[unit] += max(0.0, seconds - chain)
+            else:
+                act[unit] += seconds
+        samples["weight"].append(weight)
+        samples["act"].append(act)
+        samples["forward"].append([forward])
+        samples["tail"].append([tail])
+    (forward_s,), (forward_ci,) = _mean_ci(samples["forward"])
+    (tail_s,), (tail_ci,) = _mean_ci(samples["tail"])
+    weight_s, weight_ci = _mean_ci(samples["weight"])
+    act_s, act_ci = _mean_ci(samples["act"])
+    return TensorProfile(
+        units=list(torch_profile.units),
+        weight_grad_s=weight_s,
+        act_grad_s=act_s,
+        forward_s=forward_s,
+        backward_s=sum(weight_s) + sum(act_s[1:]) + tail_s,
+        weight_grad_ci=weight_ci,
+        act_grad_ci=act_ci,
+        forward_ci=forward_ci,
+        param_bytes=list(torch_profile.param_bytes),
+        input_bytes=list(torch_profile.input_bytes),
+        act_bytes=list(torch_profile.act_bytes),
+        granularity=torch_profile.granularity,
+        rounds=len(every),
+        noisy=False,
+        clock="wall",
+        tail_grad_s=tail_s,
+        tail_grad_ci=tail_ci,
+        tail_bytes=torch_profile.tail_bytes,
+    )
+
+
+def _mean_ci(rows: list[list[float]]) -> tuple[list[float], list[float]]:
+    """Column means and 95% confidence half-widths of per-step rows."""
+    columns = list(zip(*rows))
+    means = [statistics.fmean(c) for c in columns]
+    cis = [1.96 * statistics.stdev(c) / math.sqrt(len(c)) if len(c) > 1 else 0.0 for c in columns]
+    return means, cis

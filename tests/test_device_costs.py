@@ -1,0 +1,101 @@
+"""ElasticTrainer selecting with a device runtime's own step costs: ``measure_step_costs``
+(ONNX Runtime's per-node profile of two exports) and ``ElasticTrainer.selection_for``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("onnxruntime.training")
+
+from taste_cl import OnlineLearner
+from taste_cl.adapters.onnxruntime.step_costs import measure_step_costs
+from taste_cl.elastic import ElasticTrainer
+from taste_cl.elastic.tensor_profile import TensorProfile
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _batch(seed: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 3, 12, 12, generator=generator), torch.randint(0, 4, (n,), generator=generator)
+
+
+def _learner() -> tuple[OnlineLearner, ElasticTrainer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 12 * 12, 4),
+    )  # fmt: skip
+    elastic = ElasticTrainer(rho=0.5, reselect_every=2, cache_dir=None, warmup=1, repeats=2, max_rounds=4, check_steps=1, clock="cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    learner = OnlineLearner(model, optimizer=optimizer, plugins=[elastic], input_shape=(3, 12, 12), num_classes=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no selection fits rho" on a tiny CNN: then every unit trains
+        for step in range(3):
+            learner.observe(_batch(step))
+    assert elastic.importance_ is not None
+    return learner, elastic
+
+
+def _synthetic(profile: TensorProfile, weight: list[float], act: list[float]) -> TensorProfile:
+    return dataclasses.replace(profile, weight_grad_s=weight, act_grad_s=act, forward_s=1.0, tail_grad_s=0.0)
+
+
+def test_onnxruntime_costs_profile_the_same_units_and_leave_the_learner_alone(tmp_path: Path) -> None:
+    learner, elastic = _learner()
+    before = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
+    flags = [p.requires_grad for p in learner.model.parameters()]
+    selected = list(elastic.selected)
+    costs = measure_step_costs(learner, elastic, _batch(9), steps=3, threads=1, workdir=tmp_path)
+    assert costs.units == elastic.profile_.units and costs.granularity == "tensor" and costs.rounds == 3
+    numbers = [costs.forward_s, costs.tail_grad_s, *costs.weight_grad_s, *costs.act_grad_s]
+    assert all(math.isfinite(v) and v >= 0 for v in numbers) and costs.forward_s > 0
+    # the first conv's weight gradient is timed; each later conv passes the input gradient back
+    assert costs.weight_grad_s[0] > 0 and costs.act_grad_s[2] > 0 and costs.act_grad_s[4] > 0
+    assert costs.param_bytes == elastic.profile_.param_bytes
+    # the two exports are kept in workdir; the learner is as it was
+    assert json.loads((tmp_path / "first" / "manifest.json").read_text())["trainable"] == ["model.0.weight"]
+    assert all(torch.equal(p, before[name]) for name, p in learner.model.named_parameters())
+    assert [p.requires_grad for p in learner.model.parameters()] == flags and elastic.selected == selected
+    chosen = elastic.selection_for(costs)
+    folder = learner.export(tmp_path / "chosen", backend="onnxruntime", trainable=chosen)  # parity-gated
+    assert json.loads((folder / "manifest.json").read_text())["trainable"] == ["model." + name for name in chosen]
+
+
+def test_selection_follows_the_costs_it_is_given() -> None:
+    learner, elastic = _learner()
+    profile = elastic.profile_
+    n = len(profile.units)  # 0.weight 0.bias 2.weight 2.bias 4.weight 4.bias 7.weight 7.bias
+    elastic.importance_ = [1.0] * n
+    # input gradients dear, weight gradients cheap: the chain decides, so only the last units fit
+    chain = elastic.selection_for(_synthetic(profile, [0.01] * n, [0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.2, 0.0]))
+    assert chain == ["4.weight", "4.bias", "7.weight", "7.bias"]
+    # weight gradients dear, the chain cheap: one weight fits, and the most important one is the first
+    elastic.importance_ = [5.0, 0.1, 1.0, 0.1, 1.0, 0.1, 1.0, 0.1]
+    weights = elastic.selection_for(_synthetic(profile, [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0], [0.01] * n))
+    assert weights == ["0.weight", "0.bias", "2.bias", "4.bias", "7.bias"]
+    assert elastic.selection_for(_synthetic(profile, [0.01] * n, [0.01] * n), rho=1.0) == [name for name, _ in learner.model.named_parameters()]
+
+
+def test_selection_for_refuses_what_it_cannot_use() -> None:
+    learner, elastic = _learner()
+    profile = elastic.profile_
+    with pytest.raises(ValueError, match="this ElasticTrainer's units"):
+        elastic.selection_for(dataclasses.replace(profile, units=list(reversed(profile.units))))
+    with pytest.raises(ValueError, match="rho"):
+        elastic.selection_for(profile, rho=1.5)
+    with pytest.raises(ValueError, match="no selection of the trainable units fits rho=0.1"):
+        elastic.selection_for(_synthetic(profile, [1.0] * len(profile.units), [1.0] * len(profile.units)), rho=0.1)
+    fresh = ElasticTrainer(cache_dir=None)
+    with pytest.raises(ValueError, match="no importance yet"):
+        fresh.selection_for(profile)
+    with pytest.raises(ValueError, match="attached to the learner"):
+        measure_step_costs(learner, fresh, _batch(0))
