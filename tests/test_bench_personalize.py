@@ -46,6 +46,10 @@ def test_tiny_run_reports_every_number_for_every_method(tmp_path: Path, capsys: 
         assert (ort["bytes"] or 0) > 0 or ort["refused"], method
         assert "executorch" not in row["artifacts"]
     assert summary["full"]["speedup"] == 1.0
+    # the ORT-costed selection is made once on the host and fixed: every user trains the same tensors, a subset
+    chosen = result["ort_selection"]["trainable"]
+    assert result["ort_selection"]["ort_predicted_speedup"] >= 1.0 and f"(elastic_0.5_ort) trains {len(chosen)} tensors" in out
+    assert summary["elastic_0.5_ort"]["trainable_params"] == sum(p.numel() for n, p in build_cnn(4).named_parameters() if n in chosen)
     assert summary["full"]["trainable_params"] == sum(p.numel() for p in build_cnn(4).parameters())
     head = sum(p.numel() for p in build_cnn(4).head.parameters())
     assert summary["full"]["trainable_share"] == 1.0 and summary["last_layer"]["trainable_share"] == head / summary["full"]["trainable_params"]
@@ -77,12 +81,15 @@ def _trained_names(method: str, model: torch.nn.Module) -> set[str]:
         return {n for n in names if n.endswith(".bias")} | {"head.weight"}
     if method == "lora":
         return {n for n in names if "lora_" in n or n.endswith(("head.weight", "head.bias"))}
+    if method == "elastic_0.5_ort":
+        return {"conv6.weight", "head.bias"}
     return names
 
 
-@pytest.mark.parametrize("method", ["last_layer", "bias_only", "lora", "full"])
+@pytest.mark.parametrize("method", ["last_layer", "bias_only", "lora", "elastic_0.5_ort", "full"])
 def test_each_method_trains_only_what_it_claims(method: str) -> None:
     args = parse_args(["--lora-rank", "2"])
+    args.ort_selection = {"trainable": ["conv6.weight", "head.bias"]}  # what run() measures with ONNX Runtime
     torch.manual_seed(0)
     pretrained = build_cnn(4)
     original = [p.detach().clone() for p in pretrained.parameters()]

@@ -19,6 +19,11 @@ the same order, SGD with momentum 0.9, no replay):
 - ``elastic_0.5``, ``elastic_0.3``: :class:`ElasticTrainer` at rho 0.5 and 0.3 over all
   parameters (tensor units, reselecting every ``--reselect-every`` steps, profile cached
   for the run);
+- ``elastic_0.5_ort``: what a device exported with an elastic selection trains: the
+  ElasticTrainer's rho-0.5 choice budgeted with ONNX Runtime's own step costs
+  (``measure_step_costs``, ``ElasticTrainer.selection_for``), made once on the host at
+  export time (importance from the pretrained model's probe on the validation user's first
+  batch: the host has no user data) and then fixed, as the exported artifacts train it;
 - ``full``: every parameter.
 
 Each method's learning rate comes from ``--lrs`` on a validation user (own shift, classes
@@ -71,7 +76,7 @@ __all__ = [
 
 BASE_CLASSES = 8  # trained in pretraining; outputs 8 and 9 are reserved for the users' own classes
 OUTPUTS = 10
-METHODS = ("last_layer", "bias_only", "lora", "elastic_0.5", "elastic_0.3", "full")
+METHODS = ("last_layer", "bias_only", "lora", "elastic_0.5", "elastic_0.3", "elastic_0.5_ort", "full")
 BACKENDS = ("onnxruntime", "executorch")
 MOMENTUM = 0.9
 
@@ -215,6 +220,9 @@ def prepare(method: str, pretrained: nn.Module, lr: float, args: argparse.Namesp
             parameter.requires_grad_(name.startswith("head.") or (method == "bias_only" and name.endswith(".bias")))
     elif method == "lora":
         model = _lora(model, args.lora_rank, args.seed)
+    elif method == "elastic_0.5_ort":
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(name in args.ort_selection["trainable"])
     elif method.startswith("elastic_"):
         rho = float(method.removeprefix("elastic_"))
         plugins.append(ElasticTrainer(rho=rho, reselect_every=args.reselect_every, cache_dir=cache_dir, clock=args.clock))
@@ -222,6 +230,25 @@ def prepare(method: str, pretrained: nn.Module, lr: float, args: argparse.Namesp
         raise ValueError(f"`method == {method!r}`, must be one of {list(METHODS)}")
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=MOMENTUM)
     return OnlineLearner(model, optimizer=optimizer, plugins=plugins)
+
+
+def ort_selection(pretrained: nn.Module, validation: User, args: argparse.Namespace) -> dict[str, Any]:
+    """The ``elastic_0.5_ort`` selection: ElasticTrainer(rho=0.5) probes the pretrained model on the
+    validation user's first batches, then selects with ONNX Runtime's measured step costs."""
+    from taste_cl.adapters.onnxruntime.step_costs import measure_step_costs
+
+    elastic = ElasticTrainer(rho=0.5, reselect_every=args.reselect_every, cache_dir=None, clock=args.clock)
+    model = copy.deepcopy(pretrained)
+    learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=MOMENTUM), plugins=[elastic])
+    batches = _batches(validation, args, args.seed + 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "no selection fits rho": the ORT costs decide below
+        for batch in batches[:2]:
+            learner.observe(batch)
+    costs = measure_step_costs(learner, elastic, batches[0], threads=1)
+    names = elastic.selection_for(costs, rho=0.5)
+    units = {unit: i for i, unit in enumerate(costs.units)}
+    return {"trainable": names, "ort_predicted_speedup": costs.full_step_s / costs.step_s([units[name] for name in names])}
 
 
 def _batches(user: User, args: argparse.Namespace, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -529,6 +556,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"pretrained on {BASE_CLASSES} base classes: held-out accuracy {base_accuracy:.3f} ({time.perf_counter() - start:.0f} s)")
     with tempfile.TemporaryDirectory(prefix="taste_cl_personalize_") as scratch:
         cache_dir = str(Path(scratch) / "elastic_cache")
+        if "elastic_0.5_ort" in args.methods:
+            args.ort_selection = ort_selection(pretrained, validation, args)
+            chosen = args.ort_selection["trainable"]
+            speedup = args.ort_selection["ort_predicted_speedup"]
+            print(f"the ORT-costed selection (elastic_0.5_ort) trains {len(chosen)} tensors: {', '.join(chosen)}")
+            print(f"  (its ONNX Runtime step predicted {speedup:.2f}x faster than every tensor's)")
         if len(args.lrs) > 1:
             sweep = choose_lrs(validation, pretrained, args, cache_dir)
             lrs = {m: choose_lr(scores, validation.test_y.shape[0]) for m, scores in sweep.items()}
@@ -551,7 +584,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"total {time.perf_counter() - start:.0f} s")
     plot = _plot(summary, Path(args.out) / "personalize.png")
     print(f"plot written to {plot}")
-    config = {key: value for key, value in vars(args).items() if key != "out"}
+    config = {key: value for key, value in vars(args).items() if key not in ("out", "ort_selection")}
     users_info = [{"shift": u.shift, "classes": list(u.classes), "own_label": u.own_label} for u in users]
     result = {
         "config": config,
@@ -561,6 +594,7 @@ def run(args: argparse.Namespace) -> int:
         "per_user": per_user,
         "methods": summary,
         "criteria": targets,
+        "ort_selection": getattr(args, "ort_selection", None),
     }
     save_result(args.out, "personalize", result, summary=headline(summary, len(users)))
     return 0
