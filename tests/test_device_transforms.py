@@ -135,13 +135,14 @@ def test_conv1d_as_conv2d_is_exact_in_outputs_and_gradients(options: dict) -> No
         (1, {"padding": 1, "groups": 6}, "ExportConv2d"),  # depthwise on one position: a product per channel
         (2, {"padding": 1, "groups": 6, "bias": False}, "ExportConv2d"),  # depthwise on a 2x2 map: per-channel matrices
         (2, {"stride": 2, "padding": 1, "groups": 6}, "ExportConv2d"),
-        (4, {"padding": 1, "groups": 6}, None),  # 16 x 16 positions: the convolution is cheaper
+        (4, {"padding": 1, "groups": 6}, "ExportConv2d"),  # 16 x 16 positions: per-channel matrices still pay
+        (8, {"stride": 2, "padding": 1, "groups": 6}, "ExportConv2d"),  # 16 x 64: the largest that does
+        (8, {"stride": 1, "padding": 1, "groups": 6}, None),  # 64 x 64 positions: the convolution (no faster as matrices)
         (2, {"padding": 1, "bias": False}, None),  # every tap reads the 2x2 map: kept
         (1, {"kernel_size": 5, "padding": 2, "groups": 2}, "ExportConv2d"),
         (3, {"padding": 1, "dilation": 2}, None),  # dilated: kept
         (2, {"stride": 2, "padding": 1, "padding_mode": "reflect"}, None),
         (1, {"padding": "same"}, None),
-        (8, {"padding": 1, "groups": 6}, None),
     ],
 )
 def test_convolutions_on_small_maps_drop_taps_that_read_only_padding_exactly(size: int, options: dict, rewritten: str | None) -> None:

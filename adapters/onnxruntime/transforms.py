@@ -33,10 +33,12 @@ and buffer (so names and values are unchanged):
   kernel is cropped to the taps that read the input (picked from the same weight, so its
   gradient lands in the same parameter), which saves up to 8/9 of the convolution's work.
   A depthwise ``Conv2d`` whose output positions times input positions are at most
-  :data:`DEPTHWISE_MATRIX_MAX` (maps up to 2x2) becomes one small matrix per channel, built
-  from the kernel, applied as a broadcast product and a sum: ONNX Runtime 1.19's CPU
-  ``Conv`` and ``ConvGrad`` run one small GEMM per group and sample, which on a 2x2 map with
-  hundreds of channels costs far more than the arithmetic. Both are decided from the input size each
+  :data:`DEPTHWISE_MATRIX_MAX` (outputs up to 4x4 from inputs up to 8x8) becomes one small
+  matrix per channel, built from the kernel, applied as one batched ``MatMul`` over the
+  channels (samples as rows): ONNX Runtime 1.19's CPU ``Conv`` and ``ConvGrad`` run one
+  small GEMM per group and sample, which on small maps with hundreds of channels costs far
+  more than the arithmetic (a broadcast product and sum, tried first, spent its time in
+  ``ReduceSum`` and ``Expand`` gradients). Both are decided from the input size each
   convolution sees on the example (spatial sizes are fixed at export); any other input
   size runs PyTorch's own convolution.
 - ``Dropout`` is kept as it is; the parity gate's reference turns it off with the shared
@@ -64,8 +66,10 @@ __all__ = ["BATCHNORM_MODES", "DEPTHWISE_MATRIX_MAX", "apply_transforms", "check
 
 BATCHNORM_MODES = ("frozen", "batch")
 # a depthwise convolution with at most this many (output positions x input positions) runs as per-channel matrices;
-# measured on MobileNetV2 at 32x32 (ORT 1.19, one thread): kernel time -19% at 16 (2x2 maps), -9% at 64, -13% at 256
-DEPTHWISE_MATRIX_MAX = 16
+# ORT 1.19, one thread, batch 32, training step samples/s over eager torch: MobileNetV2 at 32x32 0.94x with the
+# convolution everywhere, 1.12x at 16 (2x2 maps), 1.26x at 256, 1.31-1.40x at 1024 (4x4 from 8x8), no better above
+# (1.35-1.39x at 4096 and 16384, with 7-28x the arithmetic of the 3x3 taps); MobileNetV3-small 1.61x -> 2.02x at 1024
+DEPTHWISE_MATRIX_MAX = 1024
 
 
 def _relu6(x: torch.Tensor) -> torch.Tensor:
@@ -239,8 +243,8 @@ def _cropped_kernel(weight: torch.Tensor, h: _ConvAxis, w: _ConvAxis) -> torch.T
 
 def _depthwise_matrix(conv: nn.Conv2d, x: torch.Tensor, h: _ConvAxis, w: _ConvAxis) -> torch.Tensor:
     """A depthwise ``conv`` as one ``outputs x inputs`` matrix per channel, built from the kernel by a
-    product with a constant 0/1 matrix (padding is the zeros of that matrix), applied as a broadcast
-    product and a sum: element-wise work over ``batch x channels x outputs x inputs`` values."""
+    product with a constant 0/1 matrix (padding is the zeros of that matrix), applied as one batched
+    matrix product: ``channels`` GEMMs of ``batch x inputs`` by ``inputs x outputs``."""
     rows, columns = conv.kernel_size
     (sh, sw), (ph, pw) = conv.stride, (int(pad) for pad in conv.padding)  # not a str: _conv_axes refused those
     outputs, inputs = h.out * w.out, h.size * w.size
@@ -253,8 +257,9 @@ def _depthwise_matrix(conv: nn.Conv2d, x: torch.Tensor, h: _ConvAxis, w: _ConvAx
                     if 0 <= i < rows and 0 <= j < columns:
                         pick[i * columns + j][(u * w.out + v) * inputs + p * w.size + q] = 1.0
     kernel = conv.weight.reshape(-1, rows * columns)
-    matrix = (kernel @ torch.tensor(pick, dtype=kernel.dtype).to(kernel.device)).reshape(1, -1, outputs, inputs)
-    out = (x.reshape(-1, conv.in_channels, 1, inputs) * matrix).sum(-1).reshape(-1, conv.out_channels, h.out, w.out)
+    matrix = (kernel @ torch.tensor(pick, dtype=kernel.dtype).to(kernel.device)).reshape(-1, outputs, inputs)
+    by_channel = x.reshape(-1, conv.in_channels, inputs).transpose(0, 1)  # channels x batch x inputs
+    out = torch.matmul(by_channel, matrix.transpose(1, 2)).transpose(0, 1).reshape(-1, conv.out_channels, h.out, w.out)
     return out if conv.bias is None else out + conv.bias.reshape(1, -1, 1, 1)
 
 
