@@ -6,7 +6,8 @@
 - :mod:`.fold`: each frozen BatchNorm folded into the convolution before it, in the traced graph;
 - :mod:`.trial`: the first run of new artifacts, in a child process (a crash there is a refusal);
 - :mod:`.proto`: refuse models that point at external data, without ``onnx`` or torch;
-- :mod:`.runtime`: :class:`OrtOnlineLearner`, the device learner (numpy and ONNX Runtime only, no torch).
+- :mod:`.runtime`: :class:`OrtOnlineLearner`, the device learner (numpy and ONNX Runtime only, no torch);
+- :mod:`.step_costs`: :func:`measure_step_costs`, ORT's own cost of each unit, for an ElasticTrainer to select with.
 
 Importing this package imports nothing heavy; each name loads its module on first use.
 """
@@ -26,6 +27,7 @@ __all__ = [
     "UnsupportedOperatorError",
     "export",
     "export_model",
+    "measure_step_costs",
     "read_manifest",
 ]
 
@@ -45,5 +47,6 @@ __getattr__ = lazy_getattr(
         "read_manifest": "taste_cl.adapters.device.artifacts",
         "ParityError": "taste_cl.adapters.device.parity",
         "ParityReport": "taste_cl.adapters.device.parity",
+        "measure_step_costs": "taste_cl.adapters.onnxruntime.step_costs",
     },
 )
