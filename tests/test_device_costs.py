@@ -99,3 +99,5 @@ def test_selection_for_refuses_what_it_cannot_use() -> None:
         fresh.selection_for(profile)
     with pytest.raises(ValueError, match="attached to the learner"):
         measure_step_costs(learner, fresh, _batch(0))
+    with pytest.raises(ValueError, match=r"batch must be \(inputs, targets\)"):
+        measure_step_costs(learner, elastic, _batch(0)[0])

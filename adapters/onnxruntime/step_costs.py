@@ -21,6 +21,9 @@ learner measured, what a device exported with ``trainable=`` should train:
   after the last unit to the tail; forward and loss nodes make the forward time. The
   gradient accumulators (per-parameter copies, microseconds each) are left out.
 
+The costs are absolute times: measure on a quiet device (other work in the process or on
+the machine inflates them unevenly, and the selection with them).
+
 Memory fields are copied from the learner's torch profile (the same units, the same tensors).
 """
 
@@ -33,6 +36,7 @@ import statistics
 import tempfile
 import warnings
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,7 @@ __all__ = ["measure_step_costs"]
 
 _GRAD = "_Grad/"
 _KERNEL = "_kernel_time"
+_ACCUMULATORS = ("GradientAccumulator", "AccumulateGrad_")  # per-parameter gradient copies: microseconds, left out
 
 
 def measure_step_costs(
@@ -69,6 +74,8 @@ def measure_step_costs(
     from taste_cl.adapters.onnxruntime.build import _module_path
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ValueError(f"batch must be (inputs, targets); got {type(batch).__name__}")
     if elastic not in learner.plugins or elastic.profile_ is None:
         raise ValueError("measure_step_costs needs an ElasticTrainer attached to the learner, after its first profile (observe a batch first)")
     check_int("steps", steps, 1)
@@ -109,6 +116,9 @@ def measure_step_costs(
 
 
 def _numpy(value: Any) -> Any:
+    """Arrays for the device learner: tensors converted, dict inputs key by key."""
+    if isinstance(value, Mapping):
+        return {key: _numpy(part) for key, part in value.items()}
     return value.detach().cpu().numpy() if hasattr(value, "detach") else value
 
 
@@ -119,7 +129,7 @@ def _per_step(events: list[dict[str, Any]], module_of: Any) -> list[dict[tuple[s
     out: list[dict[tuple[str, bool], float]] = [defaultdict(float) for _ in runs]
     for event in sorted(events, key=lambda e: e.get("ts", 0)):
         name = event.get("name", "")
-        if event.get("cat") != "Node" or not name.endswith(_KERNEL) or name.startswith("GradientAccumulator"):
+        if event.get("cat") != "Node" or not name.endswith(_KERNEL) or name.startswith(_ACCUMULATORS):
             continue
         for index, (start, end) in enumerate(runs):
             if start <= event["ts"] <= end:
