@@ -28,13 +28,17 @@ def _batch(seed: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.rand(n, 3, 12, 12, generator=generator), torch.randint(0, 4, (n,), generator=generator)
 
 
-def _learner() -> tuple[OnlineLearner, ElasticTrainer]:
+def _learner(*, granularity: str = "tensor", frozen_first: bool = False) -> tuple[OnlineLearner, ElasticTrainer]:
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
         nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 12 * 12, 4),
     )  # fmt: skip
-    elastic = ElasticTrainer(rho=0.5, reselect_every=2, cache_dir=None, warmup=1, repeats=2, max_rounds=4, check_steps=1, clock="cpu")
+    if frozen_first:
+        model[0].requires_grad_(False)
+    elastic = ElasticTrainer(
+        rho=0.5, reselect_every=2, cache_dir=None, warmup=1, repeats=2, max_rounds=4, check_steps=1, clock="cpu", granularity=granularity
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     learner = OnlineLearner(model, optimizer=optimizer, plugins=[elastic], input_shape=(3, 12, 12), num_classes=4)
     with warnings.catch_warnings():
@@ -68,6 +72,22 @@ def test_onnxruntime_costs_profile_the_same_units_and_leave_the_learner_alone(tm
     chosen = elastic.selection_for(costs)
     folder = learner.export(tmp_path / "chosen", backend="onnxruntime", trainable=chosen)  # parity-gated
     assert json.loads((folder / "manifest.json").read_text())["trainable"] == ["model." + name for name in chosen]
+
+
+@pytest.mark.parametrize(("granularity", "frozen_first"), [("module", False), ("tensor", True)])
+def test_module_units_and_a_frozen_first_layer(tmp_path: Path, granularity: str, frozen_first: bool) -> None:
+    learner, elastic = _learner(granularity=granularity, frozen_first=frozen_first)
+    costs = measure_step_costs(learner, elastic, _batch(9), steps=2, threads=1, workdir=tmp_path)
+    assert costs.units == elastic.profile_.units and costs.granularity == granularity
+    # the first unit trains alone in the second export; a frozen conv before it is never trained
+    first = json.loads((tmp_path / "first" / "manifest.json").read_text())["trainable"]
+    assert first == (["model.2.weight"] if frozen_first else ["model.0.weight", "model.0.bias"])
+    assert costs.weight_grad_s[0] > 0 and all(math.isfinite(v) for v in costs.act_grad_s)
+    chosen = elastic.selection_for(costs, rho=0.9)  # parameter names, whatever the units
+    candidates = {id(p) for p in elastic.candidates()}
+    every = [name for name, p in learner.model.named_parameters() if id(p) in candidates]
+    assert chosen and set(chosen) <= set(every) and (not frozen_first or not any(name.startswith("0.") for name in chosen))
+    learner.export(tmp_path / "chosen", backend="onnxruntime", trainable=chosen)
 
 
 def test_selection_follows_the_costs_it_is_given() -> None:
