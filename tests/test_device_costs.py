@@ -98,6 +98,7 @@ def test_selection_follows_the_costs_it_is_given() -> None:
     # input gradients dear, weight gradients cheap: the chain decides, so only the last units fit
     chain = elastic.selection_for(_synthetic(profile, [0.01] * n, [0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.2, 0.0]))
     assert chain == ["4.weight", "4.bias", "7.weight", "7.bias"]
+    assert elastic.units_holding(chain) == [4, 5, 6, 7]  # back to the profile's units, to time or score them
     # weight gradients dear, the chain cheap: one weight fits, and the most important one is the first
     elastic.importance_ = [5.0, 0.1, 1.0, 0.1, 1.0, 0.1, 1.0, 0.1]
     weights = elastic.selection_for(_synthetic(profile, [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0], [0.01] * n))
@@ -114,6 +115,8 @@ def test_selection_for_refuses_what_it_cannot_use() -> None:
         elastic.selection_for(profile, rho=1.5)
     with pytest.raises(ValueError, match="no selection of the trainable units fits rho=0.1"):
         elastic.selection_for(_synthetic(profile, [1.0] * len(profile.units), [1.0] * len(profile.units)), rho=0.1)
+    with pytest.raises(ValueError, match="not parameters of the model: 9.weight"):
+        elastic.units_holding(["0.weight", "9.weight"])
     fresh = ElasticTrainer(cache_dir=None)
     with pytest.raises(ValueError, match="no importance yet"):
         fresh.selection_for(profile)

@@ -29,10 +29,9 @@ Memory fields are copied from the learner's torch profile (the same units, the s
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
-import math
-import statistics
 import tempfile
 import warnings
 from collections import defaultdict
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from taste_cl._checks import check_int
-from taste_cl.elastic.profiling import unit_parameters
+from taste_cl.elastic.profiling import robust_estimate, unit_parameters
 from taste_cl.elastic.tensor_profile import TensorProfile
 
 __all__ = ["measure_step_costs"]
@@ -153,10 +152,11 @@ def _profile(
         owner.setdefault(module, index)
     # charge every backward module to the unit whose gradient chain passes it: its own unit, or the
     # next unit in forward order (parameter-free and frozen modules); after the last unit: the tail
-    order = [module for module, backward in every[0] if not backward]
     charged: dict[str, int | None] = {}
-    for position, module in enumerate(order):
-        charged[module] = next((owner[m] for m in order[position:] if m in owner), None)
+    following: int | None = None
+    for module in reversed([module for module, backward in every[0] if not backward]):
+        following = owner.get(module, following)
+        charged[module] = following
     samples: dict[str, list[list[float]]] = {"weight": [], "act": [], "forward": [], "tail": []}
     for all_step, first_step in zip(every, first):
         weight, act, forward, tail = [0.0] * n, [0.0] * n, 0.0, 0.0
@@ -179,12 +179,12 @@ def _profile(
         samples["act"].append(act)
         samples["forward"].append([forward])
         samples["tail"].append([tail])
-    (forward_s,), (forward_ci,) = _mean_ci(samples["forward"])
-    (tail_s,), (tail_ci,) = _mean_ci(samples["tail"])
-    weight_s, weight_ci = _mean_ci(samples["weight"])
-    act_s, act_ci = _mean_ci(samples["act"])
-    return TensorProfile(
-        units=list(torch_profile.units),
+    (forward_s,), (forward_ci,) = _estimates(samples["forward"])
+    (tail_s,), (tail_ci,) = _estimates(samples["tail"])
+    weight_s, weight_ci = _estimates(samples["weight"])
+    act_s, act_ci = _estimates(samples["act"])
+    return dataclasses.replace(  # units, granularity and memory: the torch profile's (the same tensors)
+        torch_profile,
         weight_grad_s=weight_s,
         act_grad_s=act_s,
         forward_s=forward_s,
@@ -192,22 +192,15 @@ def _profile(
         weight_grad_ci=weight_ci,
         act_grad_ci=act_ci,
         forward_ci=forward_ci,
-        param_bytes=list(torch_profile.param_bytes),
-        input_bytes=list(torch_profile.input_bytes),
-        act_bytes=list(torch_profile.act_bytes),
-        granularity=torch_profile.granularity,
         rounds=len(every),
         noisy=False,
         clock="wall",
         tail_grad_s=tail_s,
         tail_grad_ci=tail_ci,
-        tail_bytes=torch_profile.tail_bytes,
     )
 
 
-def _mean_ci(rows: list[list[float]]) -> tuple[list[float], list[float]]:
-    """Column means and 95% confidence half-widths of per-step rows."""
-    columns = list(zip(*rows))
-    means = [statistics.fmean(c) for c in columns]
-    cis = [1.96 * statistics.stdev(c) / math.sqrt(len(c)) if len(c) > 1 else 0.0 for c in columns]
-    return means, cis
+def _estimates(rows: list[list[float]]) -> tuple[list[float], list[float]]:
+    """Per column of per-step rows, the profiler's robust estimate and its 95% CI half-width."""
+    pairs = [robust_estimate(column) for column in zip(*rows)]
+    return [estimate for estimate, _ in pairs], [ci for _, ci in pairs]

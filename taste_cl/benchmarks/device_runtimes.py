@@ -309,9 +309,7 @@ def _importance_share(elastic: Any, names: Sequence[str]) -> float | None:
     """The share of the ElasticTrainer's last measured importance that the units holding ``names`` carry."""
     if elastic.importance_ is None or not sum(elastic.importance_):
         return None
-    units = set(elastic.profile_.units)
-    kept = {name if name in units else name.rpartition(".")[0] for name in names}
-    return sum(score for unit, score in zip(elastic.profile_.units, elastic.importance_) if unit in kept) / sum(elastic.importance_)
+    return sum(elastic.importance_[i] for i in elastic.units_holding(names)) / sum(elastic.importance_)
 
 
 def _device_costed_selection(learner: OnlineLearner, elastic: Any, x: torch.Tensor, y: torch.Tensor, args: Any, scratch: Path) -> dict[str, Any]:
@@ -324,13 +322,11 @@ def _device_costed_selection(learner: OnlineLearner, elastic: Any, x: torch.Tens
         names = elastic.selection_for(costs, rho=args.rho)
     except Exception as error:  # noqa: BLE001 - reported beside the other variants, as a refusal is
         return {"refused": f"{type(error).__name__}: {error}"}
-    units = {unit: i for i, unit in enumerate(costs.units)}
-    kept = sorted({units[name] if name in units else units[name.rpartition(".")[0]] for name in names})
     return {
         "trainable": names,
         "tensors": len(names),
         "importance_share": _importance_share(elastic, names),
-        "predicted_speedup": costs.full_step_s / costs.step_s(kept),
+        "predicted_speedup": costs.full_step_s / costs.step_s(elastic.units_holding(names)),
         "measure_s": time.perf_counter() - start,
         "ort_ms": {"forward": costs.forward_s * 1e3, "weight_grads": sum(costs.weight_grad_s) * 1e3, "input_grads": sum(costs.act_grad_s[1:]) * 1e3},
     }

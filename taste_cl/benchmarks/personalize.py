@@ -247,8 +247,7 @@ def ort_selection(pretrained: nn.Module, validation: User, args: argparse.Namesp
             learner.observe(batch)
     costs = measure_step_costs(learner, elastic, batches[0], threads=1)
     names = elastic.selection_for(costs, rho=0.5)
-    units = {unit: i for i, unit in enumerate(costs.units)}
-    return {"trainable": names, "ort_predicted_speedup": costs.full_step_s / costs.step_s([units[name] for name in names])}
+    return {"trainable": names, "ort_predicted_speedup": costs.full_step_s / costs.step_s(elastic.units_holding(names))}
 
 
 def _batches(user: User, args: argparse.Namespace, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -167,9 +167,21 @@ class SelectionCycle:
             raise ValueError(
                 f"no selection of the trainable units fits rho={budget_rho} under these costs (the forward pass and tail take {fixed:.0%} of a step)"
             )
-        groups = unit_parameters(self._attached().model, [costs.units[i] for i in chosen], costs.granularity, self.candidates())
-        ids = {id(p) for group in groups for p in group}
+        ids = {id(p) for i in chosen for p in self._unit_params[i]}
         return [name for name, p in self._attached().model.named_parameters() if id(p) in ids]
+
+    def units_holding(self, names: Sequence[str]) -> list[int]:
+        """Indices (ascending) of the profile's units that hold any of the parameters ``names``
+        (what :meth:`selection_for` returns): to predict a selection's time with a profile, or
+        sum its importance. ``ValueError`` naming a name that is not a parameter of the model."""
+        if self.profile_ is None:
+            raise RuntimeError("ElasticTrainer has no profile yet: call learner.observe first")
+        parameters = dict(self._attached().model.named_parameters())
+        unknown = [name for name in names if name not in parameters]
+        if unknown:
+            raise ValueError(f"not parameters of the model: {short_list(unknown)}")
+        wanted = {id(parameters[name]) for name in names}
+        return [i for i, group in enumerate(self._unit_params) if any(id(p) in wanted for p in group)]
 
     def apply_selection(self, selected: Sequence[str]) -> None:
         """Train only the units named in ``selected`` until the next probe.
