@@ -124,3 +124,37 @@ def test_selection_for_refuses_what_it_cannot_use() -> None:
         measure_step_costs(learner, fresh, _batch(0))
     with pytest.raises(ValueError, match=r"batch must be \(inputs, targets\)"):
         measure_step_costs(learner, elastic, _batch(0)[0])
+
+
+def test_a_peft_model_whose_nodes_cannot_be_matched_to_units_is_refused_not_costed_as_zero() -> None:
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["0", "2"], modules_to_save=["4"]))
+    elastic = ElasticTrainer(rho=0.5, reselect_every=2, cache_dir=None, warmup=1, repeats=2, max_rounds=4, check_steps=1, clock="cpu")
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    learner = OnlineLearner(model, optimizer=optimizer, plugins=[elastic])
+    generator = torch.Generator().manual_seed(0)
+    batch = (torch.randn(16, 16, generator=generator), torch.randint(0, 4, (16,), generator=generator))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            learner.observe(batch)
+    with pytest.raises(ValueError, match="match none of this model's trainable modules"):
+        measure_step_costs(learner, elastic, batch, steps=1, threads=1)
+
+
+def test_a_regression_learner_without_replay_or_shapes_is_costed_on_the_given_batch() -> None:
+    """The batch is the exports' example: a learner with no replay rows and no input_shape= needs it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    elastic = ElasticTrainer(rho=0.5, reselect_every=2, cache_dir=None, warmup=1, repeats=2, max_rounds=4, check_steps=1, clock="cpu")
+    learner = OnlineLearner(model, loss_fn=nn.MSELoss(), optimizer=torch.optim.SGD(model.parameters(), lr=0.01), plugins=[elastic])
+    generator = torch.Generator().manual_seed(0)
+    batch = (torch.randn(16, 16, generator=generator), torch.randn(16, 1, generator=generator))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            learner.observe(batch)
+    costs = measure_step_costs(learner, elastic, batch, steps=2, threads=1)
+    assert costs.units == elastic.profile_.units and costs.forward_s > 0 and any(costs.weight_grad_s)

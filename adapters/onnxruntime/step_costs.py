@@ -62,11 +62,13 @@ def measure_step_costs(
     """ONNX Runtime's step costs per unit of ``elastic``'s profile, measured on ``batch``.
 
     ``elastic`` is the :class:`~taste_cl.elastic.ElasticTrainer` attached to ``learner``,
-    after its first profile; ``batch`` is ``(inputs, targets)`` at the batch size the device
-    trains at; ``steps`` training steps are profiled per export after one untimed one, with
+    after its first profile; ``batch`` is ``(inputs, targets)`` (tensors) at the batch size the
+    device trains at, also the exports' example (a learner without replay rows needs one);
+    ``steps`` training steps are profiled per export after one untimed one, with
     ``threads`` intra-op threads (None: ONNX Runtime's default). The learner is not changed
     (the exports train copies). ``workdir`` keeps the two exports (default: a temporary folder,
-    removed).
+    removed). ``ValueError`` when the profile's node names cannot be matched to the units'
+    modules (peft adapters): nothing would be measured.
     """
     import onnxruntime
 
@@ -93,7 +95,7 @@ def measure_step_costs(
         for key, trainable in (("all", None), ("first", first)):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the exporter's tracer warnings: the parity gate is the check
-                folder = learner.export(root / key, backend="onnxruntime", trainable=trainable)
+                folder = learner.export(root / key, backend="onnxruntime", trainable=trainable, example=tuple(batch))
             options = onnxruntime.SessionOptions()
             options.log_severity_level = 3
             if threads is not None:
@@ -111,7 +113,14 @@ def measure_step_costs(
             if len(steps_seen) != steps + 1:
                 raise RuntimeError(f"ONNX Runtime's profile of the {key!r} export holds {len(steps_seen)} training runs, not {steps + 1}")
             runs[key] = steps_seen[1:]  # the first run allocates: not timed
-    return _profile(profile, unit_modules, runs["all"], runs["first"])
+    costs = _profile(profile, unit_modules, runs["all"], runs["first"])
+    if not any(costs.weight_grad_s) and not any(costs.act_grad_s):
+        raise ValueError(
+            "ONNX Runtime's node names match none of this model's trainable modules (an adapter called through a ModuleDict, "
+            "as peft's lora_A['default'], is scoped by its key alone), so its backward cannot be split per unit: "
+            "export the torch-costed selection (trainable=elastic) instead"
+        )
+    return costs
 
 
 def _numpy(value: Any) -> Any:
