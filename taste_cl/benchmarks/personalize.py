@@ -514,7 +514,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--user-classes", type=int, default=4, help="base classes each user uses (plus their own class)")
     parser.add_argument("--user-samples", type=int, default=256, help="training samples each user has")
     parser.add_argument("--test-samples", type=int, default=500, help="held-out samples per user and of the base data")
-    parser.add_argument("--steps", type=int, default=48, help="observes per user and method")
+    parser.add_argument("--steps", type=int, default=256, help="observes per user and method (the tinted user needs ~200 to be learnt at all)")
     parser.add_argument("--batch-size", type=int, default=32, help="samples per observe")
     parser.add_argument("--lrs", default="0.001,0.003,0.01,0.03", help="learning rates tried on the validation user (one value: no sweep)")
     parser.add_argument("--width", type=int, default=16, help="channels of the CNN's first convs (doubling twice)")
