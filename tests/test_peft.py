@@ -28,7 +28,6 @@ from torch import nn  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
 from taste_cl import BatchSizeTuner, CheckpointError, OnlineLearner, ReservoirReplay  # noqa: E402
-from taste_cl.adapters.device.artifacts import ExportError  # noqa: E402
 from taste_cl.datasets import Task, split_digits, stream  # noqa: E402
 from taste_cl.elastic import ElasticTrainer  # noqa: E402
 from taste_cl.guards.probe import ProbeGuard  # noqa: E402
@@ -385,28 +384,8 @@ def _exported(tmp_path: Path, digits: Task, pretrained: dict[str, Any], backend:
         ("onnxruntime", "ia3"),
         ("onnxruntime", "loha"),
         ("executorch", "lora"),
-        pytest.param(
-            "executorch",
-            "ia3",
-            marks=pytest.mark.xfail(
-                raises=ExportError,
-                strict=True,
-                reason="ExecuTorch 1.5's emitter asserts (constant_tag is None) on IA3's view of a trainable vector: UnsupportedModelError",
-            ),
-        ),
-        pytest.param(
-            "executorch",
-            "loha",
-            marks=pytest.mark.xfail(
-                raises=ExportError,
-                strict=True,
-                reason=(
-                    "peft's LoHa forward branches on torch.rand(1) > module_dropout in train mode, which torch.export cannot "
-                    "trace; with that branch bound away, its HadaWeight autograd.Function leaves ExecuTorch's joint graph "
-                    "without a gradient (the loss does not require grad)"
-                ),
-            ),
-        ),
+        ("executorch", "ia3"),
+        ("executorch", "loha"),
     ],
 )
 def test_device_exports_train_only_the_adapters_with_parity(backend, method, tmp_path, digits, pretrained):
@@ -427,3 +406,41 @@ def test_device_exports_train_only_the_adapters_with_parity(backend, method, tmp
     assert changed == names  # the device trains the adapter tensors and nothing else
     if backend == "onnxruntime":
         assert {name.removeprefix("model.") for name in manifest["trainable"]} == names
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_loha_in_plain_ops_matches_peft_in_outputs_and_gradients(arch, digits, pretrained):
+    """ExecuTorch's LoHa rewrite is exact: same outputs, same adapter gradients as peft's HadaWeight."""
+    from taste_cl.adapters.executorch.loha import rewrite_loha
+
+    model = wrapped(arch, "loha", pretrained[arch])
+    for name, parameter in model.named_parameters():  # peft starts one factor at 0: move all so every gradient is nonzero
+        if "hada_" in name:
+            nn.init.normal_(parameter, std=0.1)
+    rewritten = copy.deepcopy(model)
+    assert rewrite_loha(rewritten) == len(ARCHS[arch][1])
+    x, y = user_batches(digits, arch, 1)[0]
+    grads = []
+    for m in (model, rewritten):
+        out = m(x)
+        nn.functional.cross_entropy(out, y).backward()
+        grads.append((out.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
+    torch.testing.assert_close(grads[1][0], grads[0][0])
+    torch.testing.assert_close(grads[1][1], grads[0][1])
+    assert all(g.abs().sum() > 0 for g in grads[0][1].values())
+
+
+def test_loha_with_module_dropout_is_refused_by_executorch_naming_the_layers_and_the_fix(tmp_path, digits):
+    pytest.importorskip("executorch")
+    from taste_cl.adapters.executorch.loha import rewrite_loha
+    from taste_cl.adapters.device import ExportError
+
+    model = peft.get_peft_model(MLP(), peft.LoHaConfig(r=8, target_modules=ARCHS["mlp"][1], module_dropout=0.2))
+    with pytest.raises(ValueError, match="model.fc1, base_model.model.fc2, base_model.model.head draw"):  # a random draw per step: no exact plain-ops twin
+        rewrite_loha(copy.deepcopy(model))
+    learner = OnlineLearner(model, optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05))
+    learner.observe(user_batches(digits, "mlp", 1)[0])
+    before = snapshot(learner)
+    with pytest.raises(ExportError, match=r"ExecuTorch cannot train this model: peft LoHa layers .*module_dropout=0"):
+        learner.export(tmp_path / "artifacts", backend="executorch")
+    assert snapshot(learner) == before

@@ -51,6 +51,7 @@ from taste_cl.adapters.device.learner_data import buffered_rows, synthetic_examp
 from taste_cl.adapters.device.parity import ParityReport, TorchTrainer, check_parity
 from taste_cl.adapters.device.trainable import freeze_untrained, selected_parameters, selection_record, trained_parameters
 from taste_cl.adapters.device.transforms import apply_transforms, conv1d_as_conv2d, needed_transforms
+from taste_cl.adapters.executorch.loha import rewrite_loha
 from taste_cl.adapters.executorch.replay import save_replay
 from taste_cl.adapters.executorch.runtime import (
     BACKEND,
@@ -115,6 +116,29 @@ def _split_addmm(program: Any) -> int:
     return rewritten
 
 
+def _copy_parameter_views(program: Any) -> int:
+    """Put a ``clone`` between each trainable parameter and a ``view`` of it (peft IA3's
+    ``ia3_l.flatten()``), in place; returns how many. ExecuTorch 1.5 turns a view into an alias of
+    its input's memory, and its emitter cannot alias an external mutable weight (it asserts
+    ``constant_tag is None``); the clone gives the view a planned tensor to alias. Exact: a copy."""
+    graph = program.graph_module.graph
+    parameters = set(program.graph_signature.inputs_to_parameters)
+    views = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
+    rewritten = 0
+    for node in list(graph.nodes):
+        source = node.args[0] if node.target in views and node.args else None
+        if not isinstance(source, torch.fx.Node) or source.op != "placeholder" or source.name not in parameters:
+            continue
+        with graph.inserting_before(node):
+            copy_ = graph.call_function(torch.ops.aten.clone.default, (source,))
+        copy_.meta = dict(source.meta)
+        node.replace_input_with(source, copy_)
+        rewritten += 1
+    if rewritten:
+        program.graph_module.recompile()
+    return rewritten
+
+
 def _lower(model: nn.Module, loss_fn: Callable[..., torch.Tensor], x: Any, y: torch.Tensor, max_batch: int) -> Any:
     """``torch.export`` + joint forward-backward (``addmm`` split, :func:`_split_addmm`) + ``to_executorch`` with external weights."""
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge
@@ -132,6 +156,7 @@ def _lower(model: nn.Module, loss_fn: Callable[..., torch.Tensor], x: Any, y: to
             stage = "the joint forward-backward graph"
             program = _export_forward_backward(program)
             _split_addmm(program)
+            _copy_parameter_views(program)
         stage = "to_edge/to_executorch"
         edge = to_edge(program, compile_config=EdgeCompileConfig(_check_ir_validity=False))
         return edge.to_executorch(ExecutorchBackendConfig(external_constants=True, external_mutable_weights=True))
@@ -202,11 +227,16 @@ def _prepare(model: nn.Module, trained: Sequence[str], transforms: Sequence[str]
     """A float32 CPU copy of ``model`` in training mode, only ``trained`` requiring gradients
     (the device's SGD never sees the rest), ``nn.EmbeddingBag`` rewritten (ExecuTorch 1.5 has no
     ``_embedding_bag_backward``; the rewrite is exact), ``nn.Conv1d`` computed as a 2-D convolution
-    (its 1-D backward kernel refuses to run; exact too) and ``transforms`` applied; with the transforms that changed it."""
+    (its 1-D backward kernel refuses to run; exact too), peft LoHa layers in plain ops
+    (:mod:`taste_cl.adapters.executorch.loha`; exact) and ``transforms`` applied; with the transforms that changed it."""
     prepared = copy.deepcopy(model).cpu().float().train()
     freeze_untrained(prepared, trained)
     rewritten = ["rewrite_embedding_bags"] if rewrite_embedding_bags(prepared) else []
     rewritten += ["conv1d_as_conv2d"] if conv1d_as_conv2d(prepared) else []
+    try:
+        rewritten += ["rewrite_loha"] if rewrite_loha(prepared) else []
+    except ValueError as error:
+        raise UnsupportedModelError(f"ExecuTorch cannot train this model: {error}") from None
     return prepared, rewritten + apply_transforms(prepared, transforms)
 
 
