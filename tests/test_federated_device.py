@@ -201,6 +201,31 @@ def test_local_only_on_the_artifacts_runtime_trains_the_device_learner(fedbabu) 
         run_local(fleet, device="browser")
 
 
+def test_local_only_with_the_dp_fleets_weight_noise_adds_it_to_the_shared_tensors_each_round() -> None:
+    """``run_local(noise=config)``: a DP fleet's per-round aggregate noise (``noise * clip / devices``) on each
+    device's shared tensors, its personal ones untouched; reproducible, and absent without DP."""
+    from taste_cl.benchmarks.federated import _weight_noise, make_fleet, run_local
+
+    dp = FleetConfig(devices=2, rounds=2, personal="4.", privacy="central", noise=0.4, clip=1.0, device="artifacts")
+    assert dp.aggregate_noise_std == pytest.approx(0.2)
+    assert FleetConfig(devices=2, rounds=2, privacy="local").aggregate_noise_std == 0.0  # each device noises its own update
+    perturb = _weight_noise(dp, seed=0)
+    tensors = {"0.weight": np.zeros((64, 32), np.float32), "4.bias": np.zeros(10, np.float32)}
+    noised = perturb(1, tensors)
+    assert set(noised) == {"0.weight"} and noised["0.weight"].dtype == np.float32
+    assert noised["0.weight"].std() == pytest.approx(0.2, rel=0.1)
+    assert np.array_equal(noised["0.weight"], _weight_noise(dp, seed=0)(1, tensors)["0.weight"])  # one stream per (seed, device)
+    assert not np.array_equal(noised["0.weight"], _weight_noise(dp, seed=0)(0, tensors)["0.weight"])
+    assert _weight_noise(FleetConfig(devices=2, rounds=2), seed=0) is None
+    fleet = make_fleet(2, num_rounds=2)
+    for device in ("torch", "artifacts"):
+        plain = run_local(fleet, device=device)
+        assert run_local(fleet, device=device, noise=FleetConfig(devices=2, rounds=2)) == plain
+        loud = run_local(fleet, device=device, noise=FleetConfig(**{**dp.__dict__, "noise": 20.0}))
+        assert loud == run_local(fleet, device=device, noise=FleetConfig(**{**dp.__dict__, "noise": 20.0}))
+        assert loud != plain
+
+
 @pytest.mark.slow
 def test_the_seed_sweep_judges_each_variant_on_its_mean_over_seeds(capsys: pytest.CaptureFixture[str]) -> None:
     """``bench federated --deployment --seeds K``: every variant per seed in the simulation engine, beside local only
@@ -210,11 +235,16 @@ def test_the_seed_sweep_judges_each_variant_on_its_mean_over_seeds(capsys: pytes
     from taste_cl.benchmarks.federated.tables import last_evaluation
 
     config = FleetConfig(devices=2, rounds=1, device="artifacts", evaluate_every_round=False)
-    sweep = _seed_sweep({"fedper": config}, [0, 1], "artifacts")
+    dp = FleetConfig(**{**config.__dict__, "privacy": "central", "noise": 0.2})
+    sweep = _seed_sweep({"fedper": config, "fedper+dp": dp}, [0, 1], "artifacts")
     twin = _mean_own(last_evaluation(_simulate(FleetConfig(**{**config.__dict__, "seed": 1}))))
     assert sweep["own"]["fedper"]["1"] == twin
     local = run_local(make_fleet(2, num_rounds=1, seed=1), device="artifacts", refit=FleetConfig(**{**config.__dict__, "seed": 1}))
     assert sweep["own"]["local only"]["1"] == _mean_own(local)
     means = {name: np.mean(list(by_seed.values())) for name, by_seed in sweep["own"].items()}
-    assert sweep["beats_local_mean"] == {"fedper": bool(means["fedper"] > means["local only"])}
+    assert sweep["beats_local_mean"] == {name: bool(means[name] > means["local only"]) for name in ("fedper", "fedper+dp")}
+    seeded = FleetConfig(**{**dp.__dict__, "seed": 1})  # the DP fleet is also judged against local only under its noise
+    noised = _mean_own(run_local(make_fleet(2, num_rounds=1, seed=1), device="artifacts", refit=seeded, noise=seeded))
+    assert sweep["own"]["local only + noise 0.1"]["1"] == noised
+    assert sweep["beats_noised_local_mean"] == {"fedper+dp": bool(means["fedper+dp"] > means["local only + noise 0.1"])}
     assert "seeds beating local" in capsys.readouterr().out

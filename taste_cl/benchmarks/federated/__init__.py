@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from taste_cl.adapters.flower.device_data import round_batches, round_bounds
+from taste_cl.adapters.flower.updates import personal_predicate
 from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.benchmarks.federated.tables import accuracy_table, rounds_table
 from taste_cl.cli.demo import build_digits_learner
@@ -99,7 +100,9 @@ def make_fleet(num_devices: int, *, num_rounds: int, batch_size: int = 10, repla
     )
 
 
-def run_local(fleet: Fleet, *, device: str = "torch", refit: FleetConfig | None = None) -> dict[int, dict[str, float]]:
+def run_local(
+    fleet: Fleet, *, device: str = "torch", refit: FleetConfig | None = None, noise: FleetConfig | None = None
+) -> dict[int, dict[str, float]]:
     """Each device alone: the same batches, no communication, on the fleet's runtime.
 
     ``device="torch"`` trains the reference :class:`OnlineLearner`; ``"artifacts"`` the
@@ -109,14 +112,19 @@ def run_local(fleet: Fleet, *, device: str = "torch", refit: FleetConfig | None 
     is compared with local learning on its own runtime. With ``refit`` (the fleet's config,
     when :attr:`~taste_cl.adapters.flower.app.FleetConfig.finetunes_head`) each device
     re-fits its head on everything it has seen before it is scored, exactly as the fleet's
-    devices do, so the comparison measures federation and not the re-fit.
+    devices do, so the comparison measures federation and not the re-fit. With ``noise`` (a
+    fleet config with central or client DP) each device adds, after each round, the Gaussian
+    noise that DP adds to that fleet's aggregate (:attr:`~taste_cl.adapters.flower.app.FleetConfig.aggregate_noise_std`)
+    to its shared tensors: weight noise alone regularizes these short streams, so a DP fleet
+    is also compared with local learning under the same noise.
     """
     if device not in ("torch", "artifacts"):
         raise ValueError(f"`device == {device!r}`, must be 'torch' or 'artifacts'")
     if refit is not None and not refit.finetunes_head:
         refit = None
+    perturb = _weight_noise(noise, fleet.seed)
     if device == "artifacts":
-        return _run_local_artifacts(fleet, refit)
+        return _run_local_artifacts(fleet, refit, perturb)
     from taste_cl.adapters.flower.app import refit_head
 
     results = {}
@@ -126,12 +134,38 @@ def run_local(fleet: Fleet, *, device: str = "torch", refit: FleetConfig | None 
         for server_round in range(1, fleet.num_rounds + 1):
             for batch in fleet.train_batches(d, server_round):
                 learner.observe(batch)
+            if perturb is not None:
+                state = {name: value.numpy() for name, value in learner.model.state_dict().items()}
+                learner.model.load_state_dict({name: torch.from_numpy(value) for name, value in perturb(d, state).items()}, strict=False)
         predict = learner.predict if refit is None else torch.no_grad()(refit_head(learner.model, refit, *fleet.seen(d, fleet.num_rounds)))
         results[d] = {f"accuracy-{k}": accuracy(predict, x, y) for k, (x, y) in fleet.eval_sets(d).items()}
     return results
 
 
-def _run_local_artifacts(fleet: Fleet, refit: FleetConfig | None) -> dict[int, dict[str, float]]:
+Perturb = Callable[[int, dict[str, np.ndarray]], dict[str, np.ndarray]]
+"""(device, its tensors by name) -> its shared tensors with this round's noise added."""
+
+
+def _weight_noise(config: FleetConfig | None, seed: int) -> Perturb | None:
+    """What ``config``'s DP noise does to a device's shared tensors each round (one random stream per device), or None."""
+    std = 0.0 if config is None else config.aggregate_noise_std
+    if config is None or std == 0.0:
+        return None
+    is_personal = personal_predicate(config.prefixes)
+    streams: dict[int, np.random.Generator] = {}
+
+    def perturb(device: int, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rng = streams.setdefault(device, np.random.default_rng([seed, device]))
+        return {
+            name: (value + rng.normal(0.0, std, value.shape)).astype(value.dtype)
+            for name, value in tensors.items()
+            if not is_personal(name) and np.issubdtype(value.dtype, np.floating)
+        }
+
+    return perturb
+
+
+def _run_local_artifacts(fleet: Fleet, refit: FleetConfig | None, perturb: Perturb | None = None) -> dict[int, dict[str, float]]:
     """:func:`run_local` on the ONNX Runtime device learner, exported once from the reference learner."""
     import tempfile
     from pathlib import Path
@@ -151,6 +185,8 @@ def _run_local_artifacts(fleet: Fleet, refit: FleetConfig | None) -> dict[int, d
             for server_round in range(1, fleet.num_rounds + 1):
                 for x, y in fleet.train_batches(d, server_round):
                     learner.observe((x.numpy(), y.numpy()))
+                if perturb is not None:
+                    learner.load_parameters(perturb(d, learner.parameters()))
             if refit is not None and head is not None:
                 seen_x, seen_y = (t.numpy() for t in fleet.seen(d, fleet.num_rounds))
                 steps, lr = refit.finetune_steps, refit.finetune_lr

@@ -183,6 +183,14 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
     for name in names:
         verdict = "beats" if verdicts[name] else "does NOT beat"
         print(f"{name}: own classes {means['accuracy-own'][name]:.3f} {verdict} local only {own_local:.3f}")
+    noised_local = {
+        name: _mean_own(run_local(make_fleet(args.devices, num_rounds=args.rounds, seed=args.seed), device=args.device, refit=base,
+                                  noise=variants[name]))
+        for name in _noised_baselines(variants)
+    }  # fmt: skip
+    for name, own in noised_local.items():
+        verdict = "beats" if means["accuracy-own"][name] > own else "does NOT beat"
+        print(f"{name}: own classes {means['accuracy-own'][name]:.3f} {verdict} local only with the same weight noise {own:.3f}")
     sizes = _eval_sizes(args)
     gaps: dict[str, float] = {}
     if simulated is not None:
@@ -213,6 +221,7 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
             "deployment_seconds": deployment_s,
             "secagg_max_abs_weight_gap": secagg_gap,
             "beats_local_own": verdicts,
+            "local_with_the_same_noise_own": noised_local,
             "max_gap_samples": gaps,
             "seeds": sweep,
         },
@@ -232,10 +241,15 @@ def _seed_sweep(variants: dict[str, Any], seeds: list[int], device: str) -> dict
     from taste_cl.benchmarks.federated import make_fleet, run_local
 
     first = next(iter(variants.values()))
-    own: dict[str, dict[int, float]] = {"local only": {}, **{name: {} for name in variants}}
+    noised = _noised_baselines(variants)
+    own: dict[str, dict[int, float]] = {"local only": {}, **{label: {} for label in noised.values()}, **{name: {} for name in variants}}
     for seed in seeds:
         fleet = make_fleet(first.devices, num_rounds=first.rounds, seed=seed)
         own["local only"][seed] = _mean_own(run_local(fleet, device=device, refit=FleetConfig(**{**first.__dict__, "seed": seed})))
+        for name, label in noised.items():
+            if seed not in own[label]:
+                config = FleetConfig(**{**variants[name].__dict__, "seed": seed})
+                own[label][seed] = _mean_own(run_local(fleet, device=device, refit=config, noise=config))
         for name, config in variants.items():
             own[name][seed] = _mean_own(last_evaluation(_simulate(FleetConfig(**{**config.__dict__, "seed": seed}))))
         print(f"seed {seed}: " + ", ".join(f"{name} {by_seed[seed]:.3f}" for name, by_seed in own.items()), flush=True)
@@ -243,7 +257,7 @@ def _seed_sweep(variants: dict[str, Any], seeds: list[int], device: str) -> dict
     means = {name: float(np.mean([by_seed[s] for s in seeds])) for name, by_seed in own.items()}
     rows = [
         [name, *(by_seed[s] for s in seeds), means[name], float(np.std([by_seed[s] for s in seeds])),
-         "" if name == "local only" else f"{sum(by_seed[s] > local[s] for s in seeds)} of {len(seeds)}"]
+         f"{sum(by_seed[s] > local[s] for s in seeds)} of {len(seeds)}" if name in variants else ""]
         for name, by_seed in own.items()
     ]  # fmt: skip
     verdicts = {name: means[name] > means["local only"] for name in variants}
@@ -252,5 +266,15 @@ def _seed_sweep(variants: dict[str, Any], seeds: list[int], device: str) -> dict
     for name, beats in verdicts.items():
         verdict = "beats" if beats else "does NOT beat"
         print(f"{name}: mean over {len(seeds)} seeds {means[name]:.3f} {verdict} local only {means['local only']:.3f}")
+    matched = {name: means[name] > means[label] for name, label in noised.items()}
+    for name, label in noised.items():
+        verdict = "beats" if matched[name] else "does NOT beat"
+        print(f"{name}: mean {means[name]:.3f} {verdict} {label} {means[label]:.3f} (the same weight noise, no federation)")
     return {"seeds": seeds, "device": device, "own": {n: {str(s): v for s, v in by.items()} for n, by in own.items()},
-            "beats_local_mean": verdicts}  # fmt: skip
+            "beats_local_mean": verdicts, "beats_noised_local_mean": matched}  # fmt: skip
+
+
+def _noised_baselines(variants: dict[str, Any]) -> dict[str, str]:
+    """Variant -> the name of its local-only baseline with the same per-round weight noise, for each DP variant
+    that noises the aggregate (``run_local(noise=...)``: that noise alone lifts local-only learning here)."""
+    return {name: f"local only + noise {c.aggregate_noise_std:.3g}" for name, c in variants.items() if c.aggregate_noise_std > 0}
