@@ -16,7 +16,7 @@ from torch import nn
 pytest.importorskip("onnxruntime.training")
 
 from taste_cl import OnlineLearner
-from taste_cl.adapters.onnxruntime.step_costs import measure_step_costs
+from taste_cl.adapters.onnxruntime.step_costs import _parameter_owners, measure_step_costs
 from taste_cl.elastic import ElasticTrainer
 from taste_cl.elastic.tensor_profile import TensorProfile
 
@@ -126,7 +126,9 @@ def test_selection_for_refuses_what_it_cannot_use() -> None:
         measure_step_costs(learner, elastic, _batch(0)[0])
 
 
-def test_a_peft_model_whose_nodes_cannot_be_matched_to_units_is_refused_not_costed_as_zero() -> None:
+def test_a_peft_lora_model_is_costed_per_adapter_tensor_and_its_selection_exports(tmp_path: Path) -> None:
+    """peft's lora_A['default'] is scoped by its key alone in ONNX node names; nodes are matched to
+    units by the parameters they read, so every adapter tensor gets its own ONNX Runtime costs."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -140,8 +142,17 @@ def test_a_peft_model_whose_nodes_cannot_be_matched_to_units_is_refused_not_cost
         warnings.simplefilter("ignore")
         for _ in range(3):
             learner.observe(batch)
-    with pytest.raises(ValueError, match="match none of this model's trainable modules"):
-        measure_step_costs(learner, elastic, batch, steps=1, threads=1)
+    costs = measure_step_costs(learner, elastic, batch, steps=2, threads=1, workdir=tmp_path / "costs")
+    assert costs.units == elastic.profile_.units and all("lora_" in u or "modules_to_save" in u for u in costs.units)
+    owners = _parameter_owners(tmp_path / "costs" / "all" / "training_model.onnx", model)
+    assert {u.rpartition(".")[0] for u in costs.units} <= set(owners.values())  # every unit's module is found in the graph
+    assert costs.weight_grad_s[0] > 0 and sum(costs.act_grad_s) > 0  # microseconds each on this tiny MLP
+    names = elastic.selection_for(costs, rho=0.9)
+    assert names and all("lora_" in name or "modules_to_save" in name for name in names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        folder = learner.export(tmp_path / "selected", backend="onnxruntime", trainable=names, example=batch)
+    assert sorted(json.loads((folder / "manifest.json").read_text())["trainable"]) == sorted(f"model.{n}" for n in names)
 
 
 def test_a_regression_learner_without_replay_or_shapes_is_costed_on_the_given_batch() -> None:

@@ -15,6 +15,8 @@ learner measured, what a device exported with ``trainable=`` should train:
 - the model is exported twice (each through the parity gate): every unit trainable, and only
   the first unit trainable (the whole input-gradient chain with a single weight gradient);
 - both run ``steps`` training steps with ONNX Runtime's per-node profiler on;
+- profiled nodes are matched to modules by the parameters their scope reads in the exported
+  graph, else by scope names (peft's ``lora_A['default']`` is scoped ``default`` alone);
 - per module, the first export's backward nodes time its input gradient, the difference
   between the two its weight gradients; parameter-free modules (activations, residual adds,
   pooling) and frozen ones are charged to the next unit, as in torch's profile, and those
@@ -36,6 +38,7 @@ import tempfile
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +70,14 @@ def measure_step_costs(
     ``steps`` training steps are profiled per export after one untimed one, with
     ``threads`` intra-op threads (None: ONNX Runtime's default). The learner is not changed
     (the exports train copies). ``workdir`` keeps the two exports (default: a temporary folder,
-    removed). ``ValueError`` when the profile's node names cannot be matched to the units'
-    modules (peft adapters): nothing would be measured.
+    removed). Nodes are matched to modules by the parameters they read, else by their scope
+    names (peft adapters included). ``ValueError`` when no node matches a unit's module:
+    nothing would be measured.
     """
     import onnxruntime
 
     from taste_cl.adapters.onnxruntime.build import _module_path
+    from taste_cl.adapters.onnxruntime.manifest import TRAINING_MODEL
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
@@ -108,7 +113,9 @@ def measure_step_costs(
             del device  # ONNX Runtime writes the profile when the session goes
             gc.collect()
             # one file per session (the eval session's has no runs): the training session's has the most
-            files = [_per_step(json.loads(path.read_text()), lambda node: _module_path(node, modules)) for path in root.glob(f"profile-{key}*.json")]
+            owners = _parameter_owners(folder / TRAINING_MODEL, model)
+            module_of = partial(_node_module, owners, partial(_module_path, modules=modules))
+            files = [_per_step(json.loads(path.read_text()), module_of) for path in root.glob(f"profile-{key}*.json")]
             steps_seen = max(files, key=len, default=[])
             if len(steps_seen) != steps + 1:
                 raise RuntimeError(f"ONNX Runtime's profile of the {key!r} export holds {len(steps_seen)} training runs, not {steps + 1}")
@@ -116,11 +123,40 @@ def measure_step_costs(
     costs = _profile(profile, unit_modules, runs["all"], runs["first"])
     if not any(costs.weight_grad_s) and not any(costs.act_grad_s):
         raise ValueError(
-            "ONNX Runtime's node names match none of this model's trainable modules (an adapter called through a ModuleDict, "
-            "as peft's lora_A['default'], is scoped by its key alone), so its backward cannot be split per unit: "
-            "export the torch-costed selection (trainable=elastic) instead"
+            "ONNX Runtime's node names match none of this model's trainable modules, so its backward cannot be split per "
+            "unit: export the torch-costed selection (trainable=elastic) instead"
         )
     return costs
+
+
+def _node_module(owners: dict[str, str], by_scope: Any, node: str) -> str:
+    """The module of profiled ``node``: that of its innermost scope in ``owners``, else by its scope names.
+
+    ONNX Runtime's graph optimizer renames fused nodes (``.../MatMul/MatmulTransposeFusion/``)
+    but keeps their scope, so a node is matched by scope, not by name."""
+    if node not in owners:
+        scopes = [scope for scope in owners if scope.startswith("/") and node.startswith(scope + "/")]
+        owners[node] = owners[max(scopes, key=len)] if scopes else by_scope(node)
+    return owners[node]
+
+
+def _parameter_owners(graph: Path, model: Any) -> dict[str, str]:
+    """Scope -> the module whose parameter a node of that scope reads first, from the exported training graph.
+
+    Scope names alone lose modules called through a ``ModuleDict`` (peft's ``lora_A['default']``
+    is scoped ``default``, its ``lora_B`` ``default_1``); the parameters the scope's nodes read
+    name them exactly (the export keeps torch's names behind the wrapper's ``model.`` prefix;
+    a ``Linear``'s weight is read by its ``Transpose``, whose scope its ``MatMul`` shares).
+    Scopes whose nodes read no parameter are left to their scope names."""
+    import onnx
+
+    module_of = {f"model.{name}": name.rpartition(".")[0] or "<model>" for name, _ in model.named_parameters()}
+    owners: dict[str, str] = {}
+    for node in onnx.load(str(graph), load_external_data=False).graph.node:
+        module = next((module_of[name] for name in node.input if name in module_of), None)
+        if module is not None and _GRAD not in node.name:  # a gradient node reads the weight of its forward node's scope
+            owners.setdefault(node.name.rpartition("/")[0], module)
+    return owners
 
 
 def _numpy(value: Any) -> Any:
