@@ -38,7 +38,7 @@ import tempfile
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +114,7 @@ def measure_step_costs(
             gc.collect()
             # one file per session (the eval session's has no runs): the training session's has the most
             owners = _parameter_owners(folder / TRAINING_MODEL, model)
-            module_of = partial(_node_module, owners, partial(_module_path, modules=modules))
+            module_of = cache(partial(_node_module, owners, partial(_module_path, modules=modules)))  # per node name
             files = [_per_step(json.loads(path.read_text()), module_of) for path in root.glob(f"profile-{key}*.json")]
             steps_seen = max(files, key=len, default=[])
             if len(steps_seen) != steps + 1:
@@ -134,10 +134,8 @@ def _node_module(owners: dict[str, str], by_scope: Any, node: str) -> str:
 
     ONNX Runtime's graph optimizer renames fused nodes (``.../MatMul/MatmulTransposeFusion/``)
     but keeps their scope, so a node is matched by scope, not by name."""
-    if node not in owners:
-        scopes = [scope for scope in owners if scope.startswith("/") and node.startswith(scope + "/")]
-        owners[node] = owners[max(scopes, key=len)] if scopes else by_scope(node)
-    return owners[node]
+    scopes = [scope for scope in owners if node.startswith(scope + "/")]
+    return owners[max(scopes, key=len)] if scopes else by_scope(node)
 
 
 def _parameter_owners(graph: Path, model: Any) -> dict[str, str]:
@@ -154,7 +152,8 @@ def _parameter_owners(graph: Path, model: Any) -> dict[str, str]:
     owners: dict[str, str] = {}
     for node in onnx.load(str(graph), load_external_data=False).graph.node:
         module = next((module_of[name] for name in node.input if name in module_of), None)
-        if module is not None and _GRAD not in node.name:  # a gradient node reads the weight of its forward node's scope
+        # a gradient node reads the weight of its forward node's scope: the forward node's scope is the module's
+        if module is not None and node.name.startswith("/") and _GRAD not in node.name:
             owners.setdefault(node.name.rpartition("/")[0], module)
     return owners
 
