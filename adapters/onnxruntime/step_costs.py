@@ -112,9 +112,10 @@ def measure_step_costs(
                 device.train_step(x, y)
             del device  # ONNX Runtime writes the profile when the session goes
             gc.collect()
+            if key == "all":  # both exports trace the same forward graph: its scopes and the parameters they read
+                owners = _parameter_owners(folder / TRAINING_MODEL, model)
+                module_of = cache(partial(_node_module, owners, partial(_module_path, modules=modules)))  # per node name
             # one file per session (the eval session's has no runs): the training session's has the most
-            owners = _parameter_owners(folder / TRAINING_MODEL, model)
-            module_of = cache(partial(_node_module, owners, partial(_module_path, modules=modules)))  # per node name
             files = [_per_step(json.loads(path.read_text()), module_of) for path in root.glob(f"profile-{key}*.json")]
             steps_seen = max(files, key=len, default=[])
             if len(steps_seen) != steps + 1:

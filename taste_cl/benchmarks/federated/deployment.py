@@ -125,7 +125,8 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
         variants["fedper+secagg"] = FleetConfig(**{**base.__dict__, "secagg": True})
     if args.compare_torch and args.device != "torch":
         variants["fedper (torch ClientApp)"] = FleetConfig(**{**base.__dict__, "device": "torch"})
-    local = run_local(make_fleet(args.devices, num_rounds=args.rounds, seed=args.seed), device=args.device, refit=base)
+    streams = make_fleet(args.devices, num_rounds=args.rounds, seed=args.seed)  # the devices' data, for local only
+    local = run_local(streams, device=args.device, refit=base)
     print(f"local only ({args.device}): mean own-class accuracy {_mean_own(local):.3f}", flush=True)
     results: dict[str, dict[str, Any]] = {}
     servers: dict[str, dict[str, np.ndarray]] = {}
@@ -183,11 +184,7 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
     for name in names:
         verdict = "beats" if verdicts[name] else "does NOT beat"
         print(f"{name}: own classes {means['accuracy-own'][name]:.3f} {verdict} local only {own_local:.3f}")
-    noised_local = {
-        name: _mean_own(run_local(make_fleet(args.devices, num_rounds=args.rounds, seed=args.seed), device=args.device, refit=base,
-                                  noise=variants[name]))
-        for name in _noised_baselines(variants)
-    }  # fmt: skip
+    noised_local = {name: _mean_own(run_local(streams, device=args.device, refit=base, noise=variants[name])) for name in _noised_baselines(variants)}
     for name, own in noised_local.items():
         verdict = "beats" if means["accuracy-own"][name] > own else "does NOT beat"
         print(f"{name}: own classes {means['accuracy-own'][name]:.3f} {verdict} local only with the same weight noise {own:.3f}")
