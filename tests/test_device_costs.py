@@ -69,7 +69,7 @@ def test_onnxruntime_costs_profile_the_same_units_and_leave_the_learner_alone(tm
     assert json.loads((tmp_path / "first" / "manifest.json").read_text())["trainable"] == ["model.0.weight"]
     assert all(torch.equal(p, before[name]) for name, p in learner.model.named_parameters())
     assert [p.requires_grad for p in learner.model.parameters()] == flags and elastic.selected == selected
-    chosen = elastic.selection_for(costs)
+    chosen = elastic.selection_for(costs, rho=0.8)  # measured times: rho 0.5 may not fit a tiny CNN on a busy machine
     folder = learner.export(tmp_path / "chosen", backend="onnxruntime", trainable=chosen)  # parity-gated
     assert json.loads((folder / "manifest.json").read_text())["trainable"] == ["model." + name for name in chosen]
 
