@@ -1,4 +1,4 @@
-"""What the device exporters read from an :class:`~taste_cl.OnlineLearner`: buffered rows and task targets.
+"""What the device exporters read from an :class:`~taste_cl.OnlineLearner`: buffered rows and task targets, and what they refuse.
 
 Both exporters (ONNX Runtime, ExecuTorch) ship the learner's replay buffer and check parity
 on buffered rows, and both must give the device targets shaped like the learner's (a
@@ -23,7 +23,7 @@ from taste_cl.tasks import Task
 if TYPE_CHECKING:
     from taste_cl.learner import OnlineLearner
 
-__all__ = ["BufferedRows", "buffered_rows", "synthetic_example", "task_targets"]
+__all__ = ["BufferedRows", "buffered_rows", "check_device_trains_alike", "synthetic_example", "task_targets"]
 
 
 @dataclass(frozen=True)
@@ -83,3 +83,16 @@ def synthetic_example(learner: OnlineLearner, rows: int) -> tuple[torch.Tensor, 
     generator = torch.Generator().manual_seed(0)
     x = torch.rand((rows, *spec.shape), generator=generator)
     return x, torch.randint(0, learner.num_classes, (rows,), generator=generator)
+
+
+def check_device_trains_alike(learner: OnlineLearner) -> None:
+    """``ExportError`` for a learner whose steps the device runtimes would not take alike.
+
+    Gradient clipping (``max_grad_norm``) is not in the exported training graphs: the device
+    would train unclipped, unlike the learner it was exported from.
+    """
+    if learner.max_grad_norm is not None:
+        raise ExportError(
+            f"this learner clips its gradients (max_grad_norm={learner.max_grad_norm:g}) and the device runtimes do not: "
+            "they would train unclipped; set learner.max_grad_norm = None before export to accept that"
+        )

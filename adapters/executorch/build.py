@@ -47,7 +47,7 @@ from taste_cl.adapters.device.artifacts import (
     write_manifest,
 )
 from taste_cl.adapters.device.embeddings import index_bounds, rewrite_embedding_bags
-from taste_cl.adapters.device.learner_data import buffered_rows, synthetic_example, task_targets
+from taste_cl.adapters.device.learner_data import buffered_rows, check_device_trains_alike, synthetic_example, task_targets
 from taste_cl.adapters.device.parity import ParityReport, TorchTrainer, check_parity
 from taste_cl.adapters.device.trainable import freeze_untrained, selected_parameters, selection_record, trained_parameters
 from taste_cl.adapters.device.transforms import apply_transforms, conv1d_as_conv2d, needed_transforms
@@ -428,6 +428,7 @@ def export(
     """
     if not isinstance(learner, OnlineLearner):
         raise TypeError(f"learner must be a taste_cl.OnlineLearner; got {type(learner).__name__}")
+    check_device_trains_alike(learner)
     with learner._lock:
         model, optimizer = copy.deepcopy((learner.model, learner.optimizer))  # the optimizer tells what trains
         chosen = selected_parameters(learner, trainable)

@@ -34,7 +34,7 @@ from taste_cl.adapters.device.artifacts import (
     ExportError,
     read_manifest,
 )
-from taste_cl.adapters.device.learner_data import BufferedRows, buffered_rows, synthetic_example
+from taste_cl.adapters.device.learner_data import BufferedRows, buffered_rows, check_device_trains_alike, synthetic_example
 from taste_cl.adapters.device.parity import ParityError, ParityReport, TrainingDivergesError
 from taste_cl.adapters.device.trainable import freeze_untrained, selected_parameters, selection_record
 from taste_cl.adapters.onnxruntime.build import (
@@ -103,6 +103,7 @@ def export(
         raise TypeError(f"learner must be a taste_cl.OnlineLearner; got {type(learner).__name__}")
     if optimizer not in (None, "sgd", "adamw"):
         raise ValueError(f"`optimizer == {optimizer!r}`, must be None, 'sgd' or 'adamw'")
+    check_device_trains_alike(learner)
     with learner._lock:  # a consistent snapshot; the export itself runs without the lock
         model, torch_optimizer = copy.deepcopy((learner.model, learner.optimizer))
         chosen = selected_parameters(learner, trainable)

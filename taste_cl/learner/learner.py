@@ -51,6 +51,7 @@ from taste_cl._batch import (
     to_inputs,
     to_like,
 )  # fmt: skip
+from taste_cl._checks import check_positive
 from taste_cl.guards.update import UpdateGuard
 from taste_cl.learner.batching import BatchPlan, Chunk, MicroBatcher, OnBatcher, plan_from, rescale_lr
 from taste_cl.learner.checks import check_arguments, check_optimizer_covers, check_replay_fits, settle_first_batch
@@ -126,6 +127,12 @@ class OnlineLearner:
         the model's output width widens its last ``nn.Linear`` before the batch trains
         (a class the pretrained model never saw; see :mod:`taste_cl.learner.heads`).
         Default None: the width is fixed and a larger label is refused.
+    max_grad_norm:
+        Clip each optimizer step's gradient to this global L2 norm (over every parameter
+        the optimizer holds, after plugins such as ElasticTrainer have chosen what trains),
+        as ``torch.nn.utils.clip_grad_norm_`` does. Fine-tuning a pretrained model on
+        shifted data needs it: its first gradients can be large enough to wreck the
+        features (see docs/personalize.md). Default None: no clipping. Saved in checkpoints.
     replay:
         A :class:`~taste_cl.replay.ReplayStrategy`, or None to train on the stream only.
     replay_batch_size:
@@ -172,8 +179,12 @@ class OnlineLearner:
         strategy: Strategy | str | None = None,
         output: OutputLike | None = None,
         max_classes: int | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
         check_arguments(model, replay, replay_batch_size, train_iterations, num_classes, plugins, max_classes)
+        if max_grad_norm is not None and not math.isfinite(check_positive("max_grad_norm", max_grad_norm)):
+            raise ValueError(f"`max_grad_norm` must be finite (None: no clipping); got {max_grad_norm}")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.output: OutputSelector | None = resolve_output(output)  # settled on the first batch when None
         self.model = model
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
@@ -433,7 +444,11 @@ class OnlineLearner:
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         grads = [p.grad for p in params]
         batcher.release_arrivals()
-        applied = self.guard.step(self, params, _total_norm(grads), batcher.window_finite)
+        norm = _total_norm(grads)
+        if self.max_grad_norm is not None and norm > self.max_grad_norm:  # False for NaN: the guard skips it
+            torch._foreach_mul_(grads, self.max_grad_norm / (norm + 1e-6))  # clip_grad_norm_'s scale
+            norm = self.max_grad_norm
+        applied = self.guard.step(self, params, norm, batcher.window_finite)
         self.optimizer.zero_grad(set_to_none=True)
         batcher.reset_window()
         return applied

@@ -42,6 +42,7 @@ def learner_state(learner: OnlineLearner) -> dict[str, Any]:
             "train_iterations": learner.train_iterations,
             "num_classes": learner.num_classes,
             "max_classes": learner.max_classes,
+            "max_grad_norm": learner.max_grad_norm,
             "input_shape": None if learner.input_shape is None else list(learner.input_shape),
             "input_spec": None if learner.input_spec is None else learner.input_spec.to_json(),
             "output_shape": None if learner.output_shape is None else list(learner.output_shape),
@@ -97,6 +98,7 @@ def load_learner(
         "strategy": _rebuild_strategy(config["strategy"], strategy),
         "output": output,  # checked against the checkpoint's, which a key or index comes from (section config)
         "max_classes": config.get("max_classes"),  # checked with the config section
+        "max_grad_norm": config.get("max_grad_norm"),
     }
     # Checked on a throwaway learner before plugins attach (they, and a strategy, may subscribe to the monitor).
     validate_state(cls(model, **{**parts, "strategy": copy.deepcopy(parts["strategy"])}), state)

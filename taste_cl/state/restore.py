@@ -54,8 +54,8 @@ CONFIG_KEYS = {
     "optimizer_type",
 }
 """Keys of the ``config`` section; a new config entry is added here and checked in :func:`_config`."""
-OPTIONAL_CONFIG_KEYS = {"output", "max_classes"}
-"""``config`` keys that checkpoints written before them lack (``output``, ``max_classes``: None then)."""
+OPTIONAL_CONFIG_KEYS = {"output", "max_classes", "max_grad_norm"}
+"""``config`` keys that checkpoints written before them lack (``output``, ``max_classes``, ``max_grad_norm``: None then)."""
 MONITOR_CONFIG = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed", "prequential", "regression_threshold")
 _BUILTIN_REPLAY: dict[str, type[ReservoirReplay | ClassBalancedReplay]] = {
     "ReservoirReplay": ReservoirReplay,
@@ -266,10 +266,12 @@ def _config(ctx: _Context) -> Apply:
     score_eval = config["score_eval"]
     strategy = learner.strategy
     max_classes = _max_classes(config.get("max_classes"), ctx.num_classes)
+    max_grad_norm = _max_grad_norm(config.get("max_grad_norm"))
 
     def apply() -> None:
         learner.output = output
         learner.max_classes = max_classes
+        learner.max_grad_norm = max_grad_norm
         learner.input_spec, learner.output_shape, learner.num_classes = ctx.input_spec, ctx.output_shape, ctx.num_classes
         learner.input_shape = shape
         learner.task = ctx.task if ctx.task is not None else learner.task
@@ -284,6 +286,15 @@ def _max_classes(value: Any, num_classes: int | None) -> int | None:
     if value is None:
         return None
     return _int("config.max_classes", value, num_classes or 1, MAX_CLASSES)
+
+
+def _max_grad_norm(value: Any) -> float | None:
+    """``config.max_grad_norm``: None, or the positive finite norm each step's gradient is clipped to."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise _Invalid(f"`config.max_grad_norm` must be None or a positive finite number; got {_short(value)}")
+    return float(value)
 
 
 def parse_task(value: Any) -> Task | None:
@@ -779,6 +790,7 @@ def build_parts(
         _int("config.train_iterations", config["train_iterations"], 1, 2**20)
         config = {**config, "task": parse_task(config["task"]), "strategy": parse_strategy(config["strategy"])}
         _max_classes(config.get("max_classes"), None)  # the learner is built with it
+        _max_grad_norm(config.get("max_grad_norm"))
         try:
             entries = 1 if config["input_spec"] is None else Spec.from_json(config["input_spec"]).entries
         except ValueError as error:
