@@ -104,3 +104,78 @@ def test_device_export_refuses_a_clipping_learner(tmp_path: Path, backend: str) 
     assert not (tmp_path / "out").exists() and learner.max_grad_norm == 1.0
     learner.max_grad_norm = None  # accepting that the device trains unclipped
     assert (learner.export(tmp_path / "out", backend=backend) / "manifest.json").exists()
+
+
+def _record_step_norms(learner: OnlineLearner) -> list[float]:
+    """The global gradient norm each optimizer step of ``learner`` is taken with."""
+    norms: list[float] = []
+    step = learner.optimizer.step
+
+    def recorded(*args: object, **kwargs: object) -> object:
+        grads = [p.grad for group in learner.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+        return step(*args, **kwargs)
+
+    learner.optimizer.step = recorded  # type: ignore[method-assign]
+    return norms
+
+
+def _assert_clipped_training(learner: OnlineLearner, batches: list[tuple[object, torch.Tensor]], bound: float) -> None:
+    norms = _record_step_norms(learner)
+    before = {name: p.detach().clone() for name, p in learner.model.named_parameters()}
+    for batch in batches:
+        learner.observe(batch)
+    assert norms and all(n <= bound * (1 + 1e-4) for n in norms), norms
+    assert any(not torch.equal(p, before[name]) for name, p in learner.model.named_parameters())  # it still trains
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2", "keyword_spotter", "text_transformer", "text_transformer_dict", "token_tagger",
+                                  "lstm", "regression_mlp", "multilabel_mlp", "batchnorm_mlp"])  # fmt: skip
+def test_every_step_is_clipped_on_the_zoo(name: str) -> None:
+    """BatchNorm CNNs, token and dict inputs, AdamW, regression and multi-label: each step's gradient is within the bound."""
+    from zoo import ZOO
+
+    model, loss_fn, optimizer = ZOO[name].build()
+    learner = OnlineLearner(model, loss_fn=loss_fn, optimizer=optimizer, max_grad_norm=1e-2)
+    _assert_clipped_training(learner, [ZOO[name].batch(8, seed=seed) for seed in range(3)], 1e-2)
+
+
+def test_clipping_under_elastic_selection_counts_only_what_trains() -> None:
+    from zoo import ZOO
+
+    from taste_cl import ElasticTrainer
+
+    model, loss_fn, optimizer = ZOO["resnet18"].build()
+    elastic = ElasticTrainer(rho=0.5, reselect_every=2, cache_dir=None, warmup=0, repeats=2, max_rounds=2, check_steps=1)
+    learner = OnlineLearner(model, loss_fn=loss_fn, optimizer=optimizer, plugins=[elastic], max_grad_norm=1e-2)
+    _assert_clipped_training(learner, [ZOO["resnet18"].batch(8, seed=seed) for seed in range(4)], 1e-2)
+
+
+class _DictOutput(nn.Module):
+    """A Hugging Face-style model: a dict of outputs with a ``logits`` entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Sequential(nn.Linear(6, 16), nn.ReLU()), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = self.body(x)
+        return {"logits": self.head(hidden), "hidden_states": hidden}
+
+
+@pytest.mark.parametrize("setup", ["frozen_backbone", "peft_lora", "dict_outputs"])
+def test_pretrained_setups_are_clipped_and_frozen_tensors_stay(setup: str) -> None:
+    torch.manual_seed(0)
+    if setup == "peft_lora":
+        peft = pytest.importorskip("peft")
+        model: nn.Module = peft.get_peft_model(_model(), peft.LoraConfig(r=4, target_modules=["0"], modules_to_save=["2"]))
+    elif setup == "dict_outputs":
+        model = _DictOutput()
+    else:
+        model = _model()
+        model[0].requires_grad_(False)
+    frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    learner = OnlineLearner(model, optimizer=optimizer, max_grad_norm=0.05)
+    _assert_clipped_training(learner, [_batch(seed, scale=20.0) for seed in range(3)], 0.05)
+    assert all(torch.equal(p, frozen[name]) for name, p in model.named_parameters() if name in frozen)

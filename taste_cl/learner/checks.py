@@ -14,6 +14,7 @@ eval-mode forward. It changes nothing: the learner commits the returned
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from taste_cl._batch import Inputs, Spec, as_tensor, batch_len, call_model, index_batch, leaves
-from taste_cl._checks import check_int
+from taste_cl._checks import check_int, check_positive
 from taste_cl.exceptions import InvalidBatchError
 from taste_cl.learner.heads import MAX_CLASSES, check_growable
 from taste_cl.outputs import OutputSelector, describe_output, select_checked
@@ -97,6 +98,7 @@ def check_arguments(
     num_classes: int | None,
     plugins: Sequence[LearnerPlugin],
     max_classes: int | None = None,
+    max_grad_norm: float | None = None,
 ) -> None:
     """The constructor's arguments that are checked on their own: types, ranges, unique plugin names."""
     if not isinstance(model, nn.Module):
@@ -109,6 +111,8 @@ def check_arguments(
         raise ValueError(f"`num_classes == {num_classes}`, must be >= 1")
     if max_classes is not None and (check_int("max_classes", max_classes, 1) > MAX_CLASSES):
         raise ValueError(f"`max_classes == {max_classes}`, must be <= {MAX_CLASSES}")
+    if max_grad_norm is not None and not math.isfinite(check_positive("max_grad_norm", max_grad_norm)):
+        raise ValueError(f"`max_grad_norm` must be finite (None: no clipping); got {max_grad_norm}")
     names = [plugin.name for plugin in plugins]
     if len(set(names)) != len(names):
         raise ValueError(f"plugin names must be unique (they key checkpoint state); got {names}")

@@ -51,7 +51,6 @@ from taste_cl._batch import (
     to_inputs,
     to_like,
 )  # fmt: skip
-from taste_cl._checks import check_positive
 from taste_cl.guards.update import UpdateGuard
 from taste_cl.learner.batching import BatchPlan, Chunk, MicroBatcher, OnBatcher, plan_from, rescale_lr
 from taste_cl.learner.checks import check_arguments, check_optimizer_covers, check_replay_fits, settle_first_batch
@@ -181,9 +180,7 @@ class OnlineLearner:
         max_classes: int | None = None,
         max_grad_norm: float | None = None,
     ) -> None:
-        check_arguments(model, replay, replay_batch_size, train_iterations, num_classes, plugins, max_classes)
-        if max_grad_norm is not None and not math.isfinite(check_positive("max_grad_norm", max_grad_norm)):
-            raise ValueError(f"`max_grad_norm` must be finite (None: no clipping); got {max_grad_norm}")
+        check_arguments(model, replay, replay_batch_size, train_iterations, num_classes, plugins, max_classes, max_grad_norm)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.output: OutputSelector | None = resolve_output(output)  # settled on the first batch when None
         self.model = model

@@ -290,11 +290,7 @@ def _max_classes(value: Any, num_classes: int | None) -> int | None:
 
 def _max_grad_norm(value: Any) -> float | None:
     """``config.max_grad_norm``: None, or the positive finite norm each step's gradient is clipped to."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise _Invalid(f"`config.max_grad_norm` must be None or a positive finite number; got {_short(value)}")
-    return float(value)
+    return None if value is None else _number("config.max_grad_norm", value, positive=True)
 
 
 def parse_task(value: Any) -> Task | None:
