@@ -82,10 +82,7 @@ def _predict(model: nn.Module, x: Any) -> np.ndarray:
 
 # the three torchvision CNNs take about 80 s together on one thread: slow; the rest about 12 s
 _SLOW = {"resnet18", "mobilenet_v2", "mobilenet_v3_small"}
-PARAMS = [
-    pytest.param(name, bn, id=f"{name}-{bn}", marks=[pytest.mark.slow] if name in _SLOW else [])
-    for name, bn in CASES
-]
+PARAMS = [pytest.param(name, bn, id=f"{name}-{bn}", marks=[pytest.mark.slow] if name in _SLOW else []) for name, bn in CASES]
 
 
 @pytest.mark.parametrize(("name", "batchnorm"), PARAMS)
@@ -115,17 +112,22 @@ def test_zoo_model_trains_on_device_like_torch(tmp_path: Path, name: str, batchn
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
-def test_zoo_elastic_selection_trains_alone_on_device_like_torch(tmp_path: Path, name: str) -> None:
-    """An ElasticTrainer's selection at rho 0.5, exported with ``trainable=``: the gate passed
-    against torch training the same tensors, and on the device only they change, as in torch."""
+def test_zoo_elastic_selection_trains_alone_on_device_like_torch(tmp_path: Path) -> None:
+    """An ElasticTrainer's selection at rho 0.5 of ResNet-18, exported with ``trainable=``: the gate
+    passed against torch training the same tensors, and on the device only they change, as in torch.
+
+    Not MobileNetV2 or V3: at random initialisation with BatchNorm statistics from a few batches
+    their eval-mode outputs do not depend on the input (spread 1e-8 across a batch), the selected
+    tensors' gradients are ~1e-8 and none moves in float32, so the test could not fail; with
+    settled statistics a 3-step float32 run departs from float64 by up to 0.18 and the gate
+    rightly refuses (UnstableTrainingError)."""
     import warnings
 
     from taste_cl import OnlineLearner
     from taste_cl.adapters.device.trainable import selected_parameters
     from taste_cl.elastic import ElasticTrainer
 
-    case = ZOO[name]
+    case = ZOO["resnet18"]
     model, loss_fn, _ = case.build(0)
     elastic = ElasticTrainer(rho=0.5, reselect_every=2, cache_dir=None, warmup=1, repeats=2, max_rounds=4, check_steps=1, clock="cpu")
     learner = OnlineLearner(model, loss_fn=loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=CNN_LR), plugins=[elastic])
@@ -138,14 +140,17 @@ def test_zoo_elastic_selection_trains_alone_on_device_like_torch(tmp_path: Path,
     chosen = selected_parameters(learner, elastic)
     every = selected_parameters(learner)
     assert 0 < len(chosen) < len(every)
-    # a tenth of the rate: these random-init CNNs with statistics frozen after a few batches amplify
-    # rounding at 0.01 (torch's float32 departs from float64 by 5e-3 in 3 steps), so the gate refuses
-    folder = learner.export(tmp_path / "art", backend="onnxruntime", trainable=elastic, lr=CNN_LR / 10)
+    # a hundredth of the rate: these random-init CNNs amplify rounding. At 0.01 torch's float32 departs
+    # from float64 by 5e-3 in 3 steps; at 0.001 a ReLU input within ONNX Runtime's rounding of 0 (its
+    # convolutions round about 4x as far as torch's) flips in the runtime alone: ResNet-18's gate saw
+    # 2e-5 to 1.04e-4 in 4 of 26 selections (tolerance 1e-4), at 1e-4 at most 9e-7 in 25
+    lr = CNN_LR / 100
+    folder = learner.export(tmp_path / "art", backend="onnxruntime", trainable=elastic, lr=lr)
     device = OrtOnlineLearner.from_artifacts(folder)
     reference = copy.deepcopy(learner.model)
     for parameter_name, parameter in reference.named_parameters():
         parameter.requires_grad_(parameter_name in chosen)
-    optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=CNN_LR / 10)
+    optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=lr)
     before = device.parameters()
     for step in range(3):
         x, y = case.batch(BATCH, 40 + step)
@@ -154,10 +159,13 @@ def test_zoo_elastic_selection_trains_alone_on_device_like_torch(tmp_path: Path,
     after = device.parameters()
     changed = {key for key in before if not np.array_equal(before[key], after[key])}
     expected = dict(reference.named_parameters())
-    # the selection follows measured step times, so it varies run to run, and a dead ReLU6 can leave a
-    # selected tensor's gradient at zero (in one CI run no selected tensor changed on the device):
-    # the device must change exactly what torch changes
+    # the selection follows measured step times, so it varies run to run, and a dead ReLU can leave a
+    # selected tensor's gradient at zero in torch while the runtime's rounding moves it by a few ulps
+    # (a CI run on MobileNetV2 did): nothing outside the selection changes, everything torch changes
+    # the device changes, and every selected tensor ends within rounding of torch's
     changed_in_torch = {key for key in chosen if not np.array_equal(before[key], expected[key].detach().numpy())}
-    assert changed <= set(chosen) and changed == changed_in_torch, (sorted(changed), sorted(changed_in_torch))
+    assert changed_in_torch, "torch moved no selected tensor: the comparison would be vacuous"
+    assert changed <= set(chosen) and changed_in_torch <= changed, (sorted(changed), sorted(changed_in_torch))
+    # torch moves selected tensors by 1e-5 to 2e-4 here; the device ends within 2e-7 of it
     for key in chosen:
-        np.testing.assert_allclose(after[key], expected[key].detach().numpy(), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(after[key], expected[key].detach().numpy(), rtol=0, atol=2e-6)
