@@ -152,9 +152,13 @@ def test_a_runtime_within_the_tolerance_of_float64_passes_though_torch_rounds_th
     assert report.passed and report.max_output_diff > report.output_tol and report.exact_departure == pytest.approx(6e-5, rel=0.01)
     assert "6e-05 from float64" in str(report)
     reference, candidate = _Shifted(_line(0.16), 6e-5), _Shifted(_line(0.16), -2e-4)  # the runtime itself is off
-    with pytest.raises(ParityError, match=r"outputs 0.00026 .* 0.0002 from float64") as caught:
+    with pytest.raises(ParityError, match=r"outputs 0.00026 .* 0.0002 from float64 \(torch's float32 6e-05\)") as caught:
         check_parity(reference, candidate, BATCHES, backend="runtime", precise=_exact_line)
-    assert not caught.value.report.passed
+    assert not caught.value.report.passed and caught.value.report.torch_departure == pytest.approx(6e-5, rel=0.01)
+    assert "runtime's does not, so the runtime computes differently on these batches" in str(caught.value)
+    with pytest.raises(ParityError) as caught:  # without a float64 run the gate cannot say which side rounds
+        check_parity(_Shifted(_line(0.16), 6e-5), _Shifted(_line(0.16), -2e-4), BATCHES, backend="runtime")
+    assert caught.value.report.torch_departure is None and "computes differently" not in str(caught.value)
 
 
 # --------------------------------------------------------------------- exports
