@@ -202,6 +202,33 @@ def test_removed_and_readded_unit_resumes_with_its_optimizer_state(tmp_path):
     assert torch.allclose(state, 0.9 * kept_buffer + reference[0].weight.grad, atol=1e-6)
 
 
+def test_reset_drops_a_leaving_units_optimizer_state_and_it_rejoins_fresh(tmp_path):
+    learner, elastic = _learner(tmp_path, rho=1.0, reselect_every=1000, optimizer_state="reset")
+    learner.observe(_batch())
+    learner.observe(_batch())
+    first, last = learner.model[0].weight, learner.model[4].weight
+    kept = learner.optimizer.state[last]["momentum_buffer"].clone()
+    elastic.apply_selection(["4"])
+    assert first not in learner.optimizer.state and last in learner.optimizer.state  # freed as it left
+    elastic.apply_selection(["4"])  # staying out, or staying in, changes nothing
+    learner.observe(_batch())
+    assert first not in learner.optimizer.state and not torch.equal(learner.optimizer.state[last]["momentum_buffer"], kept)
+    elastic.apply_selection(["0", "2", "4"])
+    x, y = _batch()
+    reference = copy.deepcopy(learner.model)
+    nn.functional.cross_entropy(reference(x), y).backward()
+    before = first.detach().clone()
+    learner.observe((x, y))
+    # rejoined as a fresh parameter: SGD's buffer starts at the gradient, the step is lr * grad
+    assert torch.allclose(learner.optimizer.state[first]["momentum_buffer"], reference[0].weight.grad, atol=1e-6)
+    assert torch.allclose(first.detach(), before - 0.1 * reference[0].weight.grad, atol=1e-6)
+
+
+def test_optimizer_state_policy_is_checked():
+    with pytest.raises(ValueError, match="optimizer_state == 'drop'.*'keep', 'reset'"):
+        ElasticTrainer(optimizer_state="drop")
+
+
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 def test_backward_stops_at_the_earliest_trainable_unit(tmp_path):
     learner, elastic = _learner(tmp_path, rho=1.0, reselect_every=1000)

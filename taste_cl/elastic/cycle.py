@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 
@@ -37,7 +37,10 @@ from taste_cl.elastic.tensor_profile import CLOCKS, Clock, TensorProfile, check_
 if TYPE_CHECKING:
     from taste_cl.learner import OnlineLearner
 
-__all__ = ["SelectionCycle"]
+__all__ = ["OPTIMIZER_STATE_POLICIES", "OptimizerStatePolicy", "SelectionCycle"]
+
+OptimizerStatePolicy = Literal["keep", "reset"]
+OPTIMIZER_STATE_POLICIES: tuple[OptimizerStatePolicy, ...] = ("keep", "reset")
 
 
 class SelectionCycle:
@@ -45,7 +48,8 @@ class SelectionCycle:
 
     Parameters are those of :class:`~taste_cl.elastic.trainer.ElasticTrainer` that shape
     the cycle (``rho``, ``reselect_every``, ``drift_rho``, ``drift_steps``,
-    ``memory_budget_bytes``, ``check_steps``, ``resolution``, ``clock``), checked here.
+    ``memory_budget_bytes``, ``check_steps``, ``resolution``, ``clock``,
+    ``optimizer_state``), checked here.
     The learner (its model's units, its optimizer's state size) is set on attach.
     """
 
@@ -60,6 +64,7 @@ class SelectionCycle:
         check_steps: int,
         resolution: int,
         clock: Clock,
+        optimizer_state: OptimizerStatePolicy = "keep",
     ) -> None:
         check_positive("rho", rho, upper=1.0)
         check_int("reselect_every", reselect_every, 1)
@@ -73,6 +78,8 @@ class SelectionCycle:
         check_int("check_steps", check_steps, 1)
         check_int("resolution", resolution, 1)
         check_clock(clock)
+        if optimizer_state not in OPTIMIZER_STATE_POLICIES:
+            raise ValueError(f"`optimizer_state == {optimizer_state!r}`, must be one of {list(OPTIMIZER_STATE_POLICIES)}")
         self.rho = rho
         self.reselect_every = reselect_every
         self.drift_rho = drift_rho
@@ -81,6 +88,7 @@ class SelectionCycle:
         self.check_steps = check_steps
         self.resolution = resolution
         self.clock = clock
+        self.optimizer_state = optimizer_state
         self.profile_: TensorProfile | None = None
         self.timing_: StepTimeModel | None = None
         self.importance_: list[float] | None = None
@@ -187,9 +195,11 @@ class SelectionCycle:
         """Train only the units named in ``selected`` until the next probe.
 
         Units left out get ``requires_grad=False`` and no gradient, so the optimizer skips
-        them and keeps their state (momentum, Adam moments) for when they rejoin; units
-        named get back the ``requires_grad=True`` the cycle took, never more (a parameter
-        the user froze stays frozen). Selecting every unit restores the user's flags.
+        them; with ``optimizer_state="keep"`` it keeps their state (momentum, Adam moments)
+        for when they rejoin, with ``"reset"`` their state is dropped as they leave and they
+        rejoin as fresh parameters. Units named get back the ``requires_grad=True`` the
+        cycle took, never more (a parameter the user froze stays frozen). Selecting every
+        unit restores the user's flags.
         """
         if self.profile_ is None:
             raise RuntimeError("ElasticTrainer has no profile yet: call learner.observe first")
@@ -205,8 +215,10 @@ class SelectionCycle:
                     if self._switched_off.pop(id(p), None) is not None:
                         p.requires_grad_(True)
                 elif p.requires_grad or id(p) in self._switched_off:
+                    if self.optimizer_state == "reset" and id(p) not in self._switched_off:
+                        self._attached().optimizer.state.pop(p, None)  # leaving now: its momentum goes stale
                     p.requires_grad_(False)
-                    p.grad = None  # optimizers skip params without a gradient: their state is kept
+                    p.grad = None  # optimizers skip params without a gradient (and keep any state)
                     self._switched_off[id(p)] = p
 
     def candidates(self) -> list[nn.Parameter]:
