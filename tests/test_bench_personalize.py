@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from taste_cl.benchmarks import personalize
-from taste_cl.benchmarks.personalize import METHODS, build_cnn, choose_lr, criteria, parse_args, prepare, trainable_count
+from taste_cl.benchmarks.personalize import METHODS, _artifact_cell, build_cnn, choose_lr, criteria, parse_args, prepare, trainable_count
 
 pytest.importorskip("peft")
 
@@ -159,6 +159,20 @@ def test_elastic_trains_a_subset(tmp_path: Path) -> None:
     for _ in range(4):
         learner.observe((torch.randn(8, 3, 32, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator)))
     assert 0 < trainable_count(learner) < everything
+
+
+def test_artifact_cells_name_the_size_or_the_refusals_type() -> None:
+    refused = {"bytes": None, "refused": "ParityError: refusing to publish: executorch parity FAILED over 20 steps: ..."}
+    artifacts = {"onnxruntime": {"bytes": 903823, "refused": None}, "executorch": refused}
+    assert _artifact_cell(artifacts, "onnxruntime") == "883 KiB"
+    assert _artifact_cell(artifacts, "executorch") == "refused (ParityError)"  # the message stays in the JSON
+    assert _artifact_cell(None, "onnxruntime") == _artifact_cell(artifacts, "web") == "not run"
+
+
+def test_elastic_methods_drop_a_leaving_units_momentum_unless_told_to_keep_it(tmp_path: Path) -> None:
+    for flags, policy in (([], "reset"), (["--elastic-optimizer-state", "keep"], "keep")):
+        learner = prepare("elastic_0.5", build_cnn(4), 0.05, parse_args(flags), str(tmp_path))
+        assert learner.plugins[0].optimizer_state == policy
 
 
 @pytest.mark.slow

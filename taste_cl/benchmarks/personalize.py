@@ -20,7 +20,7 @@ pretrained features), no replay):
   conv, plus the whole head, base weights frozen (7.9 % of full fine-tuning's parameters);
 - ``elastic_0.5``, ``elastic_0.3``: :class:`ElasticTrainer` at rho 0.5 and 0.3 over all
   parameters (tensor units, reselecting every ``--reselect-every`` steps, profile cached
-  for the run);
+  for the run; a unit leaving the selection drops its momentum, ``--elastic-optimizer-state``);
 - ``elastic_0.5_ort``: what a device exported with an elastic selection trains: the
   ElasticTrainer's rho-0.5 choice budgeted with ONNX Runtime's own step costs
   (``measure_step_costs``, ``ElasticTrainer.selection_for``), made once on the host at
@@ -229,7 +229,8 @@ def prepare(method: str, pretrained: nn.Module, lr: float, args: argparse.Namesp
             parameter.requires_grad_(name in args.ort_selection["trainable"])
     elif method.startswith("elastic_"):
         rho = float(method.removeprefix("elastic_"))
-        plugins.append(ElasticTrainer(rho=rho, reselect_every=args.reselect_every, cache_dir=cache_dir, clock=args.clock))
+        plugins.append(ElasticTrainer(rho=rho, reselect_every=args.reselect_every, cache_dir=cache_dir, clock=args.clock,
+                                      optimizer_state=args.elastic_optimizer_state))  # fmt: skip
     elif method != "full":
         raise ValueError(f"`method == {method!r}`, must be one of {list(METHODS)}")
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=MOMENTUM)
@@ -416,7 +417,9 @@ def _artifact_cell(artifacts: dict[str, Any] | None, backend: str) -> str:
     if artifacts is None or backend not in artifacts:
         return "not run"
     entry = artifacts[backend]
-    return f"{entry['bytes'] / 1024:.0f} KiB" if entry["bytes"] is not None else f"refused ({entry['refused'][:60]})"
+    if entry["bytes"] is not None:
+        return f"{entry['bytes'] / 1024:.0f} KiB"
+    return f"refused ({entry['refused'].split(':', 1)[0]})"  # the error's type; its message is in the JSON
 
 
 def _times(ratio: float | None) -> str | None:
@@ -531,6 +534,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-rank", type=int, default=3, help="LoRA rank r (alpha 2r)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="every method clips each step's gradient to this L2 norm (0: no clipping)")
     parser.add_argument("--reselect-every", type=int, default=16, help="ElasticTrainer: steps between reselections")
+    parser.add_argument("--elastic-optimizer-state", choices=("keep", "reset"), default="reset",
+                        help="ElasticTrainer: whether a unit leaving the selection keeps its momentum for when it rejoins")  # fmt: skip
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="ElasticTrainer's profiling clock")
     parser.add_argument("--backends", default="onnxruntime,executorch", help="device backends to export with ('none': no export)")
     args = parse(parser, argv)
