@@ -101,3 +101,32 @@ def test_elastic_state_restores_exactly_from_a_learner_checkpoint(tmp_path):
     trainable = {name: p.requires_grad for name, p in loaded.model.named_parameters()}
     assert trainable == {name: p.requires_grad for name, p in learner.model.named_parameters()}
     assert restored.memory_estimate() == elastic.memory_estimate()
+
+
+def test_a_resumed_learner_with_reset_optimizer_state_continues_identically(tmp_path):
+    """optimizer_state="reset": the units left out have no optimizer state, in the checkpoint as
+    in the run, and the restored learner takes the same steps as the one that went on."""
+    torch.manual_seed(0)
+    options = {"rho": 0.6, "reselect_every": 1000, "cache_dir": None, "warmup": 0, "repeats": 2, "tolerance": 1e9, "optimizer_state": "reset"}
+    batches = []
+    for _ in range(8):
+        x = torch.randn(16, 6)
+        batches.append((x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()))
+    model = _mlp()
+    elastic = ElasticTrainer(**options)
+    learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), plugins=[elastic])
+    for batch in batches[:5]:
+        learner.observe(batch)
+    left_out = [p for p in model.parameters() if not p.requires_grad]
+    assert left_out and all(p not in learner.optimizer.state for p in left_out)
+    learner.save(tmp_path / "ckpt")
+    fresh = _mlp()
+    loaded = OnlineLearner.load(
+        tmp_path / "ckpt", model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9), plugins=[ElasticTrainer(**options)]
+    )
+    for batch in batches[5:]:
+        learner.observe(batch)
+        loaded.observe(batch)
+    for (name, expected), got in zip(learner.model.named_parameters(), loaded.model.parameters()):
+        assert torch.equal(expected, got), name
+        assert (expected in learner.optimizer.state) == (got in loaded.optimizer.state), name
