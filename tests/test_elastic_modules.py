@@ -12,6 +12,8 @@ from torch import nn
 
 from taste_cl import ElasticTrainer, OnlineLearner
 from taste_cl._checks import check_positive
+from taste_cl.exceptions import CheckpointError
+from taste_cl.plugins import LearnerPlugin
 
 ELASTIC = Path(__file__).resolve().parents[1] / "taste_cl" / "elastic"
 
@@ -103,15 +105,23 @@ def test_elastic_state_restores_exactly_from_a_learner_checkpoint(tmp_path):
     assert restored.memory_estimate() == elastic.memory_estimate()
 
 
+_RESET = {"rho": 0.6, "reselect_every": 1000, "cache_dir": None, "warmup": 0, "repeats": 2, "tolerance": 1e9, "optimizer_state": "reset"}
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    batches = []
+    for _ in range(n):
+        x = torch.randn(16, 6)
+        batches.append((x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()))
+    return batches
+
+
 def test_a_resumed_learner_with_reset_optimizer_state_continues_identically(tmp_path):
     """optimizer_state="reset": the units left out have no optimizer state, in the checkpoint as
     in the run, and the restored learner takes the same steps as the one that went on."""
     torch.manual_seed(0)
-    options = {"rho": 0.6, "reselect_every": 1000, "cache_dir": None, "warmup": 0, "repeats": 2, "tolerance": 1e9, "optimizer_state": "reset"}
-    batches = []
-    for _ in range(8):
-        x = torch.randn(16, 6)
-        batches.append((x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()))
+    options = _RESET
+    batches = _batches(8)
     model = _mlp()
     elastic = ElasticTrainer(**options)
     learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), plugins=[elastic])
@@ -130,3 +140,40 @@ def test_a_resumed_learner_with_reset_optimizer_state_continues_identically(tmp_
     for (name, expected), got in zip(learner.model.named_parameters(), loaded.model.parameters()):
         assert torch.equal(expected, got), name
         assert (expected in learner.optimizer.state) == (got in loaded.optimizer.state), name
+
+
+class _Refuses(LearnerPlugin):
+    """A plugin whose checkpoint state never loads (loaded after the elastic trainer)."""
+
+    name = "refuses"
+
+    def state_dict(self) -> dict:
+        return {"ok": True}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state != {"ok": True}:
+            raise ValueError("refused")
+
+
+def test_a_refused_checkpoint_leaves_a_reset_learners_optimizer_state_as_it_was():
+    """Loading the elastic state switches units off before the optimizer section applies; with
+    "reset" that must not drop their momentum, or a load refused afterwards would lose it."""
+    torch.manual_seed(0)
+    saved_model = _mlp()
+    saved = OnlineLearner(saved_model, optimizer=torch.optim.SGD(saved_model.parameters(), lr=0.1, momentum=0.9), plugins=[ElasticTrainer(**_RESET)])
+    for batch in _batches(4):
+        saved.observe(batch)
+    assert not all(p.requires_grad for p in saved_model.parameters())  # the checkpoint leaves units out
+    model = _mlp()
+    elastic = ElasticTrainer(**_RESET)
+    live = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), plugins=[elastic, _Refuses()])
+    live.observe(_batches(1)[0])
+    elastic.apply_selection(elastic.profile_.units)
+    live.observe(_batches(1)[0])
+    buffers = {name: live.optimizer.state[p]["momentum_buffer"].clone() for name, p in model.named_parameters()}
+    state = saved.state_dict()
+    with pytest.raises(CheckpointError, match="plugin 'refuses': refused"):
+        live.load_state_dict({**state, "plugins": {**state["plugins"], "refuses": {"ok": False}}})
+    assert all(p.requires_grad for p in model.parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(live.optimizer.state[p]["momentum_buffer"], buffers[name]), name

@@ -201,6 +201,12 @@ class SelectionCycle:
         cycle took, never more (a parameter the user froze stays frozen). Selecting every
         unit restores the user's flags.
         """
+        self._apply(selected, drop_state=self.optimizer_state == "reset")
+
+    def _apply(self, selected: Sequence[str], *, drop_state: bool) -> None:
+        """:meth:`apply_selection`, dropping the optimizer state of units that leave only if
+        ``drop_state`` (a checkpoint load does not: the checkpoint's optimizer state follows,
+        and a refused load must leave the learner's as it was)."""
         if self.profile_ is None:
             raise RuntimeError("ElasticTrainer has no profile yet: call learner.observe first")
         chosen = set(selected)
@@ -215,7 +221,7 @@ class SelectionCycle:
                     if self._switched_off.pop(id(p), None) is not None:
                         p.requires_grad_(True)
                 elif p.requires_grad or id(p) in self._switched_off:
-                    if self.optimizer_state == "reset" and id(p) not in self._switched_off:
+                    if drop_state and id(p) not in self._switched_off:
                         self._attached().optimizer.state.pop(p, None)  # leaving now: its momentum goes stale
                     p.requires_grad_(False)
                     p.grad = None  # optimizers skip params without a gradient (and keep any state)

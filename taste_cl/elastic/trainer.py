@@ -258,7 +258,7 @@ class ElasticTrainer(SelectionCycle, LearnerPlugin):
         self._since_probe, self._drift_left, self._probe_now = state["since_probe"], state["drift_left"], state["probe_now"]
         self._example = state["example"]
         if parsed.profile is not None and state["selected"]:
-            self.apply_selection(state["selected"])
+            self._apply(state["selected"], drop_state=False)  # the optimizer section brings the state
         else:
             self.selected = list(state["selected"])
 
