@@ -92,8 +92,8 @@ class ElasticTrainer(SelectionCycle, LearnerPlugin):
         it leaves, freeing that memory, and the unit rejoins (a probe step included) as a
         fresh parameter would, not with a momentum from its last selection. On the
         personalize benchmark's SGD with momentum 0.9, reset took ten runs of elastic_0.5
-        from a lift of 51.0-55.5 points (sd 1.4) to 53.4-55.0 (sd 0.5); see
-        docs/elastic.md.
+        from a lift of 51.0-55.5 points (sd 1.4) to 53.4-55.0 (sd 0.5); on ``bench
+        elastic`` it ended further below full fine-tuning; see docs/elastic.md.
     """
 
     name = "elastic"
