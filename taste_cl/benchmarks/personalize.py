@@ -71,6 +71,7 @@ from taste_cl._report import format_number, format_table
 from taste_cl.benchmarks._common import alternating_rounds, base_parser, parse, save_figure, save_result
 from taste_cl.benchmarks.elastic import arrangements, render
 from taste_cl.elastic import measure_training_memory
+from taste_cl.elastic.cycle import OPTIMIZER_STATE_POLICIES
 
 __all__ = [
     "METHODS", "SHIFTS", "User", "build_cnn", "choose_lr", "criteria", "main", "make_users", "parse_args", "prepare", "run", "trainable_count",
@@ -534,7 +535,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-rank", type=int, default=3, help="LoRA rank r (alpha 2r)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="every method clips each step's gradient to this L2 norm (0: no clipping)")
     parser.add_argument("--reselect-every", type=int, default=16, help="ElasticTrainer: steps between reselections")
-    parser.add_argument("--elastic-optimizer-state", choices=("keep", "reset"), default="reset",
+    parser.add_argument("--elastic-optimizer-state", choices=OPTIMIZER_STATE_POLICIES, default="reset",
                         help="ElasticTrainer: whether a unit leaving the selection keeps its momentum for when it rejoins")  # fmt: skip
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="ElasticTrainer's profiling clock")
     parser.add_argument("--backends", default="onnxruntime,executorch", help="device backends to export with ('none': no export)")
