@@ -289,6 +289,65 @@ def test_every_device_gets_its_own_classes_whatever_the_seed(seed: int) -> None:
         assert set(y.unique().tolist()) == set(classes)
 
 
+@pytest.mark.parametrize(("devices", "seed"), [(3, 0), (10, 1)])
+def test_the_new_class_is_one_the_device_never_saw_that_another_device_holds(devices: int, seed: int) -> None:
+    """``accuracy-new``: the device meets a class it never saw (one the rest of the fleet holds) with 5 held-out
+    examples; it re-fits on its own data plus those (repeated to about one own class's weight) and is scored on the
+    other held-out digits of its own classes and the new one, never on the 5."""
+    from taste_cl.adapters.flower.device_data import NEW_CLASS_SHOTS
+
+    fleet = make_fleet(devices, num_rounds=2, seed=seed)
+    for d, own in enumerate(fleet.classes):
+        new = fleet.new_class(d)
+        assert new not in own and any(new in fleet.classes[other] for other in range(devices) if other != d)
+        (refit_x, refit_y), (x, y) = fleet.new_class_sets(d, 2)
+        seen_x, seen_y = fleet.seen(d, 2)
+        assert torch.equal(refit_x[: len(seen_y)], seen_x) and torch.equal(refit_y[: len(seen_y)], seen_y)
+        shots = refit_x[len(seen_y) :]
+        assert (refit_y[len(seen_y) :] == new).all() and len(torch.unique(shots, dim=0)) == NEW_CLASS_SHOTS
+        assert len(seen_y) // len(own) - NEW_CLASS_SHOTS < len(shots) <= len(seen_y) // len(own)  # about one own class
+        assert set(y.tolist()) == {*own, new}
+        assert len(y) == int(torch.isin(fleet.y_test, torch.tensor([*own, new])).sum()) - NEW_CLASS_SHOTS
+        assert not (x[:, None, :] == torch.unique(shots, dim=0)[None]).all(-1).any()  # none of the 5 is scored
+    assert fleet.new_class(0) == make_fleet(devices, num_rounds=2, seed=seed).new_class(0)
+
+
+def test_local_only_scores_the_new_class_after_its_own_refit() -> None:
+    """``run_local(refit=config)`` scores ``accuracy-new`` with the head re-fit on the device's data plus the new
+    class's examples: what doing it by hand gives. Without a re-fit there is no new class to learn."""
+    from taste_cl.adapters.flower.app import FleetConfig, refit_head
+    from taste_cl.benchmarks.federated import run_local
+    from taste_cl.monitor.evaluation import accuracy
+
+    fleet, config = make_fleet(3, num_rounds=2), FleetConfig(devices=3, rounds=2, finetune_steps=50)
+    found = run_local(fleet, refit=config)
+    assert "accuracy-new" not in run_local(fleet)[0]
+    torch.manual_seed(fleet.seed)
+    learner = fleet.build_learner(2)
+    for server_round in (1, 2):
+        for batch in fleet.train_batches(2, server_round):
+            learner.observe(batch)
+    refit_set, (x, y) = fleet.new_class_sets(2, 2)
+    tuned = refit_head(learner.model, config, *refit_set).eval()
+    with torch.no_grad():
+        assert accuracy(tuned, x, y) == found[2]["accuracy-new"]
+
+
+def test_offline_references_pool_every_devices_data_or_keep_each_alone() -> None:
+    """``run_offline``: pooled data teaches every device the classes others hold (its new class), learning alone
+    does not; on a device's own classes both are near perfect. Deterministic."""
+    from taste_cl.adapters.flower.app import FleetConfig
+    from taste_cl.benchmarks.federated import run_offline
+
+    fleet, config = make_fleet(10, num_rounds=10), FleetConfig(devices=10, rounds=10)
+    pooled, alone = run_offline(fleet, refit=config, pooled=True, steps=300), run_offline(fleet, refit=config, pooled=False, steps=300)
+    mean = {name: {key: np.mean([m[key] for m in run.values()]) for key in run[0]} for name, run in (("pooled", pooled), ("alone", alone))}
+    assert mean["pooled"]["accuracy-all"] > mean["alone"]["accuracy-all"] + 0.2
+    assert mean["pooled"]["accuracy-new"] > mean["alone"]["accuracy-new"] + 0.03
+    assert min(mean["pooled"]["accuracy-own"], mean["alone"]["accuracy-own"]) > 0.95
+    assert run_offline(fleet, refit=config, pooled=True, steps=300) == pooled
+
+
 def test_simulations_drop_only_flowers_run_simulation_deprecation() -> None:
     """A seed sweep runs ~20 simulations: flwr's four-line deprecation of ``run_simulation`` is dropped, other warnings stay."""
     from flwr.supercore.logger import warn_deprecated_feature

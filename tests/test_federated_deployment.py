@@ -30,7 +30,7 @@ from taste_cl.datasets import make_mlp
 
 
 def test_fleet_config_round_trips_through_the_run_config() -> None:
-    config = FleetConfig(devices=4, rounds=3, method="fedbabu", privacy="local", evaluate_every_round=False)
+    config = FleetConfig(devices=4, rounds=3, server="fedadam", privacy="local", evaluate_every_round=False)
     assert FleetConfig.from_run_config(config.to_run_config()) == config
 
 
@@ -38,7 +38,6 @@ def test_fleet_config_round_trips_through_the_run_config() -> None:
     ("kwargs", "match"),
     [
         ({"devices": 0}, r"`devices == 0`, must be an int >= 1"),
-        ({"method": "fedrep"}, r"`method == 'fedrep'`, must be one of"),
         ({"privacy": "on"}, r"`privacy == 'on'`, must be one of"),
         ({"clip": 0.0}, r"`clip == 0.0`, must be > 0"),
         ({"server": "fedprox"}, r"`server == 'fedprox'`, must be one of"),
@@ -46,7 +45,6 @@ def test_fleet_config_round_trips_through_the_run_config() -> None:
         ({"server_eta": 0.0}, r"`server_eta == 0.0`, must be > 0"),
         ({"personal": ","}, r"must name at least one state_dict prefix"),
         ({"secagg": True, "devices": 2}, r"`devices == 2` with `secagg=True`, must be >= 3"),
-        ({"method": "fedbabu", "finetune_steps": 0}, r"`finetune_steps == 0` with `method='fedbabu'`"),
         ({"secagg": True, "privacy": "central"}, r"the server cannot clip updates it cannot see"),
     ],
 )
@@ -59,7 +57,7 @@ def test_bad_fleet_config(kwargs: dict[str, object], match: str) -> None:
 def test_generated_app_carries_the_config_as_its_run_config() -> None:
     import tomllib
 
-    config = FleetConfig(devices=5, method="fedbabu", personal="4.,2.bias", evaluate_every_round=False)
+    config = FleetConfig(devices=5, finetune_steps=0, personal="4.,2.bias", evaluate_every_round=False)
     app = tomllib.loads(_pyproject(config))["tool"]["flwr"]["app"]
     assert FleetConfig.from_run_config(app["config"]) == config
     assert app["components"] == {"serverapp": "taste_cl_fleet_app:server_app", "clientapp": "taste_cl_fleet_app:client_app"}
@@ -86,9 +84,8 @@ def test_privacy_option_picks_flowers_wrapper(privacy: str, wrapper: str) -> Non
     ("kwargs", "strategy", "setting"),
     [
         ({}, "FedAvgM", ("server_momentum", 0.5)),  # FedPer needs server momentum to beat local-only at 10 x 10
-        ({"method": "fedbabu"}, "FedAvg", None),  # FedBABU's body overshoots with momentum
         ({"server": "fedadam", "server_eta": 0.01}, "FedAdam", ("eta", 0.01)),
-        ({"server": "fedavgm", "server_momentum": 0.9, "method": "fedbabu"}, "FedAvgM", ("server_momentum", 0.9)),
+        ({"server_momentum": 0.9}, "FedAvgM", ("server_momentum", 0.9)),
         ({"server": "fedavg"}, "FedAvg", None),
     ],
 )
@@ -96,7 +93,7 @@ def test_server_option_picks_flowers_strategy_in_both_apps(kwargs: dict[str, obj
     cfg = FleetConfig(**kwargs)  # type: ignore[arg-type]
     plain = flower_app._strategy(cfg).strategy
     secure = FleetConfig(**{**cfg.__dict__, "secagg": True})
-    legacy = flower_secagg._strategy_class(cfg.aggregator)(secure, _FakeGrid(), flower_secagg._initial(secure))
+    legacy = flower_secagg._strategy_class(cfg.server)(secure, _FakeGrid(), flower_secagg._initial(secure))
     assert type(plain).__name__ == strategy and type(legacy).__name__ == f"SecAgg{strategy}"
     assert isinstance(legacy, getattr(legacy_strategies, strategy))
     if setting is not None:
@@ -112,28 +109,6 @@ def test_head_refit_moves_only_a_copy_of_the_head() -> None:
     for name, value in tuned.items():
         assert torch.equal(value, before[name]) != name.startswith("4.")
     assert all(p.requires_grad for p in model.parameters())
-
-
-def test_fleet_command_refuses_fedbabu_without_its_head_refit(capsys: pytest.CaptureFixture[str]) -> None:
-    from taste_cl.cli import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(["fleet", "--method", "fedbabu", "--finetune-steps", "0"])
-    assert exit_info.value.code == 2 and "`finetune_steps == 0` with `method='fedbabu'`" in capsys.readouterr().err
-
-
-def test_fleet_command_warns_that_fedbabu_is_below_local_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    from taste_cl.cli import fleet as fleet_cli
-
-    class Stop(Exception):
-        pass
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise Stop  # no processes: the warning comes before the deployment starts
-
-    monkeypatch.setattr(fleet_cli.signal, "signal", refuse)
-    with pytest.warns(UserWarning, match="FedBABU ends below local-only learning"), pytest.raises(Stop):
-        fleet_cli.main(["--method", "fedbabu"])
 
 
 def test_local_only_re_fits_its_head_as_the_fleets_devices_do() -> None:
@@ -204,7 +179,7 @@ def test_secagg_strategy_checks_the_secure_aggregate() -> None:
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
     cfg = FleetConfig(secagg=True)
-    strategy = flower_secagg._strategy_class(cfg.aggregator)(cfg, _FakeGrid(), flower_secagg._initial(cfg))
+    strategy = flower_secagg._strategy_class(cfg.server)(cfg, _FakeGrid(), flower_secagg._initial(cfg))
     good = [a.astype(np.float64) + 0.5 for a in flower_secagg._initial(cfg).values()]
 
     def replies(arrays: list[np.ndarray]) -> list[tuple[None, FitRes]]:

@@ -26,26 +26,26 @@ SHARED = {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
 @pytest.fixture(scope="module")
-def fedbabu(tmp_path_factory: pytest.TempPathFactory) -> tuple[FleetConfig, Path, dict[str, np.ndarray]]:
-    """The server's export for a 2-device FedBABU fleet: train and fine-tune artifacts, each device's data."""
-    cfg = FleetConfig(devices=2, rounds=2, method="fedbabu", device="artifacts")
+def fleet_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[FleetConfig, Path, dict[str, np.ndarray]]:
+    """The server's export for a 2-device FedPer fleet: train and fine-tune artifacts, each device's data."""
+    cfg = FleetConfig(devices=2, rounds=2, device="artifacts")
     folder = tmp_path_factory.mktemp("fleet")
     return cfg, folder, export_fleet(cfg, _fleet(cfg.devices, cfg.rounds, cfg.seed), folder)
 
 
-def test_server_exports_the_shared_part_and_an_empty_buffer_of_the_learners_capacity(fedbabu) -> None:
-    cfg, folder, initial = fedbabu
+def test_server_exports_the_shared_part_and_an_empty_buffer_of_the_learners_capacity(fleet_export) -> None:
+    cfg, folder, initial = fleet_export
     assert set(initial) == SHARED
     device = OrtOnlineLearner.from_artifacts(folder / "train")
     assert device.replay is not None and (device.replay.capacity, len(device.replay)) == (200, 0)
-    assert sorted(device.spec.param_names[n] for n in device.spec.trainable) == sorted(SHARED)  # FedBABU: the head is frozen
+    assert sorted(device.spec.param_names[n] for n in device.spec.trainable) == sorted({*SHARED, "4.weight", "4.bias"})  # all train
     tuner = OrtOnlineLearner.from_artifacts(folder / "finetune")
     assert sorted(tuner.spec.param_names[n] for n in tuner.spec.trainable) == ["4.bias", "4.weight"] and tuner.lr == cfg.finetune_lr
     assert sorted(p.name for p in (folder / "data").iterdir()) == ["partition-0.npz", "partition-1.npz"]
 
 
-def test_load_parameters_checks_everything_first_and_changes_nothing_on_error(fedbabu) -> None:
-    device = OrtOnlineLearner.from_artifacts(fedbabu[1] / "train")
+def test_load_parameters_checks_everything_first_and_changes_nothing_on_error(fleet_export) -> None:
+    device = OrtOnlineLearner.from_artifacts(fleet_export[1] / "train")
     before = device.parameters()
     good = np.full_like(before["0.bias"], 0.5)
     for bad, match in (
@@ -78,14 +78,14 @@ def test_artifacts_app_takes_its_client_from_the_torch_free_module() -> None:
     assert "taste_cl.adapters.flower.secagg import" in _app_module(secure)  # the SecAgg+ ServerApp
 
 
-def test_device_client_app_trains_and_evaluates_without_importing_torch(fedbabu, tmp_path: Path) -> None:
-    """The ClientApp itself in a fresh process: two rounds, the node's state kept, FedBABU's evaluation, the SecAgg+ client's
+def test_device_client_app_trains_and_evaluates_without_importing_torch(fleet_export, tmp_path: Path) -> None:
+    """The ClientApp itself in a fresh process: two rounds, the node's state kept, the evaluation (a new class too), the SecAgg+ client's
     fit and evaluate on the legacy lists, and torch never imported.
 
     Nothing is blocked (torch is installed here): a blocked import inside a library's
     ``try/except ImportError`` (ONNX Runtime's build check has one) would go unnoticed.
     """
-    cfg, folder, initial = fedbabu
+    cfg, folder, initial = fleet_export
     np.savez(tmp_path / "shared.npz", **initial)
     settings = {**cfg.to_run_config(), "artifacts": str(folder)}
     script = textwrap.dedent(
@@ -113,7 +113,7 @@ def test_device_client_app_trains_and_evaluates_without_importing_torch(fedbabu,
         assert "taste_cl-device" in context.state.config_records  # replay, head, optimizer state stay on the node
         send("train", 2, back)
         metrics = send("evaluate", 2, back).metric_records["metrics"]
-        assert metrics["partition-id"] == 1 and 0.5 < metrics["accuracy-own"] <= 1.0, dict(metrics)
+        assert metrics["partition-id"] == 1 and 0.5 < metrics["accuracy-own"] <= 1.0 and 0.5 < metrics["accuracy-new"] <= 1.0, dict(metrics)
 
         from taste_cl.adapters.flower.device_client import _secagg_client_class, secagg_client_app  # what secaggplus_mod wraps
         node = Context(run_id=1, node_id=8, node_config={{"partition-id": 0}}, state=RecordDict(), run_config={{}})
@@ -175,16 +175,16 @@ def test_the_aggregate_reaches_devices_in_the_dtype_the_server_sent() -> None:
     assert all(0.0 < m["accuracy-own"] <= 1.0 for m in last_evaluation(result).values()) and len(last_evaluation(result)) == 3
 
 
-def test_local_only_on_the_artifacts_runtime_trains_the_device_learner(fedbabu) -> None:
+def test_local_only_on_the_artifacts_runtime_trains_the_device_learner(fleet_export) -> None:
     """The bench's local-only baseline on ``device="artifacts"`` is the torch-free learner of the parity-gated
     export, fed the device's batches: the same numbers as driving that learner by hand."""
     from taste_cl.adapters.device import export
     from taste_cl.benchmarks.federated import make_fleet, run_local
 
-    cfg, folder, _ = fedbabu
+    cfg, folder, _ = fleet_export
     fleet = make_fleet(2, num_rounds=2)
     found = run_local(fleet, device="artifacts")
-    assert sorted(found) == [0, 1] and all(set(m) == {"accuracy-all", "accuracy-own"} for m in found.values())
+    assert sorted(found) == [0, 1] and all(set(m) == {"accuracy-all", "accuracy-own"} for m in found.values())  # no re-fit, no new class
     art = export(fleet.build_learner(0), folder / "local", backend="onnxruntime", example=(fleet.x_train[0][:8], fleet.y_train[0][:8]))
     device = OrtOnlineLearner.from_artifacts(art)
     for server_round in (1, 2):
@@ -197,6 +197,9 @@ def test_local_only_on_the_artifacts_runtime_trains_the_device_learner(fedbabu) 
     assert not np.array_equal(tuned.predict(x.numpy()), device.predict(x.numpy()))
     refit = run_local(fleet, device="artifacts", refit=cfg)
     assert refit[1]["accuracy-own"] == float((tuned.predict(x.numpy()).argmax(axis=1) == y.numpy()).mean())
+    (new_x, new_y), (x, y) = fleet.device_data(1).new_class_sets(2, seed=fleet.seed, partition=1)  # a class it never saw
+    tuned = refit_head_on_device(device, folder / "finetune", new_x, new_y, steps=cfg.finetune_steps, lr=cfg.finetune_lr, seed=cfg.seed)
+    assert refit[1]["accuracy-new"] == float((tuned.predict(x).argmax(axis=1) == y).mean())
     with pytest.raises(ValueError, match="`device == 'browser'`, must be 'torch' or 'artifacts'"):
         run_local(fleet, device="browser")
 
@@ -231,20 +234,23 @@ def test_the_seed_sweep_judges_each_variant_on_its_mean_over_seeds(capsys: pytes
     """``bench federated --deployment --seeds K``: every variant per seed in the simulation engine, beside local only
     on the same runtime; the verdict compares the means."""
     from taste_cl.benchmarks.federated import make_fleet, run_local
-    from taste_cl.benchmarks.federated.deployment import _mean_own, _seed_sweep, _simulate
+    from taste_cl.benchmarks.federated.deployment import JUDGED, _means, _seed_sweep, _simulate
     from taste_cl.benchmarks.federated.tables import last_evaluation
 
     config = FleetConfig(devices=2, rounds=1, device="artifacts", evaluate_every_round=False)
     dp = FleetConfig(**{**config.__dict__, "privacy": "central", "noise": 0.2})
     sweep = _seed_sweep({"fedper": config, "fedper+dp": dp}, [0, 1], "artifacts")
-    twin = _mean_own(last_evaluation(_simulate(FleetConfig(**{**config.__dict__, "seed": 1}))))
-    assert sweep["own"]["fedper"]["1"] == twin
-    local = run_local(make_fleet(2, num_rounds=1, seed=1), device="artifacts", refit=FleetConfig(**{**config.__dict__, "seed": 1}))
-    assert sweep["own"]["local only"]["1"] == _mean_own(local)
-    means = {name: np.mean(list(by_seed.values())) for name, by_seed in sweep["own"].items()}
-    assert sweep["beats_local_mean"] == {name: bool(means[name] > means["local only"]) for name in ("fedper", "fedper+dp")}
+    twin = _means(last_evaluation(_simulate(FleetConfig(**{**config.__dict__, "seed": 1}))))
+    local = _means(run_local(make_fleet(2, num_rounds=1, seed=1), device="artifacts", refit=FleetConfig(**{**config.__dict__, "seed": 1})))
     seeded = FleetConfig(**{**dp.__dict__, "seed": 1})  # the DP fleet is also judged against local only under its noise
-    noised = _mean_own(run_local(make_fleet(2, num_rounds=1, seed=1), device="artifacts", refit=seeded, noise=seeded))
-    assert sweep["own"]["local only + noise 0.1"]["1"] == noised
-    assert sweep["beats_noised_local_mean"] == {"fedper+dp": bool(means["fedper+dp"] > means["local only + noise 0.1"])}
+    noised = _means(run_local(make_fleet(2, num_rounds=1, seed=1), device="artifacts", refit=seeded, noise=seeded))
+    for key in JUDGED:  # own classes, and own classes plus a new one
+        assert sweep[key]["fedper"]["1"] == twin[key]
+        assert sweep[key]["local only"]["1"] == local[key]
+        assert sweep[key]["local only + noise 0.1"]["1"] == noised[key]
+        means = {name: np.mean(list(by_seed.values())) for name, by_seed in sweep[key].items()}
+        assert sweep["beats_local_mean"][key] == {name: bool(means[name] > means["local only"]) for name in ("fedper", "fedper+dp")}
+        assert sweep["beats_noised_local_mean"][key] == {"fedper+dp": bool(means["fedper+dp"] > means["local only + noise 0.1"])}
+    assert set(sweep["accuracy-own"]) == {"local only", "local only + noise 0.1", "fedper", "fedper+dp",
+                                           "offline, every device's data pooled", "offline, each device alone"}  # fmt: skip
     assert "seeds beating local" in capsys.readouterr().out

@@ -5,12 +5,12 @@ Every device rebuilds its own partition of the non-IID digits stream
 config (``partition-id``), so nothing but the shared part of the model travels.
 Options, all from the run config (:class:`FleetConfig`):
 
-- ``method``: ``fedper`` (the personal part trains on the device and never leaves it)
-  or ``fedbabu`` (the personal part, the head, stays frozen at its common initialisation
-  during federated rounds; each device fine-tunes it locally before predicting).
+- FedPer: the personal part (``personal``, default the head) trains on the device with
+  everything else and never leaves it; the rest, the shared part, is averaged. (FedBABU,
+  the head frozen during the rounds, was withdrawn: it ended below local-only learning on
+  both of the benchmark's measures, see docs/federated.md.)
 - ``server``: how the server moves the shared part, with Flower's own strategies:
-  ``fedavg``, ``fedavgm`` (server momentum) or ``fedadam``; ``auto`` picks FedAvgM for
-  FedPer and FedAvg for FedBABU, the settings measured to beat local-only learning.
+  ``fedavg``, ``fedavgm`` (server momentum, the default) or ``fedadam``.
 - ``privacy``: ``off``; ``central`` (Flower's ``DifferentialPrivacyServerSideFixedClipping``:
   the server clips each update and adds Gaussian noise to the aggregate); ``client``
   (``DifferentialPrivacyClientSideFixedClipping`` + ``fixedclipping_mod``: devices clip,
@@ -66,7 +66,6 @@ from taste_cl.adapters.flower.fleet import (
     shared_state,
 )
 from taste_cl.adapters.flower.updates import privacy_mod
-from taste_cl.monitor.evaluation import accuracy
 
 if TYPE_CHECKING:
     from flwr.app import Context, Message
@@ -88,9 +87,8 @@ __all__ = [
     "write_outputs",
 ]
 
-METHODS = ("fedper", "fedbabu")
 PRIVACY = ("off", "central", "client", "local")
-SERVERS = ("auto", "fedavg", "fedavgm", "fedadam")
+SERVERS = ("fedavg", "fedavgm", "fedadam")
 DEVICES = ("torch", "artifacts")
 
 
@@ -99,16 +97,16 @@ class FleetConfig:
     """One fleet run. Field names map to run-config keys with ``_`` -> ``-``.
 
     ``personal`` holds comma-separated ``state_dict`` name prefixes kept on the device
-    (the head for FedBABU). ``clip`` is the L2 clipping norm of a model update,
+    (default: the head). ``clip`` is the L2 clipping norm of a model update,
     ``noise`` the noise multiplier (central/client DP), ``epsilon``/``delta`` the
     per-round budget of local DP. ``server`` is the server's optimizer
-    (:attr:`aggregator`), ``server_momentum`` FedAvgM's momentum and ``server_eta``
-    FedAdam's step size. With ``evaluate_every_round=False`` devices are
+    (FedAvgM by default: plain FedAvg only matched local-only learning at 10 devices x 10
+    rounds), ``server_momentum`` FedAvgM's momentum and ``server_eta`` FedAdam's step size. With ``evaluate_every_round=False`` devices are
     evaluated after the last round only (fewer messages, hence fewer ClientApp process
     starts in a deployment). Before each evaluation every device re-fits its head on a
     throwaway copy: ``finetune_steps`` of SGD at ``finetune_lr`` on everything it has
     observed, against the shared part it just received (:attr:`finetunes_head`; 0 turns
-    it off, except for FedBABU, whose head never trains during the rounds). ``secagg`` runs the same devices under
+    it off). ``secagg`` runs the same devices under
     Flower's SecAgg+ protocol (:mod:`taste_cl.adapters.flower.secagg`): the server sees
     only the sum of the updates; it needs at least 3 devices and cannot be combined
     with ``privacy="central"`` (the server would have to clip single updates).
@@ -119,14 +117,13 @@ class FleetConfig:
 
     devices: int = 3
     rounds: int = 2
-    method: str = "fedper"
     personal: str = "4."
     privacy: str = "off"
     clip: float = 1.0
     noise: float = 0.1
     epsilon: float = 10.0
     delta: float = 1e-5
-    server: str = "auto"
+    server: str = "fedavgm"
     server_momentum: float = 0.5
     server_eta: float = 0.03
     finetune_steps: int = 300
@@ -141,8 +138,6 @@ class FleetConfig:
         for name in ("devices", "rounds"):
             value = getattr(self, name)
             check_int(name, value, 1)
-        if self.method not in METHODS:
-            raise ValueError(f"`method == {self.method!r}`, must be one of {METHODS}")
         if self.privacy not in PRIVACY:
             raise ValueError(f"`privacy == {self.privacy!r}`, must be one of {PRIVACY}")
         if self.device not in DEVICES:
@@ -156,8 +151,6 @@ class FleetConfig:
                 raise ValueError(f"`{name} == {getattr(self, name)!r}`, must be > 0")
         if not float(self.noise) >= 0 or self.finetune_steps < 0:
             raise ValueError(f"`noise` and `finetune_steps` must be >= 0; got {self.noise!r}, {self.finetune_steps!r}")
-        if self.method == "fedbabu" and not self.finetunes_head:
-            raise ValueError("`finetune_steps == 0` with `method='fedbabu'`: its head never trains during the rounds")
         if not self.prefixes:
             raise ValueError(f"`personal == {self.personal!r}`, must name at least one state_dict prefix")
         if self.secagg and self.devices < 3:
@@ -166,30 +159,17 @@ class FleetConfig:
             raise ValueError("`privacy == 'central'` with `secagg=True`: the server cannot clip updates it cannot see; use 'client' or 'local'")
 
     @property
-    def aggregator(self) -> str:
-        """The server's strategy: ``server``, or for ``"auto"`` FedAvgM with FedPer and FedAvg with FedBABU.
-
-        FedBABU trains the body against a fixed head; with server momentum the body
-        overshoots in a few rounds (3 devices x 2 rounds: 0.758 own-class accuracy with
-        FedAvgM against 0.962 with FedAvg and 0.830 local only), while FedPer needs the
-        momentum at 10 devices x 10 rounds (FedAvg 0.766, FedAvgM 0.822, local only 0.786).
-        """
-        if self.server != "auto":
-            return self.server
-        return "fedavg" if self.method == "fedbabu" else "fedavgm"
-
-    @property
     def finetunes_head(self) -> bool:
         """Whether each device re-fits its head on its own data before it is evaluated.
 
-        FedBABU's head never trains during the rounds (30 steps left it underfit: 0.677
-        own-class accuracy at 3 devices x 2 rounds, against 0.962 after 300). FedPer's head
-        was trained against the device's own body, not the aggregate it then receives, and
+        FedPer's head was trained against the device's own body, not the aggregate it then receives, and
         on a class-incremental stream it favours the latest classes; the re-fit on all it has
         seen took FedPer from 0.819 to 0.949 and FedPer + central DP from 0.677 to 0.962 (3 x 2,
         seeds 0-4, device runtime). Local-only learning gains as much from the same re-fit
         (0.792 to 0.961), so benchmarks give it the same (``run_local(refit=config)`` in
-        :mod:`taste_cl.benchmarks.federated`).
+        :mod:`taste_cl.benchmarks.federated`). The re-fit also scores ``accuracy-new``: a second
+        re-fit adds 5 examples of a class new to the device
+        (:meth:`~taste_cl.benchmarks.federated.Fleet.scores`).
         """
         return self.finetune_steps > 0
 
@@ -236,16 +216,16 @@ def _config(fixed: FleetConfig | None, context: Context) -> FleetConfig:
     return fixed if fixed is not None else FleetConfig.from_run_config(context.run_config)
 
 
-def _set_trainable(model: nn.Module, is_personal: Callable[[str], bool], personal: bool) -> None:
-    """Let only the personal (``personal=True``) or only the shared parameters receive gradients."""
+def _train_only_personal(model: nn.Module, is_personal: Callable[[str], bool]) -> None:
+    """Let only the personal parameters receive gradients."""
     for name, param in model.named_parameters():
-        param.requires_grad_(is_personal(name) == personal)
+        param.requires_grad_(is_personal(name))
 
 
 def refit_head(model: nn.Module, cfg: FleetConfig, x: torch.Tensor, y: torch.Tensor) -> nn.Module:
     """A copy of ``model`` whose personal part (the head) took ``finetune_steps`` SGD steps on ``(x, y)``."""
     tuned = copy.deepcopy(model)
-    _set_trainable(tuned, _personal_predicate(cfg.prefixes), personal=True)
+    _train_only_personal(tuned, _personal_predicate(cfg.prefixes))
     params = [p for p in tuned.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=cfg.finetune_lr)
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -285,15 +265,9 @@ def fit_device(
     """
     partition, learner = _device(cfg, context, shared)
     fleet = _fleet(cfg.devices, cfg.rounds, cfg.seed)
-    if cfg.method == "fedbabu":  # the head stays at its common initialisation during federated rounds
-        _set_trainable(learner.model, _personal_predicate(cfg.prefixes), personal=False)
     start, samples = time.perf_counter(), 0
-    try:
-        for batch in fleet.train_batches(partition, server_round):
-            samples += learner.observe(batch).samples
-    finally:
-        for param in learner.model.parameters():
-            param.requires_grad_(True)
+    for batch in fleet.train_batches(partition, server_round):
+        samples += learner.observe(batch).samples
     _persist(context, learner)
     metrics = {
         "num-examples": max(samples, 1),
@@ -312,7 +286,8 @@ def _train(fixed: FleetConfig | None, msg: Message, context: Context) -> Message
 
 
 def evaluate_device(cfg: FleetConfig, context: Context, shared: Mapping[str, np.ndarray], server_round: int) -> dict[str, Any]:
-    """Score one device (the fleet's ``shared`` part + its personal part) on its held-out sets.
+    """Score one device (the fleet's ``shared`` part + its personal part) on its held-out sets
+    (:meth:`~taste_cl.benchmarks.federated.Fleet.scores`, after the head re-fit when the config asks for it).
 
     With ``out_dir`` set, the last round also saves the device's whole model there.
     """
@@ -320,17 +295,9 @@ def evaluate_device(cfg: FleetConfig, context: Context, shared: Mapping[str, np.
     if cfg.out_dir and server_round == cfg.rounds:
         state = {k: v.detach().cpu().numpy() for k, v in learner.model.state_dict().items()}
         np.savez(Path(cfg.out_dir) / f"device-{partition}.npz", **state)
-    model = learner.model
-    if cfg.finetunes_head:
-        x, y = _fleet(cfg.devices, cfg.rounds, cfg.seed).seen(partition, server_round)
-        model = refit_head(model, cfg, x, y)
-    model.eval()
-    metrics: dict[str, Any] = {"partition-id": partition}
-    with torch.no_grad():
-        for name, (x, y) in _fleet(cfg.devices, cfg.rounds, cfg.seed).eval_sets(partition).items():
-            metrics[f"accuracy-{name}"] = accuracy(model, x, y)
-            metrics["num-examples"] = int(x.shape[0])
-    return metrics
+    fleet = _fleet(cfg.devices, cfg.rounds, cfg.seed)
+    scores = fleet.scores(learner.model, partition, server_round, cfg if cfg.finetunes_head else None)
+    return {"partition-id": partition, **scores, "num-examples": int(fleet.eval_sets(partition)["own"][1].shape[0])}
 
 
 def _evaluate(fixed: FleetConfig | None, msg: Message, context: Context) -> Message:
@@ -368,9 +335,9 @@ def _strategy(cfg: FleetConfig) -> Any:
     n = cfg.devices
     nodes: dict[str, Any] = {"min_train_nodes": n, "min_evaluate_nodes": n, "min_available_nodes": n}
     inner: Any = FedAvg(**nodes)
-    if cfg.aggregator == "fedavgm":
+    if cfg.server == "fedavgm":
         inner = FedAvgM(**nodes, server_momentum=cfg.server_momentum)
-    elif cfg.aggregator == "fedadam":
+    elif cfg.server == "fedadam":
         inner = FedAdam(**nodes, eta=cfg.server_eta)
     if cfg.privacy == "central":
         inner = DifferentialPrivacyServerSideFixedClipping(inner, cfg.noise, cfg.clip, n)

@@ -13,7 +13,8 @@ process running it stays small. Per message the node:
 3. ``train``: observes its stream slice for the round (test-then-train with replay) and
    replies with its shared tensors only; ``evaluate``: scores its held-out sets after
    ``finetune-steps`` SGD steps of the head on a throwaway copy
-   (:attr:`~taste_cl.adapters.flower.app.FleetConfig.finetunes_head`).
+   (:attr:`~taste_cl.adapters.flower.app.FleetConfig.finetunes_head`), and a class new to
+   it after a second re-fit that adds 5 examples of it (:func:`score_on_device`).
 
 Everything the node needs comes in the message's config record (the server sends its
 :class:`~taste_cl.adapters.flower.app.FleetConfig` plus the ``artifacts`` folder), and its
@@ -30,6 +31,7 @@ after the device's own shared tensors. Before masking, the device checks its upd
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -64,6 +66,7 @@ __all__ = [
     "make_device_client_app",
     "make_device_secagg_client_app",
     "refit_head_on_device",
+    "score_on_device",
     "secagg_client_app",
 ]
 
@@ -163,32 +166,47 @@ def refit_head_on_device(learner: Any, head: Path, x: np.ndarray, y: np.ndarray,
     return tuner
 
 
-def _refit(learner: Any, settings: Mapping[str, Any], data: DeviceData, server_round: int) -> Any:
-    """:func:`refit_head_on_device` with the run's settings on everything the device has seen."""
-    x, y = data.seen(server_round)
-    head = Path(str(settings["artifacts"])) / FINETUNE_FOLDER
-    steps, lr, seed = int(settings["finetune-steps"]), float(settings["finetune-lr"]), int(settings["seed"])
-    return refit_head_on_device(learner, head, x, y, steps=steps, lr=lr, seed=seed)
+def score_on_device(
+    learner: Any, data: DeviceData, head: Path | None, *, steps: int, lr: float, seed: int, partition: int, server_round: int
+) -> dict[str, Any]:
+    """The device's accuracies on its held-out sets (``accuracy-all``, ``accuracy-own``), after re-fitting a copy
+    of its head in the ``head`` artifacts on everything it has seen (no re-fit when ``head`` is None), and
+    ``accuracy-new``: its own classes and one class new to it, after a re-fit that adds 5 examples of that class
+    (:func:`~taste_cl.adapters.flower.device_data.new_class_sets`; only with a re-fit)."""
+    refit = functools.partial(refit_head_on_device, learner, head, steps=steps, lr=lr, seed=seed) if head is not None else None
+    model = learner if refit is None else refit(*data.seen(server_round))
+    metrics: dict[str, Any] = {}
+    for name, (x, y) in data.eval_sets().items():
+        metrics[f"accuracy-{name}"] = _accuracy(model, x, y)
+        metrics["num-examples"] = int(y.shape[0])
+    if refit is not None:
+        refit_set, (x, y) = data.new_class_sets(server_round, seed=seed, partition=partition)
+        metrics["accuracy-new"] = _accuracy(refit(*refit_set), x, y)
+    return metrics
+
+
+def _accuracy(model: Any, x: np.ndarray, y: np.ndarray) -> float:
+    return float((model.predict(x).argmax(axis=1) == y).mean()) if y.shape[0] else float("nan")
 
 
 def evaluate_on_device(settings: Mapping[str, Any], context: Context, arrays: Arrays) -> dict[str, Any]:
-    """Score the device (shared ``arrays`` + its personal part) on its held-out sets, after re-fitting a copy of its head.
+    """Score the device (shared ``arrays`` + its personal part) with :func:`score_on_device` and the run's settings.
 
     With ``out-dir`` set, the last round also saves the device's whole model there.
     """
     partition, server_round = _partition(context, settings), int(settings["server-round"])
-    data = _data(settings, partition)
+    steps = int(settings["finetune-steps"])
+    head = Path(str(settings["artifacts"])) / FINETUNE_FOLDER if steps > 0 else None
     with tempfile.TemporaryDirectory(prefix="taste-cl-device-") as tmp:
         learner = _open(context, settings, Path(tmp))
         _load_shared(learner, arrays, _is_personal(settings))
         if settings["out-dir"] and server_round == int(settings["rounds"]):
             np.savez(Path(str(settings["out-dir"])) / f"device-{partition}.npz", **learner.parameters())
-        model = _refit(learner, settings, data, server_round) if int(settings["finetune-steps"]) > 0 else learner
-        metrics: dict[str, Any] = {"partition-id": partition}
-        for name, (x, y) in data.eval_sets().items():
-            metrics[f"accuracy-{name}"] = float((model.predict(x).argmax(axis=1) == y).mean()) if y.shape[0] else float("nan")
-            metrics["num-examples"] = int(y.shape[0])
-    return metrics
+        scores = score_on_device(
+            learner, _data(settings, partition), head, steps=steps, lr=float(settings["finetune-lr"]),
+            seed=int(settings["seed"]), partition=partition, server_round=server_round,
+        )  # fmt: skip
+    return {"partition-id": partition, **scores}
 
 
 def _received(msg: Message) -> dict[str, np.ndarray]:

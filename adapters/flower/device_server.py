@@ -6,8 +6,6 @@ the first round. It writes, under one folder that every device can read:
 - ``train/``: ONNX Runtime training artifacts of the fleet's reference learner (model,
   loss, SGD, an empty replay buffer of the learner's capacity), published only if the
   device trains like PyTorch (the parity gate of :func:`taste_cl.adapters.device.export`);
-  for FedBABU the head is frozen in them (it stays at its common initialisation during
-  federated rounds);
 - ``finetune/`` (when :attr:`FleetConfig.finetunes_head`): the same model with only the
   head trainable, plain SGD at ``finetune_lr``, which each device uses on a throwaway copy
   before it is evaluated;
@@ -26,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from taste_cl.adapters.device import export
-from taste_cl.adapters.flower.device_data import DATA_FOLDER, FINETUNE_FOLDER, TRAIN_FOLDER, DeviceData
+from taste_cl.adapters.flower.device_data import DATA_FOLDER, FINETUNE_FOLDER, TRAIN_FOLDER
 from taste_cl.adapters.flower.updates import personal_predicate
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
@@ -58,18 +56,12 @@ def export_fleet(cfg: FleetConfig, fleet: Fleet, folder: Path) -> dict[str, np.n
     """Write the fleet's artifacts and data under ``folder``; return the initial shared arrays by name."""
     learner = fleet.build_learner(0)
     is_personal = personal_predicate(cfg.prefixes)
-    names = [name for name, _ in learner.model.named_parameters()]
     example = (fleet.x_train[0][:_EXAMPLE_ROWS], fleet.y_train[0][:_EXAMPLE_ROWS])
-    trainable = [name for name in names if not is_personal(name)] if cfg.method == "fedbabu" else None
-    export(learner, folder / TRAIN_FOLDER, backend="onnxruntime", example=example, trainable=trainable)
+    export(learner, folder / TRAIN_FOLDER, backend="onnxruntime", example=example)
     if cfg.finetunes_head:
         export_head(learner, folder / FINETUNE_FOLDER, cfg, example)
     (folder / DATA_FOLDER).mkdir()
     for partition in range(cfg.devices):
-        own = np.asarray(fleet.classes[partition])
-        DeviceData(
-            fleet.x_train[partition].numpy(), fleet.y_train[partition].numpy(), fleet.x_test.numpy(), fleet.y_test.numpy(),
-            own, fleet.num_rounds, fleet.batch_size,
-        ).save(folder / DATA_FOLDER / f"partition-{partition}.npz")  # fmt: skip
+        fleet.device_data(partition).save(folder / DATA_FOLDER / f"partition-{partition}.npz")
     device = OrtOnlineLearner.from_artifacts(folder / TRAIN_FOLDER)
     return {name: value for name, value in device.parameters().items() if not is_personal(name)}

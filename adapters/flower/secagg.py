@@ -152,7 +152,7 @@ class _CountingGrid:
 
 @functools.lru_cache(maxsize=3)
 def _strategy_class(aggregator: str) -> type:
-    """The SecAgg+ server strategy on Flower's legacy ``FedAvg``, ``FedAvgM`` or ``FedAdam`` (``FleetConfig.aggregator``)."""
+    """The SecAgg+ server strategy on Flower's legacy ``FedAvg``, ``FedAvgM`` or ``FedAdam`` (``FleetConfig.server``)."""
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
     from flwr.server.strategy import FedAdam, FedAvg, FedAvgM
 
@@ -280,7 +280,7 @@ def _run_workflow(cfg: FleetConfig, grid: Grid, context: Context, folder: Path) 
     else:
         initial = _initial(cfg)
     counting = _CountingGrid(grid)
-    strategy = _strategy_class(cfg.aggregator)(cfg, counting, initial, settings)
+    strategy = _strategy_class(cfg.server)(cfg, counting, initial, settings)
     outer: Any = strategy
     if cfg.privacy == "client":  # devices clip (fixedclipping_mod); the server noises the secure sum
         outer = DifferentialPrivacyClientSideFixedClipping(strategy, cfg.noise, cfg.clip, cfg.devices)

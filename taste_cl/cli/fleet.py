@@ -17,38 +17,25 @@ import argparse
 import json
 import signal
 import sys
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from taste_cl.cli.console import plain_text
 
-__all__ = ["FEDBABU_BELOW_LOCAL", "main"]
-
-FEDBABU_BELOW_LOCAL = (
-    "FedBABU ends below local-only learning when both re-fit the head before evaluation "
-    "(own-class accuracy, seeds 0-4 on the device runtime: 0.868 vs 0.961 at 3 devices x 2 rounds, "
-    "0.896 vs 0.933 at 10 x 10); it is kept for comparison, use --method fedper"
-)
+__all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="taste-cl fleet", description=plain_text(__doc__.splitlines()[0]))
     parser.add_argument("--devices", type=int, default=3, help="SuperNode processes, one per device")
     parser.add_argument("--rounds", type=int, default=2, help="federated rounds")
-    parser.add_argument(
-        "--method",
-        choices=["fedper", "fedbabu"],
-        default="fedper",
-        help="personalization: FedPer, or FedBABU (head frozen in rounds; measured below local-only learning, see docs/federated.md)",
-    )
     parser.add_argument("--personal", default="4.", help="comma-separated state_dict prefixes kept on the device")
     parser.add_argument(
         "--server",
-        choices=["auto", "fedavg", "fedavgm", "fedadam"],
-        default="auto",
-        help="server strategy (Flower's): auto = FedAvgM for FedPer, FedAvg for FedBABU",
+        choices=["fedavg", "fedavgm", "fedadam"],
+        default="fedavgm",
+        help="server strategy (Flower's)",
     )
     parser.add_argument("--server-momentum", type=float, default=0.5, help="FedAvgM server momentum")
     parser.add_argument("--server-eta", type=float, default=0.03, help="FedAdam server step size")
@@ -76,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
         "--finetune-steps",
         type=int,
         default=300,
-        help="SGD steps re-fitting each device's head on its own data before evaluation (0: off; FedBABU needs them)",
+        help="SGD steps re-fitting each device's head on its own data before evaluation (0: off)",
     )
     parser.add_argument("--evaluate-last-only", action="store_true", help="evaluate the devices after the last round only (fewer messages, faster)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data partitions and models")
@@ -92,13 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from taste_cl.adapters.flower.app import FleetConfig
     from taste_cl.adapters.flower.deployment import LoopbackDeployment
-    from taste_cl.benchmarks.federated.tables import accuracy_table, last_evaluation, rounds_table
+    from taste_cl.benchmarks.federated.tables import ACCURACIES, accuracy_table, last_evaluation, rounds_table
 
     try:
         config = FleetConfig(
             devices=args.devices,
             rounds=args.rounds,
-            method=args.method,
             personal=args.personal,
             server=args.server,
             server_momentum=args.server_momentum,
@@ -116,8 +102,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         deployment = LoopbackDeployment(args.devices, timeout_s=args.timeout, verbose=args.verbose, insecure=args.insecure)
     except ValueError as error:
         parser.error(str(error))
-    if config.method == "fedbabu":
-        warnings.warn(FEDBABU_BELOW_LOCAL, UserWarning, stacklevel=1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the with-block: processes stop
     try:
         with deployment:
@@ -125,7 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: every process this command started has been stopped", file=sys.stderr)
         return 130
-    print(accuracy_table({"accuracy": last_evaluation(result)})[0])
+    final = last_evaluation(result)
+    keys = [key for key in (*ACCURACIES, "accuracy-new") if all(key in metrics for metrics in final.values())]  # new: with the re-fit
+    print(accuracy_table({"accuracy": final}, keys)[0])
     print()
     print(rounds_table(result["rounds"]))
     if args.out:

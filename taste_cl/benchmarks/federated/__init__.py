@@ -14,15 +14,16 @@ Run: ``taste-cl bench federated`` (needs ``pip install 'taste-cl[federated]'``).
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from taste_cl.adapters.flower.device_data import round_batches, round_bounds
+from taste_cl.adapters.flower.device_data import DeviceData, round_batches, round_bounds
 from taste_cl.adapters.flower.updates import personal_predicate
 from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.benchmarks.federated.tables import accuracy_table, rounds_table
@@ -34,7 +35,7 @@ from taste_cl.monitor.evaluation import accuracy
 if TYPE_CHECKING:
     from taste_cl.adapters.flower.app import FleetConfig
 
-__all__ = ["Fleet", "main", "make_fleet"]
+__all__ = ["Fleet", "main", "make_fleet", "run_local", "run_offline"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,44 @@ class Fleet:
         """Everything the device observed in rounds ``1..server_round`` (it stays on the device)."""
         hi = round_bounds(self.x_train[partition].shape[0], self.num_rounds, server_round)[1]
         return self.x_train[partition][:hi], self.y_train[partition][:hi]
+
+    def device_data(self, partition: int) -> DeviceData:
+        """The device's stream and held-out sets as numpy arrays, as a device runtime reads them."""
+        return DeviceData(
+            self.x_train[partition].numpy(), self.y_train[partition].numpy(), self.x_test.numpy(), self.y_test.numpy(),
+            np.asarray(self.classes[partition]), self.num_rounds, self.batch_size, self.new_class(partition),
+        )  # fmt: skip
+
+    def new_class(self, partition: int) -> int:
+        """The class the device meets after the rounds (``accuracy-new``): one it never saw but another device of
+        the fleet holds, when there is one (what a shared model can know and the device cannot)."""
+        own = self.classes[partition]
+        held = sorted({c for d, classes in enumerate(self.classes) if d != partition for c in classes} - set(own))
+        return int(np.random.default_rng([self.seed, partition, 2]).choice(held or [c for c in range(10) if c not in own]))
+
+    def new_class_sets(self, partition: int, server_round: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """``(refit set, evaluation set)`` for :meth:`new_class` after ``server_round``
+        (:func:`~taste_cl.adapters.flower.device_data.new_class_sets`, as a device runtime computes them)."""
+        refit, scored = self.device_data(partition).new_class_sets(server_round, seed=self.seed, partition=partition)
+        return (torch.from_numpy(refit[0]), torch.from_numpy(refit[1])), (torch.from_numpy(scored[0]), torch.from_numpy(scored[1]))
+
+    def scores(self, model: torch.nn.Module, partition: int, server_round: int, refit: FleetConfig | None) -> dict[str, float]:
+        """The device's accuracies with ``model`` (``accuracy-all``, ``accuracy-own``), each after re-fitting
+        a copy of the head on everything seen when ``refit`` is given, plus ``accuracy-new``: its own classes
+        and a class new to it, after a re-fit that adds 5 examples of that class (only with ``refit``)."""
+        from taste_cl.adapters.flower.app import refit_head
+
+        tuned = model if refit is None else refit_head(model, refit, *self.seen(partition, server_round))
+        tuned.eval()
+        with torch.no_grad():
+            scores = {f"accuracy-{k}": accuracy(tuned, x, y) for k, (x, y) in self.eval_sets(partition).items()}
+        if refit is not None:
+            refit_set, (x, y) = self.new_class_sets(partition, server_round)
+            tuned = refit_head(model, refit, *refit_set)
+            tuned.eval()
+            with torch.no_grad():
+                scores["accuracy-new"] = accuracy(tuned, x, y)
+        return scores
 
     def eval_sets(self, partition: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         own = torch.isin(self.y_test, torch.tensor(self.classes[partition]))
@@ -125,8 +164,6 @@ def run_local(
     perturb = _weight_noise(noise, fleet.seed)
     if device == "artifacts":
         return _run_local_artifacts(fleet, refit, perturb)
-    from taste_cl.adapters.flower.app import refit_head
-
     results = {}
     for d in range(len(fleet.classes)):
         torch.manual_seed(fleet.seed)
@@ -137,9 +174,39 @@ def run_local(
             if perturb is not None:
                 state = {name: value.numpy() for name, value in learner.model.state_dict().items()}
                 learner.model.load_state_dict({name: torch.from_numpy(value) for name, value in perturb(d, state).items()}, strict=False)
-        predict = learner.predict if refit is None else torch.no_grad()(refit_head(learner.model, refit, *fleet.seen(d, fleet.num_rounds)))
-        results[d] = {f"accuracy-{k}": accuracy(predict, x, y) for k, (x, y) in fleet.eval_sets(d).items()}
+        results[d] = fleet.scores(learner.model, d, fleet.num_rounds, refit)
     return results
+
+
+def run_offline(fleet: Fleet, *, refit: FleetConfig, pooled: bool, steps: int = 1000) -> dict[int, dict[str, float]]:
+    """A reference no stream reaches: the reference model trained offline, shuffled, ``steps`` SGD steps of 32 rows at
+    the learner's learning rate, on every device's data in one place (``pooled=True``: more than any federated method
+    sees) or on each device's own data alone; then each device re-fits its head and is scored as the fleet's devices are.
+
+    On this fleet the two give a device's own classes the same accuracy (3 x 2 and 10 x 10, seeds 0-4, within half a
+    point): its own data suffices for them, so no federated method can beat learning alone there by more than noise.
+    A class new to the device is where pooled data helps (see docs/federated.md).
+    """
+    reference = fleet.build_learner(0)
+    lr = float(reference.optimizer.param_groups[0]["lr"])
+
+    def trained(x: torch.Tensor, y: torch.Tensor) -> torch.nn.Module:
+        model = copy.deepcopy(reference.model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        generator = torch.Generator().manual_seed(fleet.seed)
+        model.train()
+        for _ in range(steps):
+            rows = torch.randint(x.shape[0], (min(32, x.shape[0]),), generator=generator)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+            optimizer.step()
+        return model
+
+    everyone = trained(torch.cat(fleet.x_train), torch.cat(fleet.y_train)) if pooled else None
+    return {
+        d: fleet.scores(everyone if everyone is not None else trained(fleet.x_train[d], fleet.y_train[d]), d, fleet.num_rounds, refit)
+        for d in range(len(fleet.classes))
+    }
 
 
 Perturb = Callable[[int, dict[str, np.ndarray]], dict[str, np.ndarray]]
@@ -171,7 +238,7 @@ def _run_local_artifacts(fleet: Fleet, refit: FleetConfig | None, perturb: Pertu
     from pathlib import Path
 
     from taste_cl.adapters.device import export
-    from taste_cl.adapters.flower.device_client import refit_head_on_device
+    from taste_cl.adapters.flower.device_client import score_on_device
     from taste_cl.adapters.flower.device_server import export_head
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
@@ -187,17 +254,12 @@ def _run_local_artifacts(fleet: Fleet, refit: FleetConfig | None, perturb: Pertu
                     learner.observe((x.numpy(), y.numpy()))
                 if perturb is not None:
                     learner.load_parameters(perturb(d, learner.parameters()))
-            if refit is not None and head is not None:
-                seen_x, seen_y = (t.numpy() for t in fleet.seen(d, fleet.num_rounds))
-                steps, lr = refit.finetune_steps, refit.finetune_lr
-                learner = refit_head_on_device(learner, head, seen_x, seen_y, steps=steps, lr=lr, seed=refit.seed)
-            results[d] = {f"accuracy-{k}": accuracy(_torch_predict(learner), x, y) for k, (x, y) in fleet.eval_sets(d).items()}
+            steps, lr = (0, 0.0) if refit is None else (refit.finetune_steps, refit.finetune_lr)
+            scores = score_on_device(
+                learner, fleet.device_data(d), head, steps=steps, lr=lr, seed=fleet.seed, partition=d, server_round=fleet.num_rounds
+            )
+            results[d] = {k: v for k, v in scores.items() if k.startswith("accuracy-")}
     return results
-
-
-def _torch_predict(learner: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A device learner's numpy ``predict`` on tensors."""
-    return lambda x: torch.from_numpy(learner.predict(x.numpy()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,25 +1,29 @@
 """Fleet personalization with devices as processes: Flower's deployment engine on loopback.
 
 One SuperLink and ``--devices`` SuperNode processes (:class:`LoopbackDeployment`) run
-the digits fleet app once per variant: FedPer, FedBABU, FedPer with differential
-privacy (``--privacy``: central / client / local, Flower's wrappers and mods), and
-FedPer under SecAgg+ secure aggregation (unless ``--no-secagg``). Each
-device's accuracy is compared with *local only* (the same batches, no communication)
-and with the same FedPer run in Flower's simulation engine (same seeds); payload bytes
-and seconds per round come from the server (SecAgg+ counts all four of its message
-exchanges per round, config records included); each run's wall time and the fleet's peak
-resident memory (every process of the deployment, summed, sampled about once a second)
-from :class:`LoopbackDeployment`. Each variant uses its method's default
-server strategy (FedAvgM for FedPer, FedAvg for FedBABU), and the deployment runs with
-TLS and SuperNode authentication (a CA and keys made for the run). It prints whether each
-variant beats local only on the devices' own classes, and the largest per-device gaps
-deployment vs simulation and SecAgg+ vs plain in held-out samples. Local only trains on
-the deployment's runtime (``--device``) and, like every device of the fleet, re-fits its
-head on everything it has seen before it is scored (``FleetConfig.finetunes_head``: the
-re-fit alone lifts local only from 0.792 to 0.961 at 3 x 2, so without it the comparison
-would credit federation with the re-fit's gain). ``--seeds K`` then runs every variant but SecAgg+
-and local only in the simulation engine (which computes what the deployment does) over K
-seeds, and judges each variant on the mean: one seed's verdict is mostly replay-draw noise.
+the digits fleet app once per variant: FedPer, FedPer with differential privacy
+(``--privacy``: central / client / local, Flower's wrappers and mods), and FedPer under
+SecAgg+ secure aggregation (unless ``--no-secagg``), all with FedAvgM on the server,
+TLS and SuperNode authentication (a CA and keys made for the run). Each device's
+accuracy is compared with *local only* (the same batches, no communication) and with the
+same FedPer run in Flower's simulation engine (same seeds); payload bytes and seconds per
+round come from the server (SecAgg+ counts all four of its message exchanges per round,
+config records included); each run's wall time and the fleet's peak resident memory
+(every process of the deployment, summed, sampled about once a second) from
+:class:`LoopbackDeployment`.
+
+Each variant is judged against local only on two measures (:data:`JUDGED`): the device's
+own classes, and its own classes plus one it never saw but another device holds, learned
+from 5 examples after the rounds (``accuracy-new``). Local only trains on the deployment's
+runtime (``--device``) and, like every device of the fleet, re-fits its head on everything
+it has seen before it is scored (``FleetConfig.finetunes_head``: the re-fit alone lifts
+local only from 0.792 to 0.961 at 3 x 2, so without it the comparison would credit
+federation with the re-fit's gain). It also prints the largest per-device gaps deployment
+vs simulation and SecAgg+ vs plain in held-out samples. ``--seeds K`` then runs every
+variant but SecAgg+ and local only in the simulation engine (which computes what the
+deployment does) over K seeds, beside two offline references (every device's data pooled,
+each device alone), and judges each variant on the mean: one seed's verdict is mostly
+replay-draw noise.
 Run: ``taste-cl bench federated --deployment [--devices 3 --rounds 2] [--seeds 5]``.
 """
 
@@ -77,17 +81,29 @@ def _per_round(result: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def _mean_own(per_device: dict[int, dict[str, float]]) -> float:
-    """Mean over devices of the own-class accuracy (printed as each run ends, so a cut-short bench still tells)."""
-    return float(np.mean([m["accuracy-own"] for m in per_device.values()]))
+JUDGED = {"accuracy-own": "own classes", "accuracy-new": "own classes + a new one from 5 examples"}
+"""The metrics each variant is judged on against local only, and how the verdicts name them."""
+
+
+def _mean(per_device: dict[int, dict[str, float]], key: str = "accuracy-own") -> float:
+    """Mean over devices of one accuracy (printed as each run ends, so a cut-short bench still tells)."""
+    return float(np.mean([m[key] for m in per_device.values()]))
+
+
+def _means(per_device: dict[int, dict[str, float]]) -> dict[str, float]:
+    """The judged accuracies' means over devices."""
+    return {key: _mean(per_device, key) for key in JUDGED}
 
 
 def _eval_sizes(args: argparse.Namespace) -> dict[int, dict[str, int]]:
-    """Each device's held-out set sizes, by metric name (``accuracy-all``, ``accuracy-own``)."""
+    """Each device's held-out set sizes, by metric name (``accuracy-all``, ``accuracy-own``, ``accuracy-new``)."""
     from taste_cl.benchmarks.federated import make_fleet
 
     fleet = make_fleet(args.devices, num_rounds=args.rounds, seed=args.seed)
-    return {d: {f"accuracy-{k}": int(x.shape[0]) for k, (x, _) in fleet.eval_sets(d).items()} for d in range(args.devices)}
+    sizes = {d: {f"accuracy-{k}": int(x.shape[0]) for k, (x, _) in fleet.eval_sets(d).items()} for d in range(args.devices)}
+    for d, by_key in sizes.items():
+        by_key["accuracy-new"] = int(fleet.new_class_sets(d, args.rounds)[1][1].shape[0])
+    return sizes
 
 
 def _gap_in_samples(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]], sizes: dict[int, dict[str, int]]) -> float:
@@ -118,7 +134,6 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
     )
     variants = {
         "fedper": base,
-        "fedbabu": FleetConfig(**{**base.__dict__, "method": "fedbabu"}),
         f"fedper+dp-{args.privacy}": FleetConfig(**{**base.__dict__, "privacy": args.privacy}),
     }
     if not args.no_secagg:
@@ -127,7 +142,7 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
         variants["fedper (torch ClientApp)"] = FleetConfig(**{**base.__dict__, "device": "torch"})
     streams = make_fleet(args.devices, num_rounds=args.rounds, seed=args.seed)  # the devices' data, for local only
     local = run_local(streams, device=args.device, refit=base)
-    print(f"local only ({args.device}): mean own-class accuracy {_mean_own(local):.3f}", flush=True)
+    print(f"local only ({args.device}): mean own-class accuracy {_mean(local):.3f}, with a new class {_mean(local, 'accuracy-new'):.3f}", flush=True)
     results: dict[str, dict[str, Any]] = {}
     servers: dict[str, dict[str, np.ndarray]] = {}
     start = time.perf_counter()
@@ -137,8 +152,12 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
             print(f"deployment run: {name} ...", flush=True)
             results[name], servers[name], _ = deployment.run(config)
             fleet = results[name]["deployment"]
-            own = _mean_own(last_evaluation(results[name]))
-            print(f"  done in {fleet['wall_s']:.1f} s, fleet peak RSS {fleet['peak_rss_mb']:.0f} MB, mean own-class accuracy {own:.3f}", flush=True)
+            own, new = _means(last_evaluation(results[name])).values()
+            print(
+                f"  done in {fleet['wall_s']:.1f} s, fleet peak RSS {fleet['peak_rss_mb']:.0f} MB, "
+                f"mean own-class accuracy {own:.3f}, with a new class {new:.3f}",
+                flush=True,
+            )
     deployment_s = time.perf_counter() - start
     simulated = None if args.no_simulation else _simulate(base)
     wide = args.simulation_devices not in (None, args.devices) and not args.no_simulation
@@ -148,7 +167,11 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
     if simulated is not None:
         final["fedper (simulation)"] = last_evaluation(simulated)
     means: dict[str, dict[str, float]] = {}
-    for key, label in (("accuracy-all", "all classes"), ("accuracy-own", "the device's own classes")):
+    for key, label in (
+        ("accuracy-all", "all classes"),
+        ("accuracy-own", "the device's own classes"),
+        ("accuracy-new", "the device's own classes and one new to it, learned from 5 examples after the rounds"),
+    ):
         table, by_key = accuracy_table({"local only": local, **final}, [key])
         means[key] = by_key[key]
         print(f"per-device accuracy on held-out digits of {label}, after the last round")
@@ -179,15 +202,15 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
         )
     )
     print()
-    own_local = means["accuracy-own"]["local only"]
-    verdicts = {n: means["accuracy-own"][n] > own_local for n in names}
-    for name in names:
-        verdict = "beats" if verdicts[name] else "does NOT beat"
-        print(f"{name}: own classes {means['accuracy-own'][name]:.3f} {verdict} local only {own_local:.3f}")
-    noised_local = {name: _mean_own(run_local(streams, device=args.device, refit=base, noise=variants[name])) for name in _noised_baselines(variants)}
-    for name, own in noised_local.items():
-        verdict = "beats" if means["accuracy-own"][name] > own else "does NOT beat"
-        print(f"{name}: own classes {means['accuracy-own'][name]:.3f} {verdict} local only with the same weight noise {own:.3f}")
+    verdicts = {key: {n: means[key][n] > means[key]["local only"] for n in names} for key in JUDGED}
+    noised_local = {name: _means(run_local(streams, device=args.device, refit=base, noise=variants[name])) for name in _noised_baselines(variants)}
+    for key, label in JUDGED.items():
+        for name in names:
+            verdict = "beats" if verdicts[key][name] else "does NOT beat"
+            print(f"{name}: {label} {means[key][name]:.3f} {verdict} local only {means[key]['local only']:.3f}")
+        for name, noised in noised_local.items():
+            verdict = "beats" if means[key][name] > noised[key] else "does NOT beat"
+            print(f"{name}: {label} {means[key][name]:.3f} {verdict} local only with the same weight noise {noised[key]:.3f}")
     sizes = _eval_sizes(args)
     gaps: dict[str, float] = {}
     if simulated is not None:
@@ -217,8 +240,8 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
             "mean_accuracy": means,
             "deployment_seconds": deployment_s,
             "secagg_max_abs_weight_gap": secagg_gap,
-            "beats_local_own": verdicts,
-            "local_with_the_same_noise_own": noised_local,
+            "beats_local": verdicts,
+            "local_with_the_same_noise": noised_local,
             "max_gap_samples": gaps,
             "seeds": sweep,
         },
@@ -227,48 +250,58 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
 
 
 def _seed_sweep(variants: dict[str, Any], seeds: list[int], device: str) -> dict[str, Any]:
-    """Mean own-class accuracy of each variant per seed in the simulation engine, beside local only on ``device``.
+    """Each variant's mean accuracies (:data:`JUDGED`) per seed in the simulation engine, beside local only on ``device``
+    and two offline references (torch): one model trained on every device's data pooled, and each device trained
+    alone on its own data shuffled (:func:`~taste_cl.benchmarks.federated.run_offline`).
 
     One seed decides little here: replay draws move a device's own-class accuracy by up to
     0.3 on these short class-incremental streams, and local only swings as much (3 x 2,
-    seeds 0-4 on the artifacts runtime: 0.57-0.95). Prints a table and each variant's
-    verdict on the mean over seeds.
+    seeds 0-4 on the artifacts runtime: 0.57-0.95). Prints a table per metric and each
+    variant's verdicts on the means over seeds.
     """
     from taste_cl.adapters.flower.app import FleetConfig
-    from taste_cl.benchmarks.federated import make_fleet, run_local
+    from taste_cl.benchmarks.federated import make_fleet, run_local, run_offline
 
     first = next(iter(variants.values()))
     noised = _noised_baselines(variants)
-    own: dict[str, dict[int, float]] = {"local only": {}, **{label: {} for label in noised.values()}, **{name: {} for name in variants}}
+    offline = {"offline, every device's data pooled": True, "offline, each device alone": False}
+    names = ["local only", *dict.fromkeys(noised.values()), *variants, *offline]
+    scores: dict[str, dict[int, dict[str, float]]] = {name: {} for name in names}
     for seed in seeds:
         fleet = make_fleet(first.devices, num_rounds=first.rounds, seed=seed)
-        own["local only"][seed] = _mean_own(run_local(fleet, device=device, refit=FleetConfig(**{**first.__dict__, "seed": seed})))
+        refit = FleetConfig(**{**first.__dict__, "seed": seed})
+        scores["local only"][seed] = _means(run_local(fleet, device=device, refit=refit))
         for name, label in noised.items():
-            if seed not in own[label]:
+            if seed not in scores[label]:
                 config = FleetConfig(**{**variants[name].__dict__, "seed": seed})
-                own[label][seed] = _mean_own(run_local(fleet, device=device, refit=config, noise=config))
+                scores[label][seed] = _means(run_local(fleet, device=device, refit=config, noise=config))
         for name, config in variants.items():
-            own[name][seed] = _mean_own(last_evaluation(_simulate(FleetConfig(**{**config.__dict__, "seed": seed}))))
-        print(f"seed {seed}: " + ", ".join(f"{name} {by_seed[seed]:.3f}" for name, by_seed in own.items()), flush=True)
-    local = own["local only"]
-    means = {name: float(np.mean([by_seed[s] for s in seeds])) for name, by_seed in own.items()}
-    rows = [
-        [name, *(by_seed[s] for s in seeds), means[name], float(np.std([by_seed[s] for s in seeds])),
-         f"{sum(by_seed[s] > local[s] for s in seeds)} of {len(seeds)}" if name in variants else ""]
-        for name, by_seed in own.items()
-    ]  # fmt: skip
-    verdicts = {name: means[name] > means["local only"] for name in variants}
-    print(f"\nmean own-class accuracy per seed, simulation engine, {device} runtime")
-    print(format_table(["variant", *(f"seed {s}" for s in seeds), "mean", "sd", "seeds beating local"], rows))
-    for name, beats in verdicts.items():
-        verdict = "beats" if beats else "does NOT beat"
-        print(f"{name}: mean over {len(seeds)} seeds {means[name]:.3f} {verdict} local only {means['local only']:.3f}")
-    matched = {name: means[name] > means[label] for name, label in noised.items()}
-    for name, label in noised.items():
-        verdict = "beats" if matched[name] else "does NOT beat"
-        print(f"{name}: mean {means[name]:.3f} {verdict} {label} {means[label]:.3f} (the same weight noise, no federation)")
-    return {"seeds": seeds, "device": device, "own": {n: {str(s): v for s, v in by.items()} for n, by in own.items()},
-            "beats_local_mean": verdicts, "beats_noised_local_mean": matched}  # fmt: skip
+            scores[name][seed] = _means(last_evaluation(_simulate(FleetConfig(**{**config.__dict__, "seed": seed}))))
+        for label, pooled in offline.items():
+            scores[label][seed] = _means(run_offline(fleet, refit=refit, pooled=pooled))
+        done = ", ".join(f"{n} {by[seed]['accuracy-own']:.3f}, {by[seed]['accuracy-new']:.3f}" for n, by in scores.items())
+        print(f"seed {seed} (own classes, with a new class): {done}", flush=True)
+    means = {key: {name: float(np.mean([by_seed[s][key] for s in seeds])) for name, by_seed in scores.items()} for key in JUDGED}
+    verdicts = {key: {name: means[key][name] > means[key]["local only"] for name in variants} for key in JUDGED}
+    matched = {key: {name: means[key][name] > means[key][label] for name, label in noised.items()} for key in JUDGED}
+    for key, label in JUDGED.items():
+        local = scores["local only"]
+        rows = [
+            [name, *(by_seed[s][key] for s in seeds), means[key][name], float(np.std([by_seed[s][key] for s in seeds])),
+             f"{sum(by_seed[s][key] > local[s][key] for s in seeds)} of {len(seeds)}" if name in variants else ""]
+            for name, by_seed in scores.items()
+        ]  # fmt: skip
+        print(f"\nmean accuracy per seed on {label}, simulation engine, {device} runtime (offline rows: torch)")
+        print(format_table(["variant", *(f"seed {s}" for s in seeds), "mean", "sd", "seeds beating local"], rows))
+        for name, beats in verdicts[key].items():
+            verdict = "beats" if beats else "does NOT beat"
+            print(f"{name}: {label}, mean over {len(seeds)} seeds {means[key][name]:.3f} {verdict} local only {means[key]['local only']:.3f}")
+        for name, noise_label in noised.items():
+            verdict = "beats" if matched[key][name] else "does NOT beat"
+            baseline = f"{noise_label} {means[key][noise_label]:.3f} (the same weight noise, no federation)"
+            print(f"{name}: {label}, mean {means[key][name]:.3f} {verdict} {baseline}")
+    return {"seeds": seeds, "device": device, "beats_local_mean": verdicts, "beats_noised_local_mean": matched,
+            **{key: {n: {str(s): v[key] for s, v in by.items()} for n, by in scores.items()} for key in JUDGED}}  # fmt: skip
 
 
 def _noised_baselines(variants: dict[str, Any]) -> dict[str, str]:
