@@ -21,7 +21,7 @@ from taste_cl.adapters.flower import app as flower_app
 from taste_cl.adapters.flower import deployment as flower_deployment
 from taste_cl.adapters.flower import secagg as flower_secagg
 from taste_cl.adapters.flower.app import FleetConfig
-from taste_cl.adapters.flower.deployment import LoopbackDeployment, _app_module, _pyproject, launch_command
+from taste_cl.adapters.flower.deployment import DeploymentError, LoopbackDeployment, _app_module, _pyproject, _serverapp_failure, launch_command
 from taste_cl.adapters.flower.fleet import InvalidUpdateError
 from taste_cl.adapters.flower.tls import write_node_key
 from taste_cl.adapters.flower.updates import array_spec, check_secagg_upload, named_arrays
@@ -290,6 +290,40 @@ def test_insecure_deployment_only_when_asked_and_warns(monkeypatch: pytest.Monke
 def _exit_log(proc: object, log: object, timeout: float) -> tuple[int, str]:
     code = proc.wait(timeout=timeout)  # type: ignore[attr-defined]
     return code, log.read_text(errors="replace")  # type: ignore[attr-defined]
+
+
+FAILED_RUN_LOG = """\
+INFO :      Start `flwr-serverapp` process
+ERROR :     ServerApp raised an exception
+Traceback (most recent call last):
+  File "/work/main/adapters/flower/app.py", line 146, in __post_init__
+    raise ValueError(f"`server == {self.server!r}`, must be one of {SERVERS}")
+ValueError: `server == 'auto'`, must be one of ('fedavg', 'fedavgm', 'fedadam')
+ERROR :     Exit Code: 201
+
+An unhandled exception occurred in the ServerApp.
+"""
+
+
+def test_a_failed_serverapp_is_read_from_the_flwr_run_log() -> None:
+    """``flwr run --stream`` keeps running after its ServerApp dies (flwr 1.42): the log is how the driver knows."""
+    assert _serverapp_failure(FAILED_RUN_LOG) == "ValueError: `server == 'auto'`, must be one of ('fedavg', 'fedavgm', 'fedadam')"
+    assert _serverapp_failure(FAILED_RUN_LOG.split("ERROR")[0]) is None  # still running
+    assert _serverapp_failure("An unhandled exception occurred in the ServerApp.") == "An unhandled exception occurred in the ServerApp"
+
+
+def test_a_run_whose_serverapp_fails_ends_with_its_error_not_at_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run config the ServerApp refuses: the driver raises the ServerApp's error within seconds (it waited for the
+    whole timeout before), and the deployment still stops every process."""
+    monkeypatch.setattr(flower_deployment, "_pyproject", lambda config: _pyproject(config).replace('server = "fedavgm"', 'server = "auto"'))
+    deployment = LoopbackDeployment(1, timeout_s=600)
+    with deployment:
+        start = time.monotonic()
+        with pytest.raises(DeploymentError, match=r"the ServerApp failed: ValueError: `server == 'auto'`"):
+            deployment.run(FleetConfig(devices=1, rounds=1, device="artifacts"))
+        assert time.monotonic() - start < 300
+        procs = list(deployment.procs)
+    assert all(p.poll() is not None for p in procs)
 
 
 @pytest.mark.slow

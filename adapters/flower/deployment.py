@@ -36,6 +36,7 @@ processes) is reported per run as ``result["deployment"]["peak_rss_mb"]``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -68,6 +69,20 @@ INSECURE_WARNING = (
 
 _ENTRY_POINTS = {"flower-superlink": "flwr.superlink.cli:flower_superlink", "flower-supernode": "flwr.supernode.cli:flower_supernode"}
 _TRACK_EVERY_S = 1.0
+_SERVERAPP_FAILED = "An unhandled exception occurred in the ServerApp"  # flwr 1.42's words; `flwr run --stream` keeps running
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_.]*(Error|Exception)\b.*")
+
+
+def _serverapp_failure(log: str) -> str | None:
+    """The exception a failed ServerApp raised, from the log of ``flwr run --stream``; None while it has not failed.
+
+    In flwr 1.42 the CLI goes on streaming after the ServerApp dies, so without this a
+    failed run would only end at the deployment's timeout.
+    """
+    if _SERVERAPP_FAILED not in log:
+        return None
+    raised = [line for line in log.splitlines() if _EXCEPTION_LINE.match(line)]
+    return raised[-1] if raised else _SERVERAPP_FAILED
 
 
 def launch_command(executable: str, start_window_s: float) -> list[str]:
@@ -376,6 +391,9 @@ class LoopbackDeployment:
                 if time.monotonic() - tracked >= _TRACK_EVERY_S:
                     self._track()
                     tracked = time.monotonic()
+                    failure = None if log is None else _serverapp_failure((out / "flwr-run.log").read_text(errors="replace"))
+                    if failure is not None:
+                        raise DeploymentError(f"the ServerApp failed: {failure}; see {out / 'flwr-run.log'}")
                 time.sleep(0.25)
             self._wait_for_devices(out, deadline)
             result, server, devices = read_outputs(out)
