@@ -43,6 +43,7 @@ def test_fleet_config_round_trips_through_the_run_config() -> None:
         ({"server": "fedprox"}, r"`server == 'fedprox'`, must be one of"),
         ({"server_momentum": 1.0}, r"`server_momentum == 1.0`, must be in \[0, 1\)"),
         ({"server_eta": 0.0}, r"`server_eta == 0.0`, must be > 0"),
+        ({"server_lr": -1.0}, r"`server_lr == -1.0`, must be > 0"),
         ({"personal": ","}, r"must name at least one state_dict prefix"),
         ({"secagg": True, "devices": 2}, r"`devices == 2` with `secagg=True`, must be >= 3"),
         ({"secagg": True, "privacy": "central"}, r"the server cannot clip updates it cannot see"),
@@ -84,6 +85,8 @@ def test_privacy_option_picks_flowers_wrapper(privacy: str, wrapper: str) -> Non
     ("kwargs", "strategy", "setting"),
     [
         ({}, "FedAvgM", ("server_momentum", 0.5)),  # FedPer needs server momentum to beat local-only at 10 x 10
+        ({}, "FedAvgM", ("server_learning_rate", 2.0)),  # and twice the mean update
+        ({"server_lr": 1.0}, "FedAvgM", ("server_learning_rate", 1.0)),
         ({"server": "fedadam", "server_eta": 0.01}, "FedAdam", ("eta", 0.01)),
         ({"server_momentum": 0.9}, "FedAvgM", ("server_momentum", 0.9)),
         ({"server": "fedavg"}, "FedAvg", None),
@@ -178,7 +181,7 @@ class _FakeGrid:
 def test_secagg_strategy_checks_the_secure_aggregate() -> None:
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
-    cfg = FleetConfig(secagg=True)
+    cfg = FleetConfig(secagg=True, server_lr=1.0)  # the first FedAvgM step then lands on the aggregate
     strategy = flower_secagg._strategy_class(cfg.server)(cfg, _FakeGrid(), flower_secagg._initial(cfg))
     good = [a.astype(np.float64) + 0.5 for a in flower_secagg._initial(cfg).values()]
 

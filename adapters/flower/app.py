@@ -101,8 +101,12 @@ class FleetConfig:
     ``noise`` the noise multiplier (central/client DP), ``epsilon``/``delta`` the
     per-round budget of local DP. ``server`` is the server's optimizer
     (FedAvgM by default: plain FedAvg only matched local-only learning at 10 devices x 10
-    rounds), ``server_momentum`` FedAvgM's momentum and ``server_eta`` FedAdam's step size. With ``evaluate_every_round=False`` devices are
-    evaluated after the last round only (fewer messages, hence fewer ClientApp process
+    rounds), ``server_momentum`` and ``server_lr`` FedAvgM's momentum and learning rate, and
+    ``server_eta`` FedAdam's step size. A server learning rate of 2 moves the shared part twice
+    the mean update: averaging non-IID updates cancels part of each device's progress (chosen
+    on seeds 5-9, torch runtime: own-class accuracy 0.952 against 0.940 at 1 and 0.933 local
+    only at 10 devices x 10 rounds; 0.965 against 0.960 and 0.962 at 3 x 2). With
+    ``evaluate_every_round=False`` devices are evaluated after the last round only (fewer messages, hence fewer ClientApp process
     starts in a deployment). Before each evaluation every device re-fits its head on a
     throwaway copy: ``finetune_steps`` of SGD at ``finetune_lr`` on everything it has
     observed, against the shared part it just received (:attr:`finetunes_head`; 0 turns
@@ -125,6 +129,7 @@ class FleetConfig:
     delta: float = 1e-5
     server: str = "fedavgm"
     server_momentum: float = 0.5
+    server_lr: float = 2.0
     server_eta: float = 0.03
     finetune_steps: int = 300
     finetune_lr: float = 0.1
@@ -146,7 +151,7 @@ class FleetConfig:
             raise ValueError(f"`server == {self.server!r}`, must be one of {SERVERS}")
         if not 0.0 <= float(self.server_momentum) < 1.0:
             raise ValueError(f"`server_momentum == {self.server_momentum!r}`, must be in [0, 1)")
-        for name in ("clip", "epsilon", "delta", "finetune_lr", "server_eta"):
+        for name in ("clip", "epsilon", "delta", "finetune_lr", "server_eta", "server_lr"):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"`{name} == {getattr(self, name)!r}`, must be > 0")
         if not float(self.noise) >= 0 or self.finetune_steps < 0:
@@ -336,7 +341,7 @@ def _strategy(cfg: FleetConfig) -> Any:
     nodes: dict[str, Any] = {"min_train_nodes": n, "min_evaluate_nodes": n, "min_available_nodes": n}
     inner: Any = FedAvg(**nodes)
     if cfg.server == "fedavgm":
-        inner = FedAvgM(**nodes, server_momentum=cfg.server_momentum)
+        inner = FedAvgM(**nodes, server_momentum=cfg.server_momentum, server_learning_rate=cfg.server_lr)
     elif cfg.server == "fedadam":
         inner = FedAdam(**nodes, eta=cfg.server_eta)
     if cfg.privacy == "central":

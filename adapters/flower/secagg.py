@@ -174,7 +174,8 @@ def _strategy_class(aggregator: str) -> type:
             """``initial``: the shared part (its names, order and dtypes are the wire format); ``settings``: sent with every config."""
             n = cfg.devices
             extra = dict(settings or {})
-            options = {"fedavgm": {"server_momentum": cfg.server_momentum}, "fedadam": {"eta": cfg.server_eta}}.get(aggregator, {})
+            fedavgm = {"server_momentum": cfg.server_momentum, "server_learning_rate": cfg.server_lr}
+            options = {"fedavgm": fedavgm, "fedadam": {"eta": cfg.server_eta}}.get(aggregator, {})
             super().__init__(
                 **options,
                 fraction_fit=1.0,

@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         help="server strategy (Flower's)",
     )
     parser.add_argument("--server-momentum", type=float, default=0.5, help="FedAvgM server momentum")
+    parser.add_argument("--server-lr", type=float, default=2.0, help="FedAvgM server learning rate (1: the mean update)")
     parser.add_argument("--server-eta", type=float, default=0.03, help="FedAdam server step size")
     parser.add_argument(
         "--privacy",
@@ -88,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             personal=args.personal,
             server=args.server,
             server_momentum=args.server_momentum,
+            server_lr=args.server_lr,
             server_eta=args.server_eta,
             privacy=args.privacy,
             secagg=args.secagg,
