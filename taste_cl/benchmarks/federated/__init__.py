@@ -184,8 +184,8 @@ def run_offline(fleet: Fleet, *, refit: FleetConfig, pooled: bool, steps: int = 
     sees) or on each device's own data alone; then each device re-fits its head and is scored as the fleet's devices are.
 
     On this fleet the two give a device's own classes the same accuracy (3 x 2 and 10 x 10, seeds 0-4, within half a
-    point): its own data suffices for them, so no federated method can beat learning alone there by more than noise.
-    A class new to the device is where pooled data helps (see docs/federated.md).
+    point): its own data suffices for them, so on them federation can add training steps but not data. A class new to
+    the device is where pooled data helps (see docs/federated.md).
     """
     reference = fleet.build_learner(0)
     lr = float(reference.optimizer.param_groups[0]["lr"])
