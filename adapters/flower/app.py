@@ -106,11 +106,11 @@ class FleetConfig:
     the mean update: averaging non-IID updates cancels part of each device's progress (chosen
     on seeds 5-9, torch runtime: own-class accuracy 0.952 against 0.940 at 1 and 0.933 local
     only at 10 devices x 10 rounds; 0.965 against 0.960 and 0.962 at 3 x 2). With
-    ``evaluate_every_round=False`` devices are evaluated after the last round only (fewer messages, hence fewer ClientApp process
-    starts in a deployment). Before each evaluation every device re-fits its head on a
-    throwaway copy: ``finetune_steps`` of SGD at ``finetune_lr`` on everything it has
-    observed, against the shared part it just received (:attr:`finetunes_head`; 0 turns
-    it off). ``secagg`` runs the same devices under
+    ``evaluate_every_round=False`` devices are evaluated after the last round only (fewer
+    messages, hence fewer ClientApp process starts in a deployment). Before each evaluation
+    every device re-fits its head on a throwaway copy: ``finetune_steps`` of SGD at
+    ``finetune_lr`` on everything it has observed, against the shared part it just received
+    (:attr:`finetunes_head`; 0 turns it off). ``secagg`` runs the same devices under
     Flower's SecAgg+ protocol (:mod:`taste_cl.adapters.flower.secagg`): the server sees
     only the sum of the updates; it needs at least 3 devices and cannot be combined
     with ``privacy="central"`` (the server would have to clip single updates).
@@ -167,8 +167,8 @@ class FleetConfig:
     def finetunes_head(self) -> bool:
         """Whether each device re-fits its head on its own data before it is evaluated.
 
-        FedPer's head was trained against the device's own body, not the aggregate it then receives, and
-        on a class-incremental stream it favours the latest classes; the re-fit on all it has
+        FedPer's head was trained against the device's own body, not the aggregate it then
+        receives, and on a class-incremental stream it favours the latest classes; the re-fit on all it has
         seen took FedPer from 0.819 to 0.949 and FedPer + central DP from 0.677 to 0.962 (3 x 2,
         seeds 0-4, device runtime). Local-only learning gains as much from the same re-fit
         (0.792 to 0.961), so benchmarks give it the same (``run_local(refit=config)`` in
