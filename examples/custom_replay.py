@@ -15,7 +15,7 @@ import torch
 
 from taste_cl import BufferStorage, ReplayStrategy, ReservoirReplay
 from taste_cl.datasets import split_digits
-from taste_cl.cli.demo import build_digits_learner
+from taste_cl.reference import build_digits_learner
 from taste_cl.experiment import run_class_incremental
 from taste_cl.testing import check_replay_strategy
 

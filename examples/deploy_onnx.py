@@ -21,7 +21,7 @@ import torch
 
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.datasets import split_digits, stream
-from taste_cl.cli.demo import build_digits_learner
+from taste_cl.reference import build_digits_learner
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
     for _, x, y in stream(tasks[:3], 10):
         learner.observe((x, y))
     with tempfile.TemporaryDirectory() as scratch:
-        folder = learner.export_onnx(Path(scratch) / "artifacts", batch_size=10)
+        folder = learner.export(Path(scratch) / "artifacts", batch_size=10, backend="onnxruntime")
         parity = json.loads((folder / "manifest.json").read_text())["parity"]
         device = OrtOnlineLearner.from_artifacts(folder)
         for _, x, y in stream(tasks[3:], 10, seed=1):

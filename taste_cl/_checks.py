@@ -1,6 +1,6 @@
 """Argument checks shared by every constructor: one rule, one message shape.
 
-Torch-free, so the device runtimes (``adapters/onnxruntime/``) can use it too.
+Torch-free, so the device runtimes (``taste_cl/adapters/onnxruntime/``) can use it too.
 """
 
 from __future__ import annotations

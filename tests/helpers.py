@@ -148,3 +148,18 @@ def run_without_torch(script: str, *, timeout: float = 600, **env: str) -> subpr
     code = _NO_TORCH_HOOK + textwrap.dedent(script)
     environment = {**os.environ, "PYTHONPATH": str(root), **env}
     return subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "taste_cl"
+
+
+def public_modules() -> list[str]:
+    """Every module of the package whose dotted path has no private part, the package itself included."""
+    names = ["taste_cl"]
+    for path in sorted(PACKAGE_ROOT.rglob("*.py")):
+        parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if parts[-1] != "__main__" and not any(part.startswith("_") for part in parts):
+            names.append(".".join(parts))
+    return sorted(set(names))
+

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from taste_cl.benchmarks._common import alternating_rounds, save_figure
+from taste_cl.benchmarks._common import alternating_rounds
+from taste_cl.plotting import save_figure
 
 
 def test_alternating_rounds_warm_up_once_then_reverse_the_order_every_other_round() -> None:

@@ -102,3 +102,46 @@ def test_report_refuses_a_file_without_markers_and_a_folder_without_results(tmp_
         main(["bench", "report", "--out", str(tmp_path)])
     assert exit_.value.code == 2
     assert "no benchmark results" in capsys.readouterr().err
+
+
+def test_demo_without_matplotlib_prints_its_table_and_says_how_to_get_the_plot(tmp_path):
+    """``pip install .`` installs no matplotlib (the ``plot`` extra brings it): the demo still runs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; "  # an import of matplotlib now raises ImportError
+        "from taste_cl.cli import main; "
+        f"raise SystemExit(main(['demo', '--no-progress', '--no-baseline', '--plot', {str(tmp_path / 'demo.png')!r}]))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "after task" in result.stdout and "final accuracy" in result.stdout
+    assert "no plot: install matplotlib for the plot: pip install '.[plot]'" in result.stdout
+    assert not (tmp_path / "demo.png").exists()
+
+
+def test_a_core_install_brings_no_matplotlib():
+    """What ``pip install .`` installs: taste-cl's requirements without extras, and theirs, as installed here."""
+    import re
+    from importlib import metadata
+
+    def requirements(distribution: str) -> list[str]:
+        wanted = []
+        for line in metadata.requires(distribution) or []:
+            if "extra ==" not in line:
+                wanted.append(re.split(r"[ ;<>=!~\[(]", line, maxsplit=1)[0].lower().replace("_", "-"))
+        return wanted
+
+    seen: set[str] = set()
+    todo = requirements("taste-cl")
+    assert "lazy-loader" in todo and "torch" in todo
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            try:
+                todo.extend(requirements(name))
+            except metadata.PackageNotFoundError:  # a platform-only requirement not installed here
+                pass
+    assert "matplotlib" not in seen

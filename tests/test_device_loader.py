@@ -28,7 +28,7 @@ def _fresh_learner() -> OnlineLearner:
 def test_a_learner_built_with_shapes_exports_before_it_observes_and_the_device_learns(tmp_path: Path) -> None:
     learner = _fresh_learner()
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
-    folder = learner.export_onnx(tmp_path / "fresh")
+    folder = learner.export(tmp_path / "fresh", backend="onnxruntime")
     assert all(torch.equal(v, learner.model.state_dict()[k]) for k, v in before.items())  # the export changed nothing
     device = load_learner(folder)
     assert isinstance(device, OrtOnlineLearner)
@@ -44,14 +44,14 @@ def test_a_learner_without_shapes_or_rows_asks_for_an_example(tmp_path: Path) ->
     model = nn.Linear(4, 3)
     learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match=r"input_shape= and num_classes=.*pass example=\(x, y\)"):
-        learner.export_onnx(tmp_path / "x")
+        learner.export(tmp_path / "x", backend="onnxruntime")
     assert not (tmp_path / "x").exists()
 
 
 def test_load_learner_refuses_what_is_not_an_artifact_folder_or_names_another_backend(tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match="not an artifact folder"):
         load_learner(tmp_path)
-    folder = _fresh_learner().export_onnx(tmp_path / "a")
+    folder = _fresh_learner().export(tmp_path / "a", backend="onnxruntime")
     manifest_path = folder / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["backend"] = "tflite"
@@ -59,7 +59,7 @@ def test_load_learner_refuses_what_is_not_an_artifact_folder_or_names_another_ba
     with pytest.raises(ArtifactError, match="backend 'tflite'"):
         load_learner(folder)
     with pytest.raises(TypeError):
-        load_learner(_fresh_learner().export_onnx(tmp_path / "b"), no_such_option=1)
+        load_learner(_fresh_learner().export(tmp_path / "b", backend="onnxruntime"), no_such_option=1)
     assert read_manifest(tmp_path / "b")  # the refused option left the folder as it was
 
 
@@ -83,9 +83,9 @@ def test_exporting_prints_no_line_about_torchs_cuda_build(tmp_path: Path) -> Non
     import sys
 
     code = (
-        "import torch; from torch import nn; from taste_cl import OnlineLearner; import taste_cl.adapters.onnx; "
+        "import torch; from torch import nn; from taste_cl import OnlineLearner; import taste_cl.adapters.onnxruntime.learner_export; "
         "m = nn.Linear(4, 3); l = OnlineLearner(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), input_shape=(4,), num_classes=3); "
-        f"l.export_onnx({str(tmp_path / 'a')!r})"
+        f"l.export({str(tmp_path / 'a')!r}, backend='onnxruntime')"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -16,7 +16,7 @@ from torch import nn
 pytest.importorskip("onnxruntime.training")
 
 from taste_cl import OnlineLearner
-from taste_cl.adapters.onnxruntime.learner_export import export_model
+from taste_cl.adapters.onnxruntime.build import export_model
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.elastic import ElasticTrainer
 

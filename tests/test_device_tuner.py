@@ -25,7 +25,7 @@ pytest.importorskip("onnxruntime.training")
 from taste_cl.adapters.device import tuning
 from taste_cl.adapters.device.artifacts import ArtifactError
 from taste_cl.adapters.device.tuning import DeviceBatchTuner, micro_batch_bounds
-from taste_cl.adapters.onnxruntime.learner_export import ReplayRows, export_model
+from taste_cl.adapters.onnxruntime.build import ReplayRows, export_model
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.adapters.onnxruntime.session import OrtSession
 from taste_cl.tuning.load import LoadMeter

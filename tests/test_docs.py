@@ -85,3 +85,45 @@ def test_block_runs_alone(code: str, limit_s: int, tmp_path: Path, monkeypatch: 
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+# ------------------------------------------------------------------ docs/architecture.md tells the truth
+_ENTRY = re.compile(r"^[\w.]+(?:\.py|/)$")
+
+
+def architecture_tree(text: str) -> set[str]:
+    """Repository paths the page's first ```text tree names: a line's first word is an entry when it is a
+    module (``name.py``) or a folder (``name/``), nested by two-space indentation; a line of module names
+    alone (``a.py  b.py``) names them all. Other lines continue a description."""
+    block = text.split("## The rooms", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    folders: list[tuple[int, str]] = []
+    paths: set[str] = set()
+    for line in block.splitlines():
+        words = line.split()
+        if not words or not _ENTRY.match(words[0]):
+            continue
+        depth = (len(line) - len(line.lstrip())) // 2
+        folders = [(d, f) for d, f in folders if d < depth]
+        parent = "".join(f for _, f in folders)
+        entries = words if all(w.endswith(".py") for w in words) else words[:1]
+        for entry in entries:
+            paths.add(parent + entry)
+            if entry.endswith("/"):
+                folders.append((depth, entry))
+    return paths
+
+
+def test_the_architecture_tree_reader_nests_by_indentation() -> None:
+    page = "## The rooms\n\n```text\npkg/\n  a.py    about a\n          b.py: named in a description\n  sub/   a folder\n    c.py  d.py\n  e.py\n```\n"
+    assert architecture_tree(page) == {"pkg/", "pkg/a.py", "pkg/sub/", "pkg/sub/c.py", "pkg/sub/d.py", "pkg/e.py"}
+
+
+def test_every_path_on_the_architecture_page_exists_and_every_module_is_on_it() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    tree = architecture_tree(text)
+    named = tree | set(re.findall(r"`(taste_cl/[\w/]+(?:\.py|/)?)`", text))
+    assert [p for p in sorted(named) if not (ROOT / p).exists()] == []
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "taste_cl").rglob("*.py") if p.name != "__init__.py"}
+    assert sorted(modules - tree) == []
+    folders = {str(p.parent.relative_to(ROOT)) + "/" for p in (ROOT / "taste_cl").rglob("__init__.py")}
+    assert sorted(folders - tree) == []

@@ -123,7 +123,7 @@ def _stochastic_depth_cnn() -> nn.Module:
 def test_onnxruntime_exports_stochastic_depth_with_batch_statistics(tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime.training")
     pytest.importorskip("torchvision")
-    from taste_cl.adapters.onnxruntime.learner_export import export_model
+    from taste_cl.adapters.onnxruntime.build import export_model
 
     model = _stochastic_depth_cnn()
     g = torch.Generator().manual_seed(0)
@@ -141,7 +141,7 @@ def _cnn_export(tmp_path: Path, name: str, batchnorm: str, lr: float = 0.01) -> 
     torchvision = pytest.importorskip("torchvision")
     from zoo import _image_batch
 
-    from taste_cl.adapters.onnxruntime.learner_export import export_model
+    from taste_cl.adapters.onnxruntime.build import export_model
 
     torch.manual_seed(0)
     model = getattr(torchvision.models, name)(weights=None, num_classes=4)

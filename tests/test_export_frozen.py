@@ -22,7 +22,8 @@ from torch import nn
 pytest.importorskip("onnxruntime.training")
 
 from taste_cl import OnlineLearner, ReservoirReplay
-from taste_cl.adapters.onnxruntime.learner_export import OrtOnlineLearner, export_model
+from taste_cl.adapters.onnxruntime.build import export_model
+from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.adapters.onnxruntime.ort_checkpoint import read_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")

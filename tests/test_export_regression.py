@@ -24,7 +24,7 @@ import onnxruntime
 
 from taste_cl import OnlineLearner, ReservoirReplay
 from taste_cl.adapters.device.artifacts import ExportError
-from taste_cl.adapters.onnxruntime.learner_export import OrtOnlineLearner
+from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.adapters.onnxruntime.losses import traceable_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")

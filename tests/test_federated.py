@@ -18,7 +18,7 @@ pytest.importorskip("flwr")
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
 from taste_cl.adapters.flower import fleet as flower
-from taste_cl.benchmarks.federated import make_fleet
+from taste_cl.adapters.flower.digits_fleet import make_fleet
 from taste_cl.datasets import make_mlp
 from taste_cl.exceptions import MissingDependencyError
 

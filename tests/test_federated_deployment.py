@@ -117,7 +117,8 @@ def test_head_refit_moves_only_a_copy_of_the_head() -> None:
 def test_local_only_re_fits_its_head_as_the_fleets_devices_do() -> None:
     """``run_local(refit=config)`` scores each device after the fleet's head re-fit on all it has seen;
     a config with the re-fit off scores the learner as it is."""
-    from taste_cl.benchmarks.federated import make_fleet, run_local
+    from taste_cl.adapters.flower.digits_fleet import make_fleet
+    from taste_cl.benchmarks.federated import run_local
     from taste_cl.monitor.evaluation import accuracy
 
     fleet, config = make_fleet(2, num_rounds=1), FleetConfig(devices=2, rounds=1, finetune_steps=20)

@@ -162,7 +162,7 @@ def test_the_aggregate_reaches_devices_in_the_dtype_the_server_sent() -> None:
 
     from taste_cl.adapters.flower.fleet import _in_sent_dtypes, _record_to_numpy
     from taste_cl.benchmarks.federated.deployment import _simulate
-    from taste_cl.benchmarks.federated.tables import last_evaluation
+    from taste_cl.adapters.flower.tables import last_evaluation
 
     spec = {"w": ((2,), np.dtype(np.float32)), "b": ((1,), np.dtype(np.float32))}
     wide = ArrayRecord({"w": Array(np.array([0.1, 0.2])), "b": Array(np.array([1.0]))})
@@ -179,7 +179,8 @@ def test_local_only_on_the_artifacts_runtime_trains_the_device_learner(fleet_exp
     """The bench's local-only baseline on ``device="artifacts"`` is the torch-free learner of the parity-gated
     export, fed the device's batches: the same numbers as driving that learner by hand."""
     from taste_cl.adapters.device import export
-    from taste_cl.benchmarks.federated import make_fleet, run_local
+    from taste_cl.adapters.flower.digits_fleet import make_fleet
+    from taste_cl.benchmarks.federated import run_local
 
     cfg, folder, _ = fleet_export
     fleet = make_fleet(2, num_rounds=2)
@@ -207,7 +208,8 @@ def test_local_only_on_the_artifacts_runtime_trains_the_device_learner(fleet_exp
 def test_local_only_with_the_dp_fleets_weight_noise_adds_it_to_the_shared_tensors_each_round() -> None:
     """``run_local(noise=config)``: a DP fleet's per-round aggregate noise (``noise * clip / devices``) on each
     device's shared tensors, its personal ones untouched; reproducible, and absent without DP."""
-    from taste_cl.benchmarks.federated import _weight_noise, make_fleet, run_local
+    from taste_cl.adapters.flower.digits_fleet import make_fleet
+    from taste_cl.benchmarks.federated import _weight_noise, run_local
 
     dp = FleetConfig(devices=2, rounds=2, personal="4.", privacy="central", noise=0.4, clip=1.0, device="artifacts")
     assert dp.aggregate_noise_std == pytest.approx(0.2)
@@ -233,9 +235,10 @@ def test_local_only_with_the_dp_fleets_weight_noise_adds_it_to_the_shared_tensor
 def test_the_seed_sweep_judges_each_variant_on_its_mean_over_seeds(capsys: pytest.CaptureFixture[str]) -> None:
     """``bench federated --deployment --seeds K``: every variant per seed in the simulation engine, beside local only
     on the same runtime; the verdict compares the means."""
-    from taste_cl.benchmarks.federated import make_fleet, run_local
+    from taste_cl.adapters.flower.digits_fleet import make_fleet
+    from taste_cl.benchmarks.federated import run_local
     from taste_cl.benchmarks.federated.deployment import JUDGED, _means, _seed_sweep, _simulate
-    from taste_cl.benchmarks.federated.tables import last_evaluation
+    from taste_cl.adapters.flower.tables import last_evaluation
 
     config = FleetConfig(devices=2, rounds=1, device="artifacts", evaluate_every_round=False)
     dp = FleetConfig(**{**config.__dict__, "privacy": "central", "noise": 0.2})

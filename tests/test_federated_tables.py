@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from taste_cl.benchmarks.federated.tables import accuracy_table, last_evaluation, rounds_table
+from taste_cl.adapters.flower.tables import accuracy_table, last_evaluation, rounds_table
 
 LOCAL = {0: {"accuracy-all": 0.2, "accuracy-own": 0.6}, 1: {"accuracy-all": 0.4, "accuracy-own": 0.8}}
 FED = {0: {"accuracy-all": 0.5, "accuracy-own": 0.7}, 1: {"accuracy-all": 0.7, "accuracy-own": 0.9}}

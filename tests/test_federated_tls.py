@@ -1,4 +1,4 @@
-"""Run-local TLS certificates and SuperNode keys for the Flower deployment (adapters/flower/tls.py)."""
+"""Run-local TLS certificates and SuperNode keys for the Flower deployment (taste_cl/adapters/flower/tls.py)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from torch import nn
 pytest.importorskip("onnxruntime.training")
 
 from taste_cl.adapters.device.artifacts import ArtifactError
-from taste_cl.adapters.onnxruntime.learner_export import ReplayRows, export_model
+from taste_cl.adapters.onnxruntime.build import ReplayRows, export_model
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.exceptions import CheckpointError, InvalidBatchError
 

@@ -6,7 +6,7 @@ import torch
 from helpers import batch, snapshot, tiny_learner
 
 from taste_cl import ObserveStats, OnlineLearner, StabilityPlasticityMonitor
-from taste_cl.cli.demo import build_digits_learner
+from taste_cl.reference import build_digits_learner
 from taste_cl.experiment import run_class_incremental
 
 

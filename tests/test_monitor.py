@@ -5,7 +5,7 @@ import torch
 from helpers import batch, tiny_learner
 
 from taste_cl import PageHinkley, StabilityPlasticityMonitor
-from taste_cl.cli.demo import build_digits_learner
+from taste_cl.reference import build_digits_learner
 from taste_cl.experiment import run_class_incremental
 
 

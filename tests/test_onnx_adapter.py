@@ -15,8 +15,10 @@ pytest.importorskip("onnxruntime.training")
 import onnxruntime
 
 from taste_cl import CheckpointError, OnlineLearner
-from taste_cl.adapters.onnxruntime.learner_export import OrtOnlineLearner, UnsupportedOperatorError, export
-from taste_cl.cli.demo import build_digits_learner
+from taste_cl.adapters.onnxruntime.learner_export import export
+from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
+from taste_cl.exceptions import UnsupportedOperatorError
+from taste_cl.reference import build_digits_learner
 from taste_cl.datasets import split_digits, stream
 from taste_cl.exceptions import InvalidBatchError
 
@@ -125,7 +127,7 @@ def test_requires_grad_selects_what_trains_on_device(tmp_path: Path) -> None:
     model = _mlp()
     model[0].requires_grad_(False)  # e.g. a last-layers-only personalisation
     learner = _learner(model, (12,))
-    folder = learner.export_onnx(tmp_path / "art", example=(torch.randn(4, 12), torch.randint(0, 4, (4,))))
+    folder = learner.export(tmp_path / "art", example=(torch.randn(4, 12), torch.randint(0, 4, (4,))), backend="onnxruntime")
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["trainable"] == ["model.2.weight", "model.2.bias"]
     assert manifest["param_names"]["model.0.weight"] == "0.weight"

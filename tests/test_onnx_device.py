@@ -18,7 +18,7 @@ pytest.importorskip("onnxruntime.training")
 import onnx
 
 from taste_cl.adapters.device.artifacts import ArtifactError
-from taste_cl.adapters.onnxruntime.learner_export import ReplayRows, export_model
+from taste_cl.adapters.onnxruntime.build import ReplayRows, export_model
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.exceptions import InvalidBatchError
 
@@ -76,15 +76,6 @@ def test_device_runtime_runs_with_torch_unimportable(artifacts: Path, tmp_path: 
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "OK 25"
     assert "[I:onnxruntime" not in result.stderr  # INFO logs silenced
-
-
-def test_device_and_torch_learners_return_one_stats_type() -> None:
-    from taste_cl.adapters.onnx_device import DeviceObserveStats as old_path
-    from taste_cl.adapters.onnxruntime import DeviceObserveStats as package_path
-    from taste_cl.adapters.onnxruntime.runtime import DeviceObserveStats
-    from taste_cl.learner import ObserveStats
-
-    assert DeviceObserveStats is old_path is package_path is ObserveStats
 
 
 def test_replay_rows_are_exported_in_the_graph_dtype(artifacts: Path) -> None:

@@ -16,7 +16,8 @@ pytest.importorskip("onnxruntime.training")
 from zoo import ZOO
 
 from taste_cl.adapters.onnxruntime import build as _onnx_export
-from taste_cl.adapters.onnxruntime.learner_export import ParityError, UnsupportedOperatorError, export_model
+from taste_cl.adapters.onnxruntime.build import export_model
+from taste_cl.exceptions import ParityError, UnsupportedOperatorError
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.exceptions import InvalidBatchError
 

@@ -24,9 +24,10 @@ pytest.importorskip("onnxruntime.training")
 from zoo import ZOO, TextClassifier
 
 from taste_cl import OnlineLearner, ReservoirReplay
-from taste_cl.adapters.onnxruntime.learner_export import ExportError, OrtOnlineLearner
+from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
+from taste_cl.exceptions import ExportError
 from taste_cl.adapters.onnxruntime.transforms import disable_random_layers
-from taste_cl.cli.demo import make_mlp
+from taste_cl.datasets import make_mlp
 
 Batch = tuple[Any, torch.Tensor]
 
@@ -117,5 +118,5 @@ def test_nested_inputs_are_refused_by_name(tmp_path: Path) -> None:
     learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), replay=ReservoirReplay(8))
     learner.observe(({"a": torch.randn(4, 4), "pair": (torch.randn(4, 3), torch.randn(4, 1))}, torch.tensor([0, 1, 0, 1])))
     with pytest.raises(ExportError, match=r"x\['pair'\] is a tuple, not a tensor: the device runtime takes a tensor or a flat"):
-        learner.export_onnx(tmp_path / "art")
+        learner.export(tmp_path / "art", backend="onnxruntime")
     assert not (tmp_path / "art").exists()

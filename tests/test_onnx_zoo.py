@@ -24,7 +24,7 @@ pytest.importorskip("onnxruntime.training")
 
 from zoo import ZOO
 
-from taste_cl.adapters.onnxruntime.learner_export import export_model
+from taste_cl.adapters.onnxruntime.build import export_model
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.adapters.onnxruntime.transforms import disable_random_layers
 

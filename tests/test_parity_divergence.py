@@ -163,7 +163,7 @@ def test_a_runtime_within_the_tolerance_of_float64_passes_though_torch_rounds_th
 
 # --------------------------------------------------------------------- exports
 def _export_line(tmp_path: Path, lr: float) -> Path:
-    from taste_cl.adapters.onnxruntime.learner_export import export_model
+    from taste_cl.adapters.onnxruntime.build import export_model
 
     model = nn.Linear(1, 1, bias=False)
     nn.init.zeros_(model.weight)
@@ -197,7 +197,7 @@ def _unfit_batchnorm_cnn() -> nn.Module:
 
 def test_onnxruntime_recommends_batch_statistics_when_frozen_batchnorm_diverges(tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime.training")
-    from taste_cl.adapters.onnxruntime.learner_export import export_model
+    from taste_cl.adapters.onnxruntime.build import export_model
 
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(8, 3, 10, 10, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(3)]
@@ -244,7 +244,7 @@ def test_resnet18_with_frozen_batchnorm_at_lr_0_1_is_refused_as_diverging(tmp_pa
     """ResNet-18's artifacts passed the 3 compared steps and went NaN on the device a few steps later, as torch does."""
     pytest.importorskip("onnxruntime.training")
     torchvision = pytest.importorskip("torchvision")
-    from taste_cl.adapters.onnxruntime.learner_export import export_model
+    from taste_cl.adapters.onnxruntime.build import export_model
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None, num_classes=10)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from taste_cl._report import MonitorReport, format_fields, format_number, format_table
+from taste_cl.report import MonitorReport, format_fields, format_number, format_table
 
 
 @pytest.mark.parametrize(

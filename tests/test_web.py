@@ -26,7 +26,8 @@ pytest.importorskip("onnxruntime.training")
 import onnx
 
 from taste_cl import CheckpointError, OnlineLearner
-from taste_cl.adapters.onnxruntime.learner_export import OrtOnlineLearner, read_manifest
+from taste_cl.adapters.device.artifacts import read_manifest
+from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.adapters.web.compat import (
     WEB_MANIFEST,
     WEB_OPTIMIZER_MODEL,
@@ -34,7 +35,7 @@ from taste_cl.adapters.web.compat import (
     check_strict_shapes,
     make_web_compatible,
 )
-from taste_cl.cli.demo import build_digits_learner
+from taste_cl.reference import build_digits_learner
 from taste_cl.cli.serve_demo import DemoServer, browser_tools, drive_browser
 from taste_cl.datasets import split_digits
 from taste_cl.replay import ReservoirReplay
@@ -73,7 +74,7 @@ def _export(learner: OnlineLearner, folder: Path, **kwargs: object) -> Path:
                 torch.from_numpy(y[start : start + 10]),
             )
         )
-    learner.export_onnx(folder, **kwargs)
+    learner.export(folder, backend="onnxruntime", **kwargs)
     assert read_manifest(folder)["web"] == {"manifest": WEB_MANIFEST}  # the exporter made it web-compatible
     return folder
 
@@ -195,7 +196,7 @@ def test_export_records_why_the_browser_cannot_train_and_the_device_still_works(
         learner = OnlineLearner(model, optimizer=build(model))
         y = torch.tensor([0, 1, 2, 0, 1, 2])
     x = torch.randn(6, 4)
-    folder = learner.export_onnx(tmp_path / "art", example=(x, y))
+    folder = learner.export(tmp_path / "art", example=(x, y), backend="onnxruntime")
     assert reason in _skipped_reason(folder)
     device = OrtOnlineLearner.from_artifacts(folder)
     np.testing.assert_allclose(device.predict(x.numpy()), learner.predict(x).numpy(), atol=1e-5)
@@ -211,7 +212,7 @@ def test_a_graph_failing_strict_inference_skips_the_web_step_not_the_export(tmp_
     monkeypatch.setattr(_web_compat, "check_strict_shapes", strict)
     learner = build_digits_learner()
     learner.observe((torch.rand(10, 64), torch.randint(0, 10, (10,))))
-    folder = learner.export_onnx(tmp_path / "art")
+    folder = learner.export(tmp_path / "art", backend="onnxruntime")
     assert "fails strict shape inference" in _skipped_reason(folder)
     assert OrtOnlineLearner.from_artifacts(folder).observe((np.random.rand(4, 64), np.arange(4))).steps == 3
 
@@ -233,7 +234,7 @@ def test_replay_labels_are_8_byte_aligned_after_odd_sized_features(tmp_path: Pat
     model = nn.Linear(3, 2)
     learner = OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), replay=ReservoirReplay(4))
     learner.observe((torch.rand(1, 3), torch.tensor([1])))
-    folder = learner.export_onnx(tmp_path / "odd", example=(torch.rand(2, 3), torch.tensor([1, 0])))
+    folder = learner.export(tmp_path / "odd", example=(torch.rand(2, 3), torch.tensor([1, 0])), backend="onnxruntime")
     header = json.loads(make_web_compatible(folder).read_text())["replay"]
     assert header["arrays"]["x"]["nbytes"] == 12 and header["arrays"]["y"]["offset"] == 16
     raw = (folder / header["file"]).read_bytes()

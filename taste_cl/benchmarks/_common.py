@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from taste_cl._report import write_json
 from taste_cl.cli.console import HelpFormatter, plain_text, progress_bar, set_third_party_logging
+from taste_cl.report import write_json
 
-__all__ = ["alternating_rounds", "base_parser", "environment", "parse", "progress_bar", "save_figure", "save_result"]
+__all__ = ["alternating_rounds", "base_parser", "environment", "parse", "progress_bar", "save_result"]
 
 
 def base_parser(prog: str, description: str, *, threads: int = 1) -> argparse.ArgumentParser:
@@ -90,15 +90,3 @@ def alternating_rounds(variants: Mapping[str, Callable[[], Any]], *, steps: int,
                 variants[name]()
             timings[name].append((time.perf_counter() - start) / steps)
     return timings
-
-
-def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int = 100, **options: Any) -> Path:
-    """Lay out a matplotlib ``fig``, write it to ``path`` (its folder created) and close it; ``options`` go to ``savefig``."""
-    import matplotlib.pyplot as plt
-
-    target = Path(path)
-    fig.tight_layout()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, dpi=dpi, **options)
-    plt.close(fig)
-    return target

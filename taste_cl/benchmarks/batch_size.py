@@ -34,9 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from taste_cl._report import format_number, format_table
-from taste_cl.benchmarks._common import base_parser, parse, save_figure, save_result
+from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.datasets import TextClassifier, make_cnn, make_mlp, make_pattern_images
+from taste_cl.plotting import PLOT_HINT, plotting_available, pyplot, save_figure
+from taste_cl.report import format_number, format_table
 from taste_cl.tuning.probe import ProbeRunner, Samples, preserved_rng
 from taste_cl.tuning.tuner import BatchSizeTuner, candidate_batch_sizes
 
@@ -295,7 +296,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{DEFAULT_THREADS} threads at that batch over the same work (median of per-round rates: {check['joint_vs_default_threads']:.2f}x)"
         )
     save_result(args.out, "batch_size", {"models": results, "threads_under_load": threads}, summary=_headline(results, threads))
-    _plot(results, Path(args.out) / "batch_size.png")
+    if plotting_available():
+        _plot(results, Path(args.out) / "batch_size.png")
+    else:
+        print(f"no plot: {PLOT_HINT}")
     return 0
 
 
@@ -322,11 +326,7 @@ def _headline(results: dict[str, dict[str, Any]], threads: list[dict[str, Any]] 
 
 
 def _plot(results: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, r in results.items():
         grid = {int(b): v for b, v in r["grid"].items()}

@@ -60,10 +60,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from taste_cl._report import format_table
 from taste_cl.benchmarks._common import alternating_rounds, base_parser, parse, save_result
 from taste_cl.learner import OnlineLearner
 from taste_cl.replay import ReservoirReplay
+from taste_cl.report import format_table
 
 BACKENDS = ("onnxruntime", "executorch")
 TRANSFORMS = ["freeze_batchnorm", "disable_random_layers"]  # applied by the ExecuTorch export only

@@ -33,10 +33,11 @@ import torch
 from torch import nn
 
 from taste_cl import ElasticTrainer, OnlineLearner
-from taste_cl._report import format_number, format_table
-from taste_cl.benchmarks._common import base_parser, parse, save_figure, save_result
+from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.elastic import measure_training_memory
+from taste_cl.plotting import PLOT_HINT, plotting_available, pyplot, save_figure
 from taste_cl.plugins import LearnerPlugin
+from taste_cl.report import format_number, format_table
 
 if TYPE_CHECKING:
     from taste_cl.learner import ObserveStats
@@ -327,11 +328,7 @@ def _print_model(model_name: str, seeds: dict[int, dict[str, dict[str, Any]]], c
 
 
 def _plot(curves: dict[str, list[tuple[float, float]]], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, points in curves.items():
         ax.plot([t for t, _ in points], [a for _, a in points], label=name, marker=".")
@@ -382,7 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         seeds = {seed: finetune(pretrained, data, names, seed, args) for seed in range(args.seeds)}
         _print_model(model_name, seeds, args.clock)
         results[model_name] = {"pretrain_accuracy": pretrain_acc, "seeds": seeds}
-        if args.plot:
+        if args.plot and not plotting_available():
+            print(f"no plot: {PLOT_HINT}")
+        elif args.plot:
             print(f"plot written to {_plot({n: r['curve'] for n, r in seeds[0].items()}, Path(args.out) / f'elastic_{model_name}.png')}")
     config = {key: value for key, value in vars(args).items() if key != "out"}
     save_result(args.out, "elastic_zoo" if args.zoo else "elastic", {"config": config, "models": results}, summary=_headline(results, args.clock))

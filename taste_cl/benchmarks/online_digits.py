@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from taste_cl._report import format_table
 from taste_cl.benchmarks._common import base_parser, parse, save_result
-from taste_cl.cli.demo import build_digits_learner
 from taste_cl.datasets import split_digits
 from taste_cl.experiment import run_class_incremental
+from taste_cl.reference import build_digits_learner
+from taste_cl.report import format_table
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from taste_cl._report import format_table
 from taste_cl.benchmarks._common import alternating_rounds, base_parser, parse, save_result
+from taste_cl.report import format_table
 
 ZOO_MODELS = ("resnet18", "mobilenet_v2", "mobilenet_v3_small", "lstm", "text_transformer", "regression_mlp",
               "multilabel_mlp")  # fmt: skip

@@ -27,12 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from taste_cl._report import format_table
 from taste_cl.benchmarks._common import base_parser, parse, progress_bar, save_result
 from taste_cl.datasets import make_cnn, make_mlp, make_pattern_images, split_digits
 from taste_cl.learner import OnlineLearner
 from taste_cl.monitor.monitor import StabilityPlasticityMonitor
 from taste_cl.replay import ReservoirReplay
+from taste_cl.report import format_table
 
 VARIANTS = ("raw", "defaults", "monitor off", "guard off", "replay off", "plugins idle", "raw no replay")
 CAPACITY = 200
@@ -230,7 +230,7 @@ def run_case(case: Case, args: Any, cache_dir: str) -> dict[str, Any]:
 
     for variant, learner in learners.items():
         _first_observe(learner, *next_batch(variant))
-    score_eval = learners["defaults"]._score_eval
+    score_eval = learners["defaults"].score_eval
     raws = {
         "raw": RawLoop(case.build(args.seed), case, x_all, replay=True, score_eval=score_eval, seed=args.seed),
         "raw no replay": RawLoop(case.build(args.seed), case, x_all, replay=False, score_eval=score_eval, seed=args.seed),

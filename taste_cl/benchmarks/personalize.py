@@ -67,11 +67,12 @@ import torch
 from torch import nn
 
 from taste_cl import ElasticTrainer, OnlineLearner
-from taste_cl._report import format_number, format_table
-from taste_cl.benchmarks._common import alternating_rounds, base_parser, parse, save_figure, save_result
+from taste_cl.benchmarks._common import alternating_rounds, base_parser, parse, save_result
 from taste_cl.benchmarks.elastic import arrangements, render
 from taste_cl.elastic import measure_training_memory
 from taste_cl.elastic.cycle import OPTIMIZER_STATE_POLICIES
+from taste_cl.plotting import PLOT_HINT, plotting_available, pyplot, save_figure
+from taste_cl.report import format_number, format_table
 
 __all__ = [
     "METHODS", "SHIFTS", "User", "build_cnn", "choose_lr", "criteria", "main", "make_users", "parse_args", "prepare", "run", "trainable_count",
@@ -485,11 +486,7 @@ def _criteria_block(found: list[dict[str, Any]]) -> str:
 
 
 def _plot(summary: dict[str, dict[str, Any]], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for method, s in summary.items():
         left.scatter(s["speedup"] or 1.0, s["lift_points"], s=40)
@@ -597,8 +594,10 @@ def run(args: argparse.Namespace) -> int:
     targets = criteria(summary)
     print(_criteria_block(targets))
     print(f"total {time.perf_counter() - start:.0f} s")
-    plot = _plot(summary, Path(args.out) / "personalize.png")
-    print(f"plot written to {plot}")
+    if plotting_available():
+        print(f"plot written to {_plot(summary, Path(args.out) / 'personalize.png')}")
+    else:
+        print(f"no plot: {PLOT_HINT}")
     config = {key: value for key, value in vars(args).items() if key not in ("out", "ort_selection")}
     users_info = [{"shift": u.shift, "classes": list(u.classes), "own_label": u.own_label} for u in users]
     result = {

@@ -17,9 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from taste_cl._report import format_number
 from taste_cl.cli import BENCHMARKS
 from taste_cl.cli.console import HelpFormatter, plain_text
+from taste_cl.report import format_number
 
 __all__ = ["BEGIN", "END", "main", "markdown_table", "replace_table"]
 

@@ -19,11 +19,11 @@ import psutil
 import torch
 from torch import nn
 
-from taste_cl._report import format_number, format_table
 from taste_cl.benchmarks._common import base_parser, parse, progress_bar, save_result
 from taste_cl.learner import OnlineLearner
 from taste_cl.monitor.monitor import StabilityPlasticityMonitor
 from taste_cl.replay import ReservoirReplay
+from taste_cl.report import format_number, format_table
 from taste_cl.state.checkpoint import encode_state
 from taste_cl.tuning.tuner import BatchSizeTuner
 

@@ -51,13 +51,14 @@ from typing import Any
 
 import torch
 
-from taste_cl._report import format_number, format_table
-from taste_cl.benchmarks._common import base_parser, parse, save_figure, save_result
+from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.datasets import Task, make_mlp, split_digits
 from taste_cl.guards.probe import ProbeGuard
 from taste_cl.learner import OnlineLearner
 from taste_cl.monitor.evaluation import average_forgetting
+from taste_cl.plotting import PLOT_HINT, plotting_available, pyplot, save_figure
 from taste_cl.replay import ClassBalancedReplay, ReservoirReplay
+from taste_cl.report import format_number, format_table
 from taste_cl.strategies import ERACE, DERPlusPlus, ExperienceReplay, LwF, Strategy
 
 LR = 0.1
@@ -227,13 +228,13 @@ AVALANCHE = {"avalanche ER_ACE": "ER_ACE", "avalanche DER++": "DER"}
 
 def compare_strategies(tasks: list[Task], seeds: Sequence[int]) -> dict[str, list[Run]]:
     """Every method on every seed of one stream, methods alternating within a seed."""
-    from taste_cl.adapters.avalanche import _tensors, benchmark_from_tasks
+    from taste_cl.adapters.avalanche import benchmark_from_tasks, experience_tensors
 
     benchmark = benchmark_from_tasks(tasks)
     runs: dict[str, list[Run]] = {name: [] for name in [*TASTE, *AVALANCHE]}
     for seed in seeds:
         experiences = _online(benchmark, seed)
-        batches = [(e.origin_experience.current_experience, *_tensors(e)) for e in experiences]
+        batches = [(e.origin_experience.current_experience, *experience_tensors(e)) for e in experiences]
         for name, make in TASTE.items():
             gc.collect()
             runs[name].append(run_taste(make(), experiences, batches, tasks, seed=seed))
@@ -305,11 +306,7 @@ def run_guard(
 
 
 def _plot(path: Path, curves: dict[str, dict[str, list[tuple[int, float]]]], guard: dict[str, list[tuple[int, float]]], harmful: list[int]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for axis, (stream, by_method) in zip(axes, curves.items()):
         for name, curve in by_method.items():
@@ -410,12 +407,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"guarded / unguarded training time: median {statistics.median(time_ratio):.3f} (runs: {', '.join(f'{r:.3f}' for r in time_ratio)})")
     print(f"time inside the guard / the rest of training, same run: median {statistics.median(own):.3f} (runs: {', '.join(f'{r:.3f}' for r in own)})")
-    _plot(
-        Path(args.out) / "strategies.png",
-        curves,
-        {n: found[0]["curve"] for n, found in guard_runs.items()},
-        guard_runs["guarded"][0]["harmful_samples"],
-    )
+    if plotting_available():
+        _plot(
+            Path(args.out) / "strategies.png",
+            curves,
+            {n: found[0]["curve"] for n, found in guard_runs.items()},
+            guard_runs["guarded"][0]["harmful_samples"],
+        )
+    else:
+        print(f"no plot: {PLOT_HINT}")
     config = {
         "lr": LR,
         "optimizer": "SGD",

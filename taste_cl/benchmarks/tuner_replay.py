@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from taste_cl._report import format_table
 from taste_cl.benchmarks._common import base_parser, parse, save_result
+from taste_cl.report import format_table
 from taste_cl.tuning.probe import timed_rate
 from taste_cl.tuning.tuner import BatchSizeTuner, candidate_batch_sizes
 

@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 
-from taste_cl._report import format_table
 from taste_cl.benchmarks._common import base_parser, parse, progress_bar, save_result
-from taste_cl.cli.demo import build_digits_learner
 from taste_cl.datasets import make_mlp, split_digits
 from taste_cl.experiment import StreamResult
 from taste_cl.learner import OnlineLearner
 from taste_cl.monitor.evaluation import accuracy, average_forgetting, backward_transfer
+from taste_cl.reference import build_digits_learner
+from taste_cl.report import format_table
 
 LR = 0.1
 CAPACITY = 200

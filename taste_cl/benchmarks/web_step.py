@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from taste_cl._report import format_table
 from taste_cl.benchmarks._common import base_parser, parse, save_result
 from taste_cl.benchmarks.onnx_training import small_cases
 from taste_cl.learner import OnlineLearner
+from taste_cl.report import format_table
 
 _BROWSER_WARM_UP_MS = 3000
 

@@ -3,7 +3,8 @@
 Five tasks of two digit classes arrive one after another, ten samples at a time, seen
 once. The learner rehearses a 200-sample reservoir; the demo prints the accuracy
 matrix and forgetting, and saves a plot of the accuracy matrix and of accuracy over
-the stream, beside the same stream without replay.
+the stream, beside the same stream without replay (the plot needs matplotlib, the ``plot``
+extra; without it the demo prints its tables and says how to get the plot).
 """
 
 from __future__ import annotations
@@ -14,41 +15,14 @@ from pathlib import Path
 
 import torch
 
-from taste_cl._report import format_table
 from taste_cl.cli.console import HelpFormatter, plain_text, progress_enabled
-from taste_cl.datasets import make_mlp, split_digits
+from taste_cl.datasets import split_digits
 from taste_cl.experiment import StreamResult, run_class_incremental
-from taste_cl.learner import OnlineLearner
-from taste_cl.replay import ReplayStrategy, ReservoirReplay
+from taste_cl.plotting import PLOT_HINT, plotting_available, pyplot, save_figure
+from taste_cl.reference import build_digits_learner
+from taste_cl.report import format_table
 
-__all__ = ["build_digits_learner", "main", "plot_result"]
-
-
-def build_digits_learner(
-    *,
-    replay_capacity: int = 200,
-    replay: ReplayStrategy | None = None,
-    lr: float = 0.1,
-    seed: int = 0,
-    replay_batch_size: int = 10,
-    train_iterations: int = 3,
-) -> OnlineLearner:
-    """The reference setup: 64-128-128-10 MLP, SGD, replay, 3 rehearsal steps per batch.
-
-    Each stream batch is trained ``train_iterations`` times, each time with
-    ``replay_batch_size`` replayed samples. ``replay`` overrides the default
-    ``ReservoirReplay(replay_capacity)`` (0 = no replay).
-    """
-    model = make_mlp(seed=seed)
-    if replay is None and replay_capacity:
-        replay = ReservoirReplay(replay_capacity, seed=seed)
-    return OnlineLearner(
-        model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=lr),
-        replay=replay,
-        replay_batch_size=replay_batch_size,
-        train_iterations=train_iterations,
-    )
+__all__ = ["main", "plot_result"]
 
 
 def _curve_to_the_end(result: StreamResult) -> list[tuple[int, float]]:
@@ -72,11 +46,7 @@ def plot_result(
     ``task_classes`` labels the tasks with their classes; ``baseline`` (e.g. the same
     stream without replay) is drawn beside the curve for comparison.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     image = left.imshow(result.accuracy_matrix, vmin=0, vmax=1, cmap="viridis")
     n_tasks = len(result.accuracy_matrix)
@@ -95,8 +65,6 @@ def plot_result(
     right.set(xlabel="samples seen", ylabel="accuracy on all test data", ylim=(0, 1), title="accuracy over the stream")
     right.legend(loc="upper left")
     fig.suptitle(title)
-    from taste_cl.benchmarks._common import save_figure
-
     return save_figure(fig, path, bbox_inches="tight")
 
 
@@ -104,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="taste-cl demo", description=plain_text(__doc__), formatter_class=HelpFormatter)
     parser.add_argument("--replay", type=int, default=200, help="replay capacity (0 = no replay)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the task order, stream, model and replay")
-    parser.add_argument("--plot", default="taste_cl_demo.png", help="where to save the PNG")
+    parser.add_argument("--plot", default="taste_cl_demo.png", help="where to save the PNG (needs matplotlib: pip install '.[plot]')")
     parser.add_argument("--no-baseline", action="store_true", help="skip the comparison run without replay")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar (hidden anyway when not a terminal)")
     args = parser.parse_args(argv)
@@ -131,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if baseline is not None:
         print(f"without replay: final accuracy {baseline.final_accuracy:.3f}   forgetting {baseline.forgetting:.3f}")
     print(f"monitor: {report}")
-    path = plot_result(result, args.plot, task_classes=[task.classes for task in tasks], baseline=baseline)
-    print(f"plot saved to {path}")
+    if plotting_available():
+        path = plot_result(result, args.plot, task_classes=[task.classes for task in tasks], baseline=baseline)
+        print(f"plot saved to {path}")
+    else:
+        print(f"no plot: {PLOT_HINT}")
     return 0

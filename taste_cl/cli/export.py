@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from taste_cl.cli.console import plain_text
-from taste_cl.cli.demo import build_digits_learner
 from taste_cl.datasets import make_mlp, split_digits, stream
 from taste_cl.learner import OnlineLearner
+from taste_cl.reference import build_digits_learner
 
 __all__ = ["main"]
 

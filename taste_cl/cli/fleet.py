@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from taste_cl.adapters.flower.app import FleetConfig
     from taste_cl.adapters.flower.deployment import LoopbackDeployment
-    from taste_cl.benchmarks.federated.tables import ACCURACIES, accuracy_table, last_evaluation, rounds_table
+    from taste_cl.adapters.flower.tables import ACCURACIES, accuracy_table, last_evaluation, rounds_table
 
     try:
         config = FleetConfig(

@@ -2,7 +2,7 @@
 
 A cache file may be stale, truncated, hand-edited or hostile. Every problem (unreadable
 path, oversize file, bad JSON, deep nesting, wrong types, negative or non-finite times,
-unit names that are not this model's) gives a :class:`RuntimeWarning` and a fresh
+unit names that are not this model's) gives a :class:`~taste_cl.exceptions.ProfileCacheWarning` and a fresh
 measurement; nothing from a bad entry is used, and a cache that cannot be written is
 warned about, never fatal.
 """
@@ -21,6 +21,7 @@ from torch import nn
 
 from taste_cl.elastic.profiling import describe_input, profile_tensors, trainable_ids, unit_names
 from taste_cl.elastic.tensor_profile import Granularity, TensorProfile, parse_profile
+from taste_cl.exceptions import ProfileCacheWarning
 from taste_cl.state.checkpoint import atomic_write_bytes
 from taste_cl.tuning.fingerprint import hardware_fingerprint, model_signature
 
@@ -47,7 +48,7 @@ def _read_entries(path: Path) -> dict[str, Any]:
             raise ValueError("`profiles` is not an object")  # noqa: TRY004
         return entries
     except (OSError, ValueError, RecursionError, UnicodeDecodeError) as error:
-        warnings.warn(f"elastic profile cache {str(path)!r} is unusable ({error}); measuring again", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"elastic profile cache {str(path)!r} is unusable ({error}); measuring again", ProfileCacheWarning, stacklevel=3)
         return {}
 
 
@@ -85,7 +86,7 @@ def load_or_profile(
                 raise ValueError(f"its units {profile.units[:4]}... are not this model's {expected[:4]}...")
             return profile, True
         except ValueError as error:
-            warnings.warn(f"elastic profile cache entry in {str(path)!r} is invalid ({error}); measuring again", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"elastic profile cache entry in {str(path)!r} is invalid ({error}); measuring again", ProfileCacheWarning, stacklevel=2)
     profile = profile_tensors(model, example, granularity=granularity, trainable=live, **profile_kwargs)
     kept = {k: v for k, v in entries.items() if k != key}
     kept = dict(list(kept.items())[-(MAX_ENTRIES - 1) :]) if MAX_ENTRIES > 1 else {}
@@ -94,7 +95,7 @@ def load_or_profile(
         atomic_write_bytes(path, (json.dumps(payload, sort_keys=False) + "\n").encode())
     except (OSError, ValueError) as error:
         warnings.warn(
-            f"cannot write the elastic profile cache {str(path)!r} ({error}); using the fresh profile uncached", RuntimeWarning, stacklevel=2
+            f"cannot write the elastic profile cache {str(path)!r} ({error}); using the fresh profile uncached", ProfileCacheWarning, stacklevel=2
         )
     return profile, False
 

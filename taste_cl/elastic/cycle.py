@@ -33,6 +33,7 @@ from taste_cl.elastic.memory import optimizer_state_factor
 from taste_cl.elastic.profiling import unit_parameters
 from taste_cl.elastic.selection import GradientImportance, select_tensors
 from taste_cl.elastic.tensor_profile import CLOCKS, Clock, TensorProfile, check_clock
+from taste_cl.exceptions import ElasticWarning
 
 if TYPE_CHECKING:
     from taste_cl.learner import OnlineLearner
@@ -391,7 +392,7 @@ class SelectionCycle:
             + f" {n} trainable unit(s)"
             + ("" if self.memory_budget_bytes is None else f" within memory_budget_bytes={self.memory_budget_bytes}")
             + f": {short_list([profile.units[i] for i in chosen])}",
-            RuntimeWarning,
+            ElasticWarning,
             stacklevel=4,
         )
         return chosen

@@ -25,7 +25,7 @@ from taste_cl.elastic.cache import load_or_profile
 from taste_cl.elastic.cycle import OptimizerStatePolicy, SelectionCycle, short_list
 from taste_cl.elastic.profiling import check_profile_options, first_rows, profile_tensors, repeat_rows, unit_parameters
 from taste_cl.elastic.tensor_profile import CLOCKS, Clock, Granularity, TensorProfile, parse_profile
-from taste_cl.exceptions import CheckpointError
+from taste_cl.exceptions import CheckpointError, ElasticWarning
 from taste_cl.monitor.monitor import MonitorEvent
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.tuning.fingerprint import default_cache_dir
@@ -215,7 +215,7 @@ class ElasticTrainer(SelectionCycle, LearnerPlugin):
                 f"ElasticTrainer: the timing profile is too noisy to separate units after {profile.rounds} rounds "
                 f"(largest relative 95% CI {profile.relative_noise():.0%} > tolerance {self.tolerance:.0%}); "
                 "selecting on the best estimates, and the closed loop will correct them",
-                RuntimeWarning,
+                ElasticWarning,
                 stacklevel=2,
             )
         self._set_profile(profile)

@@ -4,19 +4,11 @@
 - :mod:`.probe`: :class:`ProbeGuard`, per update window: roll back a window that made the model worse for its user.
 """
 
-from taste_cl._lazy import lazy_getattr
+from taste_cl.guards.probe import ProbeGuard
+from taste_cl.guards.update import GUARD_MODES, UpdateGuard
 
 __all__ = [
     "GUARD_MODES",
     "ProbeGuard",
     "UpdateGuard",
 ]
-
-__getattr__ = lazy_getattr(
-    __name__,
-    {
-        "GUARD_MODES": "taste_cl.guards.update",
-        "UpdateGuard": "taste_cl.guards.update",
-        "ProbeGuard": "taste_cl.guards.probe",
-    },
-)

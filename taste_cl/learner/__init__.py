@@ -7,25 +7,10 @@
 - :mod:`.stats`: :class:`ObserveStats`, what ``observe`` returns here and on devices (no torch).
 
 Importing this package imports nothing heavy (the torch-free device runtime imports
-:mod:`.stats`); each name loads its module on first use.
+:mod:`.stats`): its names are listed once, in ``__init__.pyi``, and each loads its module on
+first use (``lazy_loader``).
 """
 
-from typing import TYPE_CHECKING
+import lazy_loader
 
-from taste_cl._lazy import lazy_getattr
-
-if TYPE_CHECKING:
-    from taste_cl.learner.batching import BatchPlan
-    from taste_cl.learner.learner import OnlineLearner
-    from taste_cl.learner.stats import ObserveStats
-
-__all__ = ["BatchPlan", "ObserveStats", "OnlineLearner"]
-
-__getattr__ = lazy_getattr(
-    __name__,
-    {
-        "BatchPlan": "taste_cl.learner.batching",
-        "ObserveStats": "taste_cl.learner.stats",
-        "OnlineLearner": "taste_cl.learner.learner",
-    },
-)
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)

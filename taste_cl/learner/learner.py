@@ -234,6 +234,12 @@ class OnlineLearner:
         self._batcher.plan = plan
 
     @property
+    def score_eval(self) -> bool:
+        """Whether the prequential score comes from an eval-mode forward before training (decided on the first batch:
+        a model whose train-mode outputs differ, e.g. with BatchNorm or dropout), rather than from the training forward."""
+        return self._score_eval
+
+    @property
     def replay_rows(self) -> int:
         """Replayed samples mixed into each stream batch's step (0 without a buffer)."""
         return self.replay_batch_size if self.replay is not None else 0
@@ -536,12 +542,6 @@ class OnlineLearner:
     def save(self, directory: str | os.PathLike[str]) -> None:
         """Atomically write a checkpoint into ``directory`` (created if needed); no pickle, see :mod:`taste_cl.state.checkpoint`."""
         write_checkpoint(directory, self.state_dict, lock=self._lock)  # a consistent snapshot, written unlocked
-
-    def export_onnx(self, directory: str | os.PathLike[str], **kwargs: Any) -> Path:
-        """Write ONNX Runtime on-device training artifacts; see :func:`taste_cl.adapters.onnxruntime.learner_export.export`."""
-        from taste_cl.adapters.onnxruntime.learner_export import export  # lazy: the [onnx] extra is optional
-
-        return export(self, directory, **kwargs)
 
     def export(self, directory: str | os.PathLike[str], *, backend: str = "auto", **kwargs: Any) -> Path:
         """Write parity-checked on-device training artifacts with ``backend`` (``"onnxruntime"``,

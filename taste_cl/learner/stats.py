@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from taste_cl._report import format_fields
+from taste_cl.report import format_fields
 
 if TYPE_CHECKING:
     from taste_cl.tasks import Task

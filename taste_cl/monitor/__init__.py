@@ -5,7 +5,9 @@
 - :mod:`.evaluation`: task-sequence metrics (accuracy matrix, forgetting, backward transfer).
 """
 
-from taste_cl._lazy import lazy_getattr
+from taste_cl.monitor.drift import PageHinkley
+from taste_cl.monitor.evaluation import accuracy, average_forgetting, backward_transfer
+from taste_cl.monitor.monitor import MonitorEvent, StabilityPlasticityMonitor, sample_correct
 
 __all__ = [
     "MonitorEvent",
@@ -16,16 +18,3 @@ __all__ = [
     "backward_transfer",
     "sample_correct",
 ]
-
-__getattr__ = lazy_getattr(
-    __name__,
-    {
-        "MonitorEvent": "taste_cl.monitor.monitor",
-        "StabilityPlasticityMonitor": "taste_cl.monitor.monitor",
-        "sample_correct": "taste_cl.monitor.monitor",
-        "PageHinkley": "taste_cl.monitor.drift",
-        "accuracy": "taste_cl.monitor.evaluation",
-        "average_forgetting": "taste_cl.monitor.evaluation",
-        "backward_transfer": "taste_cl.monitor.evaluation",
-    },
-)

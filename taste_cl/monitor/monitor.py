@@ -43,9 +43,9 @@ import torch
 
 from taste_cl._batch import leaves
 from taste_cl._checks import INT_LIMIT
-from taste_cl._report import MonitorReport
 from taste_cl.monitor.drift import PageHinkley
 from taste_cl.replay import ClassBalancedReplay, ReservoirReplay
+from taste_cl.report import MonitorReport
 from taste_cl.tasks import Classification, MultiLabel, Task, TokenClassification, resolve_task
 
 __all__ = ["MonitorEvent", "StabilityPlasticityMonitor", "sample_correct"]

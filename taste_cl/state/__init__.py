@@ -2,29 +2,11 @@
 
 - :mod:`.checkpoint`: JSON header plus safetensors buffers, no pickle; :mod:`.files`: atomic writes (no torch);
 - :mod:`.restore`: check a decoded state against the live learner, then apply all of it or nothing.
+
+The torch-free device runtime imports this package: its names are listed once, in
+``__init__.pyi``, and each loads its module on first use (``lazy_loader``).
 """
 
-from taste_cl._lazy import lazy_getattr
+import lazy_loader
 
-__all__ = [
-    "CHECKPOINT_FILE",
-    "CheckpointLimits",
-    "atomic_write_bytes",
-    "decode_state",
-    "encode_state",
-    "read_checkpoint",
-    "write_checkpoint",
-]
-
-__getattr__ = lazy_getattr(
-    __name__,
-    {
-        "CHECKPOINT_FILE": "taste_cl.state.checkpoint",
-        "CheckpointLimits": "taste_cl.state.checkpoint",
-        "atomic_write_bytes": "taste_cl.state.files",
-        "decode_state": "taste_cl.state.checkpoint",
-        "encode_state": "taste_cl.state.checkpoint",
-        "read_checkpoint": "taste_cl.state.checkpoint",
-        "write_checkpoint": "taste_cl.state.checkpoint",
-    },
-)
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)

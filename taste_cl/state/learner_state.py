@@ -48,7 +48,7 @@ def learner_state(learner: OnlineLearner) -> dict[str, Any]:
             "output_shape": None if learner.output_shape is None else list(learner.output_shape),
             "output": None if learner.output is None else learner.output.to_json(),
             "task": None if learner.task is None else learner.task.config(),
-            "score_eval": learner._score_eval,
+            "score_eval": learner.score_eval,
             "monitor": {key: getattr(learner.monitor, key) for key in MONITOR_CONFIG},
             "optimizer_type": type(learner.optimizer).__name__,
             "strategy": {"name": learner.strategy.name, "config": learner.strategy.config()},

@@ -7,39 +7,11 @@
 - :mod:`.cache`: measurements cached per model and hardware, validated on read;
 - :mod:`.load`: how busy the machine is with other work, and whether that shifted;
 - :mod:`.fingerprint`: stable keys for the caches (model, hardware, load).
+
+The torch-free device runtime imports this package: its names are listed once, in
+``__init__.pyi``, and each loads its module on first use (``lazy_loader``).
 """
 
-from taste_cl._lazy import lazy_getattr
+import lazy_loader
 
-__all__ = [
-    "BatchSizeTuner",
-    "LoadMeter",
-    "SurrogateCache",
-    "TunerCacheWarning",
-    "TuningError",
-    "TuningResult",
-    "TuningWarning",
-    "candidate_batch_sizes",
-    "load_bucket",
-    "lr_scale_for",
-    "max_batch_for_memory",
-    "measure_throughput",
-]
-
-__getattr__ = lazy_getattr(
-    __name__,
-    {
-        "BatchSizeTuner": "taste_cl.tuning.tuner",
-        "SurrogateCache": "taste_cl.tuning.tuner",
-        "TunerCacheWarning": "taste_cl.tuning.tuner",
-        "TuningError": "taste_cl.tuning.searcher",
-        "TuningResult": "taste_cl.tuning.searcher",
-        "TuningWarning": "taste_cl.tuning.searcher",
-        "candidate_batch_sizes": "taste_cl.tuning.searcher",
-        "lr_scale_for": "taste_cl.tuning.tuner",
-        "max_batch_for_memory": "taste_cl.tuning.tuner",
-        "measure_throughput": "taste_cl.tuning.tuner",
-        "LoadMeter": "taste_cl.tuning.load",
-        "load_bucket": "taste_cl.tuning.load",
-    },
-)
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from taste_cl.exceptions import TunerCacheWarning
 from taste_cl.state.files import atomic_write_bytes
 from taste_cl.tuning.fingerprint import default_cache_dir
 
@@ -28,10 +29,6 @@ MAX_SAMPLES_PER_S = 1e9  # no training step on any hardware this library targets
 MAX_BATCH = 1 << 20
 MAX_THREADS = 4096
 MAX_FILE_BYTES = 256 * 1024
-
-
-class TunerCacheWarning(UserWarning):
-    """A tuner cache file was unusable (corrupt, implausible, unreadable or unwritable); the tuner measured afresh."""
 
 
 @dataclass(frozen=True)

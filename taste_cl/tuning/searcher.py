@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from taste_cl._checks import check_int
+from taste_cl.exceptions import TuningError, TuningWarning
 from taste_cl.tuning.cache import MAX_SAMPLES_PER_S, CachedSurface, SurrogateCache, check_observations
 from taste_cl.tuning.search import GridSearch, Point
 
@@ -57,14 +58,6 @@ _REACH = 0.7  # the initial design spans the cheapest 70 % of the candidates (oc
 _MIN_GAIN = 0.02  # a probe must be expected to raise the best log-rate by this much (about 2 %)
 _CONFIRM_ROUNDS = 3  # interleaved windows of work in which more threads must beat one thread
 _SPLIT_GAIN = 1.1  # micro-batches must beat one effective-batch step by this factor to be used
-
-
-class TuningError(RuntimeError):
-    """No batch size could be tuned (every probe failed, or no samples to probe with)."""
-
-
-class TuningWarning(UserWarning):
-    """A (re)tune failed; the learner kept its previous plan and the tuner will retry."""
 
 
 @dataclass(frozen=True)

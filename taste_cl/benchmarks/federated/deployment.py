@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from taste_cl._report import format_table
+from taste_cl.adapters.flower.tables import accuracy_table, last_evaluation
 from taste_cl.benchmarks._common import save_result
-from taste_cl.benchmarks.federated.tables import accuracy_table, last_evaluation
+from taste_cl.report import format_table
 
 __all__ = ["run_deployment_bench"]
 
@@ -97,7 +97,7 @@ def _means(per_device: dict[int, dict[str, float]]) -> dict[str, float]:
 
 def _eval_sizes(args: argparse.Namespace) -> dict[int, dict[str, int]]:
     """Each device's held-out set sizes, by metric name (``accuracy-all``, ``accuracy-own``, ``accuracy-new``)."""
-    from taste_cl.benchmarks.federated import make_fleet
+    from taste_cl.adapters.flower.digits_fleet import make_fleet
 
     fleet = make_fleet(args.devices, num_rounds=args.rounds, seed=args.seed)
     sizes = {d: {f"accuracy-{k}": int(x.shape[0]) for k, (x, _) in fleet.eval_sets(d).items()} for d in range(args.devices)}
@@ -118,7 +118,8 @@ def run_deployment_bench(args: argparse.Namespace) -> int:
     require_flwr()
     from taste_cl.adapters.flower.app import FleetConfig
     from taste_cl.adapters.flower.deployment import LoopbackDeployment
-    from taste_cl.benchmarks.federated import make_fleet, run_local
+    from taste_cl.adapters.flower.digits_fleet import make_fleet
+    from taste_cl.benchmarks.federated import run_local
 
     logging.getLogger("flwr").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     base = FleetConfig(
@@ -260,7 +261,8 @@ def _seed_sweep(variants: dict[str, Any], seeds: list[int], device: str) -> dict
     variant's verdicts on the means over seeds.
     """
     from taste_cl.adapters.flower.app import FleetConfig
-    from taste_cl.benchmarks.federated import make_fleet, run_local, run_offline
+    from taste_cl.adapters.flower.digits_fleet import make_fleet
+    from taste_cl.benchmarks.federated import run_local, run_offline
 
     first = next(iter(variants.values()))
     noised = _noised_baselines(variants)
