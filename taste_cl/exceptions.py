@@ -28,6 +28,7 @@ __all__ = [
     "InvalidBatchError",
     "InvalidUpdateError",
     "MissingDependencyError",
+    "NonFiniteOutputError",
     "ParityError",
     "ProfileCacheWarning",
     "TasteCLError",
@@ -59,6 +60,10 @@ class InvalidBatchError(TasteCLError, ValueError):
     Raised before any state is touched: the model, optimizer, buffer and monitor
     are exactly as they were before the call.
     """
+
+
+class NonFiniteOutputError(TasteCLError, ArithmeticError):
+    """A device learner's model computed NaN or infinite outputs; ``predict`` refuses to return them."""
 
 
 class CheckpointError(TasteCLError, ValueError):

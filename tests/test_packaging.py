@@ -123,6 +123,7 @@ def test_ci_runs_the_readme_test_command():
 LAZY_PACKAGES = [
     "taste_cl",
     "taste_cl.learner",
+    "taste_cl.guards",
     "taste_cl.tuning",
     "taste_cl.state",
     "taste_cl.adapters.device",

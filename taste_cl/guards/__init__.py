@@ -1,14 +1,13 @@
 """Guards that keep a learner from harming its model, side by side.
 
 - :mod:`.update`: :class:`UpdateGuard`, per optimizer step: no step that can poison the model;
-- :mod:`.probe`: :class:`ProbeGuard`, per update window: roll back a window that made the model worse for its user.
+- :mod:`.probe`: :class:`ProbeGuard`, per update window: roll back a window that made the model worse for its user;
+- :mod:`.size_rule`: the update-size rule, in plain floats, that the device learners' guard applies too.
+
+The torch-free device runtimes import :mod:`.size_rule`, so this package loads its names on
+first use: they are listed once, in ``__init__.pyi`` (``lazy_loader``).
 """
 
-from taste_cl.guards.probe import ProbeGuard
-from taste_cl.guards.update import GUARD_MODES, UpdateGuard
+import lazy_loader
 
-__all__ = [
-    "GUARD_MODES",
-    "ProbeGuard",
-    "UpdateGuard",
-]
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)

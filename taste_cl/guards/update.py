@@ -14,6 +14,7 @@ the floor keeps a zero-initialized model from dividing by 0) and refuses it when
 steps were measured, when ``r > max(1, update_jump * typical)`` (orders of magnitude
 beyond the geometric running mean of measured healthy ``r``, and more than the parameters'
 own norm: so the large steps of early training or of a new task are never refused).
+The rule is :mod:`taste_cl.guards.size_rule`, which the device learners' guard applies too.
 In ``"auto"`` mode a step is protected only when it may be unusual: its size bound, largest
 LR times ``max(1, gradient norm)``, exceeds ``update_bound``; LR times gradient norm is
 over 10x its running geometric mean; a hyperparameter other than the LR changed; it is
@@ -47,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from taste_cl._checks import check_int
+from taste_cl.guards.size_rule import StepSizeHistory, log_clamped
 
 if TYPE_CHECKING:
     from taste_cl.learner import OnlineLearner
@@ -57,11 +59,6 @@ GUARD_MODES = ("auto", "always", "never")
 _EMA_ALPHA = 0.2  # weight of the newest window loss in the smoothed loss
 _EMA_WARMUP = 5  # windows before ``diverging`` may fire (the first losses are noisy)
 _LOSS_FLOOR = 1e-2  # the best smoothed loss is floored here, so a loss near 0 is not a hair trigger
-_NORM_FLOOR = 0.1  # parameter RMS below which a step's size is judged against this RMS instead
-_LOG_SANE_STEP = 0.0  # log of the relative step size that the relative test never refuses (1: the own norm)
-_LOG_PROXY_JUMP = math.log(10.0)  # LR x gradient norm this far above its running mean protects the step
-_MEASURE_EVERY = 50  # applied steps between measurements that keep the typical size current
-_LOG_ALPHA = 0.2  # weight of the newest value in the running means of log step size and log LR x gradient norm
 HYPERPARAMETER_RANGES: dict[str, tuple[float, float]] = {
     "momentum": (0.0, 1.0),
     "dampening": (0.0, 1.0),
@@ -169,9 +166,7 @@ class UpdateGuard:
         self._snapshot: tuple[dict[str, Any], dict[str, Any]] | None = None
         self._sane_settings: list[tuple[tuple[str, Any], ...] | None] | None = None  # see check_hyperparameters
         self._stepped_settings: object = None  # ``_sane_settings`` at the last applied step
-        self._log_proxy: float | None = None  # running mean of log(largest LR x gradient norm), applied steps
-        self._log_size: float | None = None  # running mean of log relative step size, measured applied steps
-        self._since_measure = 0  # applied steps since the last measured one
+        self._sizes = StepSizeHistory()  # what the update-size rule remembers
 
     @property
     def mode(self) -> str:
@@ -235,14 +230,14 @@ class UpdateGuard:
             largest_lr = max(float(group["lr"]) for group in learner.optimizer.param_groups)
             ordinary = largest_lr * max(1.0, grad_norm) <= self.config.update_bound
             snapshot = self._snapshot_due(learner) if ordinary else None
-            log_proxy = _log(largest_lr * grad_norm)
-            if self.config.mode == "always" or (self.config.mode == "auto" and not (ordinary and self._usual(log_proxy))):
+            log_proxy = log_clamped(largest_lr * grad_norm)
+            protect = self.config.mode == "always" or (self.config.mode == "auto" and not (ordinary and self._usual(log_proxy)))
+            if protect:
                 cause = self._protected_step(learner.optimizer, params)
             else:
                 learner.optimizer.step()
-                self._since_measure += 1
             if cause is None:
-                self._log_proxy = log_proxy if self._log_proxy is None else _mean(self._log_proxy, log_proxy)
+                self._sizes.applied(log_proxy, measured=protect)
                 self._stepped_settings = self._sane_settings
                 if snapshot is not None:
                     self._snapshot, self._since_snapshot = snapshot, 0
@@ -255,24 +250,10 @@ class UpdateGuard:
         return applied
 
     def _usual(self, log_proxy: float) -> bool:
-        """Whether an ordinary-size step may skip the copy protection: LR x gradient norm not
-        10x above its running mean, the same hyperparameters as the last applied step (the
-        check keeps one settings object while they are unchanged), a typical size known and
-        measured within ``_MEASURE_EVERY`` steps."""
-        return (
-            self._log_proxy is not None
-            and self._log_size is not None
-            and log_proxy <= self._log_proxy + _LOG_PROXY_JUMP
-            and self._sane_settings is self._stepped_settings
-            and self._since_measure < _MEASURE_EVERY
-        )
-
-    def _size_limit(self) -> float:
-        """Log of the largest relative step size applied now (see the module doc)."""
-        log_jump = math.log(self.config.update_jump)
-        if self._log_size is None:
-            return log_jump
-        return min(log_jump, max(_LOG_SANE_STEP, log_jump + self._log_size))
+        """Whether an ordinary-size step may skip the copy protection: the size rule says so
+        (:meth:`~taste_cl.guards.size_rule.StepSizeHistory.usual`) and the hyperparameters are
+        those of the last applied step (the check keeps one settings object while they are unchanged)."""
+        return self._sizes.usual(log_proxy) and self._sane_settings is self._stepped_settings
 
     def _protected_step(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> str | None:
         """Step and measure it; undo it on ``params`` and their optimizer state (bit for bit)
@@ -292,16 +273,9 @@ class UpdateGuard:
             change = _total_norm(torch._foreach_sub(params, saved_params), 2.0)
             size = _total_norm(saved_params, 2.0)
             largest_value, change_value, size_value = torch.stack([largest, change, size]).tolist()  # one sync
-        floor = _NORM_FLOOR * math.sqrt(sum(p.numel() for p in params))
-        ratio = change_value / max(size_value, floor)
-        limit = self._size_limit()
-        if not math.isfinite(largest_value):
-            cause = "non-finite parameters after the step (rolled back)"
-        elif not _log(ratio) <= limit:  # NaN fails
-            cause = f"step changed the parameters by {ratio:.3g} times their norm, over the limit of {math.exp(limit):.3g} (rolled back)"
-        else:
-            self._log_size = _log(ratio) if self._log_size is None else _mean(self._log_size, _log(ratio))
-            self._since_measure = 0
+        count = sum(p.numel() for p in params)
+        cause = self._sizes.judge(largest=largest_value, change=change_value, size=size_value, count=count, update_jump=self.config.update_jump)
+        if cause is None:
             return None
         with torch.no_grad():
             torch._foreach_copy_(params, saved_params)
@@ -380,7 +354,7 @@ class UpdateGuard:
 
     def _size_state(self) -> dict[str, Any]:
         """The update-size history (absent from checkpoints written before it existed)."""
-        return {"log_proxy": self._log_proxy, "log_size": self._log_size, "since_measure": self._since_measure}
+        return self._sizes.state_dict()
 
     def _settings_unchanged(self, param_groups: Sequence[dict[str, Any]] | None) -> bool:
         """Whether the next :meth:`check_hyperparameters` keeps the settings of the last applied step."""
@@ -446,7 +420,7 @@ class UpdateGuard:
         self._ema, self._best, self._windows = counters["ema"], counters["best"], counters["windows"]
         self._diverging = counters["diverging"]
         self._window_losses = counters["window_losses"]
-        self._log_proxy, self._log_size, self._since_measure = counters["log_proxy"], counters["log_size"], counters["since_measure"]
+        self._sizes.load_state_dict({key: counters[key] for key in ("log_proxy", "log_size", "since_measure")})
         if counters["settings_unchanged"] and param_groups is not None:
             settings = [_settings(group) for group in param_groups]
             if None not in settings:
@@ -466,16 +440,6 @@ def _settings(group: dict[str, Any]) -> tuple[tuple[str, Any], ...] | None:
             if isinstance(member, torch.Tensor):
                 return None
     return items
-
-
-def _log(value: float) -> float:
-    """``log(value)`` with ``value`` clamped to [1e-30, 1e300]: finite for 0 and inf (NaN stays NaN)."""
-    return math.log(min(max(value, 1e-30), 1e300)) if not math.isnan(value) else math.nan
-
-
-def _mean(mean: float, value: float) -> float:
-    """The running mean ``mean`` moved towards ``value`` (weight ``_LOG_ALPHA``)."""
-    return (1 - _LOG_ALPHA) * mean + _LOG_ALPHA * value
 
 
 def _total_norm(tensors: Sequence[torch.Tensor], order: float) -> torch.Tensor:

@@ -35,9 +35,11 @@ from typing import Any
 from taste_cl.exceptions import ArtifactError, ExportError
 
 __all__ = [
+    "GENERATED_ROWS_NOTE",
     "MANIFEST_FILE",
     "MAX_JSON_DEPTH",
     "MAX_MANIFEST_BYTES",
+    "PARITY_ROWS",
     "ArtifactError",
     "ExportError",
     "check_plain_name",
@@ -47,6 +49,16 @@ __all__ = [
     "write_manifest",
 ]
 
+PARITY_ROWS = ("replay", "example", "generated", "given")
+"""Where the rows the parity gate trained on came from, as a manifest's ``parity.rows`` says: the learner's
+replay buffer, the ``example=`` the user passed, rows generated from ``input_shape``/``num_classes`` (uniform
+in [0, 1), random labels: not the user's data), or batches a caller of ``export_model`` gave."""
+GENERATED_ROWS_NOTE = (
+    "the parity gate trained on generated rows (uniform in [0, 1), random labels), not on the user's data: "
+    "it shows that the runtime computes like torch on such rows, not that training on real data is stable; "
+    "pass example=(x, y) with real rows, or export after the learner has observed some (the device guard "
+    "measures every one of the first steps, and undoes a step that blows up)"
+)
 MANIFEST_FILE = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest lists a handful of files and settings: 1 MiB is generous
 MAX_JSON_DEPTH = 16

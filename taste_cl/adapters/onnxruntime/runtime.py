@@ -33,8 +33,18 @@ from typing import Any
 
 import numpy as np
 
-from taste_cl.adapters.device.artifacts import ArtifactError, check_plain_name, read_manifest, read_verified, staged_folder, write_manifest
+from taste_cl.adapters.device.artifacts import (
+    MANIFEST_FILE,
+    PARITY_ROWS,
+    ArtifactError,
+    check_plain_name,
+    read_manifest,
+    read_verified,
+    staged_folder,
+    write_manifest,
+)
 from taste_cl.adapters.device.class_slots import ClassSlots
+from taste_cl.adapters.device.guard import DeviceUpdateGuard
 from taste_cl.adapters.onnxruntime.batches import features, split_batch, targets
 from taste_cl.adapters.onnxruntime.cross_checks import ADAMW_OP, TRAINING_OPS, check_agreement
 from taste_cl.adapters.onnxruntime.manifest import (
@@ -48,6 +58,7 @@ from taste_cl.adapters.onnxruntime.manifest import (
     TRAINING_MODEL,
     WEB_FILES,
     DeviceSpec,
+    manifest_error,
     parse_manifest,
 )
 from taste_cl.adapters.onnxruntime.ort_checkpoint import read_checkpoint
@@ -55,6 +66,7 @@ from taste_cl.adapters.onnxruntime.proto import Signature, check_no_external_dat
 from taste_cl.adapters.onnxruntime.replay import NumpyReplay
 from taste_cl.adapters.onnxruntime.session import OrtSession, load_sgd_state, ort_bindings
 from taste_cl.adapters.web.compat import add_web_artifacts
+from taste_cl.exceptions import NonFiniteOutputError
 from taste_cl.learner.stats import ObserveStats
 
 __all__ = ["OrtOnlineLearner", "load"]
@@ -67,6 +79,7 @@ class _Loaded:
     spec: DeviceSpec
     session: OrtSession
     replay: NumpyReplay | None = field(default=None)
+    guard: DeviceUpdateGuard = field(default_factory=DeviceUpdateGuard)
 
 
 def load(directory: str | os.PathLike[str], *, training_model: Path | None = None, session_options: Any | None = None) -> _Loaded:
@@ -108,8 +121,29 @@ def load(directory: str | os.PathLike[str], *, training_model: Path | None = Non
     if spec.replay is not None:
         replay = NumpyReplay.from_bytes(read_verified(folder, manifest, REPLAY_FILE), spec.replay, spec)
     # everything is checked: only now does ONNX Runtime load the files
+    guard = _guard(manifest)
     session = OrtSession(folder, spec, sgd_state, training_model=training_model, session_options=session_options)
-    return _Loaded(folder, manifest, spec, session, replay)
+    return _Loaded(folder, manifest, spec, session, replay, guard)
+
+
+GENERATED_ROWS_PROTECTED = 20
+"""Steps the device guard measures from the start when the export's parity gate checked generated rows."""
+
+
+def _guard(manifest: Mapping[str, Any]) -> DeviceUpdateGuard:
+    """The device guard, with the update-size history a saved folder kept (``"guard"``), and every step of the
+    first ``GENERATED_ROWS_PROTECTED`` measured when the gate checked generated rows (``parity.rows``)."""
+    parity = manifest.get("parity")
+    rows = parity.get("rows", "given") if isinstance(parity, Mapping) else "given"
+    if rows not in PARITY_ROWS:
+        raise manifest_error("parity.rows", rows, f"one of {list(PARITY_ROWS)}")
+    guard = DeviceUpdateGuard(protect_first=GENERATED_ROWS_PROTECTED if rows == "generated" else 0)
+    if manifest.get("guard") is not None:
+        try:
+            guard.load_state_dict(manifest["guard"], where=f"{MANIFEST_FILE}'s guard")
+        except ValueError as error:
+            raise ArtifactError(str(error)) from None
+    return guard
 
 
 class OrtOnlineLearner:
@@ -120,6 +154,15 @@ class OrtOnlineLearner:
     ``replay_batch_size`` buffered samples, then offers the batch to the reservoir. Inputs
     are numpy arrays (a dict of arrays for dict-input models); :meth:`predict` returns
     numpy outputs. Calls are serialised by a lock.
+
+    Every step goes through :attr:`guard`, a :class:`~taste_cl.adapters.device.guard.DeviceUpdateGuard`
+    that decides as the PyTorch learner's update guard does: a step that would leave a parameter
+    non-finite or change the parameters far beyond the typical step is undone (parameters and
+    optimizer state restored bit for bit) and reported as skipped. When the export's parity gate
+    checked generated rows rather than the user's, the first ``GENERATED_ROWS_PROTECTED`` steps
+    are all measured. :meth:`predict` raises :class:`~taste_cl.exceptions.NonFiniteOutputError`
+    rather than return NaN or infinite outputs, and ``observe`` scores no such outputs
+    (its accuracy is NaN). A folder whose weights are not finite is refused at load.
     """
 
     def __init__(self, loaded: _Loaded) -> None:
@@ -135,6 +178,7 @@ class OrtOnlineLearner:
         self.samples_seen = loaded.spec.samples_seen
         self.steps = loaded.spec.steps
         self.tuner: Any = None  # a DeviceBatchTuner (taste_cl/adapters/device/tuning.py) once attached
+        self.guard = self.session.guard = loaded.guard
         self._lock = threading.RLock()
 
     @classmethod
@@ -220,8 +264,10 @@ class OrtOnlineLearner:
             self.steps += 1
             if self.tuner is not None:
                 self.tuner.after_observe((n + n_replay) * self.train_iterations, elapsed)
-            accuracy = math.nan
-            if self.num_classes is not None and stream_outputs is not None and not self.spec.labels.shape:
+            accuracy = math.nan  # also when the outputs are not finite: no score from NaN
+            scorable = stream_outputs is not None and bool(np.isfinite(stream_outputs).all())
+            if self.num_classes is not None and scorable and not self.spec.labels.shape:
+                assert stream_outputs is not None
                 accuracy = float((self.classes.mask(stream_outputs).argmax(axis=1) == y).mean())
             return ObserveStats(
                 loss=sum(losses) / len(losses),
@@ -242,9 +288,20 @@ class OrtOnlineLearner:
             return self.session.train_step(inputs, targets(y, self.spec, inputs[0].shape[0]))
 
     def predict(self, x: Any) -> np.ndarray:
-        """Outputs for ``x`` from the eval graph (reserved slots not yet in use: ``-inf``); changes no state."""
+        """Outputs for ``x`` from the eval graph (reserved slots not yet in use: ``-inf``); changes no state.
+
+        Raises :class:`~taste_cl.exceptions.NonFiniteOutputError` instead of returning NaN or
+        infinite outputs (the masked reserved slots aside)."""
         with self._lock:
-            return self.classes.mask(self.session.predict(features(x, self.spec)))
+            outputs = self.session.predict(features(x, self.spec))
+            if not np.isfinite(outputs).all():
+                bad = int((~np.isfinite(outputs.reshape(outputs.shape[0], -1))).any(axis=1).sum())
+                raise NonFiniteOutputError(
+                    f"the model computes NaN or infinite outputs for {bad} of {outputs.shape[0]} rows: its weights are damaged "
+                    f"or overflow on this input; the guard refused {self.guard.refused_steps} step(s) since load "
+                    f"(last: {self.guard.last_cause}); resume from an earlier saved folder"
+                )
+            return self.classes.mask(outputs)
 
     def export_inference_model(self, path: str | os.PathLike[str]) -> Path:
         """Atomically write an inference-only ONNX model with the current weights."""
@@ -287,6 +344,7 @@ class OrtOnlineLearner:
             )
             if self.tuner is not None:
                 manifest["tuner"] = self.tuner.state_dict()
+            manifest["guard"] = self.guard.state_dict()
             if not web:
                 manifest["web"] = {"skipped": "saved with web=False"}
             write_manifest(stage, manifest)

@@ -2,6 +2,9 @@
 
 It uses ONNX Runtime's own bindings (``onnxruntime.capi._pybind_state``: ``Module``,
 ``CheckpointState``, ``Optimizer``), because ``onnxruntime.training.api`` imports torch.
+With a :class:`~taste_cl.adapters.device.guard.DeviceUpdateGuard` attached (the device
+learner attaches one), every step goes through it: the session saves, measures and restores
+what a step changes (:class:`~taste_cl.adapters.device.guard.GuardedSession`).
 """
 
 from __future__ import annotations
@@ -9,15 +12,18 @@ from __future__ import annotations
 import importlib.abc
 import io
 import math
+import os
 import sys
+import tempfile
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from taste_cl.adapters.device.artifacts import ArtifactError
+from taste_cl.adapters.device.guard import DeviceUpdateGuard, StepMeasure
 from taste_cl.adapters.onnxruntime.manifest import (
     CHECKPOINT,
     EVAL_MODEL,
@@ -84,21 +90,24 @@ class OrtSession:
         session_options: Any | None = None,
     ) -> None:
         C = ort_bindings()
-        self.folder, self.spec = folder, spec
+        self.folder, self.spec, self._C = folder, spec, C
+        self._device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+        self._options = session_options
+        if self._options is None:
+            self._options = C.SessionOptions()
+            self._options.log_severity_level = 3  # errors only: sessions log every graph pass at INFO
+        self._training_model = str(training_model or folder / TRAINING_MODEL)
         try:
-            self.state = C.load_checkpoint(str(folder / CHECKPOINT))
-            self._device = device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
-            options = session_options
-            if options is None:
-                options = C.SessionOptions()
-                options.log_severity_level = 3  # errors only: sessions log every graph pass at INFO
-            self.module = C.Module(str(training_model or folder / TRAINING_MODEL), self.state, str(folder / EVAL_MODEL), device, options)
-            self.optimizer = C.Optimizer(str(folder / OPTIMIZER_MODEL), self.state, device, options) if spec.optimizer["type"] == "adamw" else None
+            self._open(C.load_checkpoint(str(folder / CHECKPOINT)))
         except RuntimeError as error:
             raise ArtifactError(f"ONNX Runtime could not load the artifacts in {str(folder)!r}: {error}") from error
         missing = [name for name in spec.param_names if not self.state.has_parameter(name)]
         if missing:
             raise ArtifactError(f"the checkpoint lacks the parameters {missing[:5]} named in the manifest")
+        stored = [*spec.param_names, *(stat.parameter for stat in spec.running_stats)]
+        damaged = sorted({spec.param_names.get(name, name) for name in stored if not _finite(self.state.get_parameter(name).data.numpy())})
+        if damaged:
+            raise ArtifactError(f"the checkpoint's {damaged[:5]} hold NaN or infinite values: the model is damaged; load an earlier folder")
         outputs = list(self.module.output_names(True))
         if outputs[:2] != [LOSS_NAME, OUTPUT_NAME] or [stat.output for stat in spec.running_stats] != outputs[2:]:
             raise ArtifactError(f"the training graph's outputs are {outputs}, not what the manifest describes")
@@ -106,7 +115,16 @@ class OrtSession:
         # own copies: the in-place update must not write into the caller's arrays (an exporter's torch buffers)
         self.sgd_state = {name: np.array(value, np.float32) for name, value in (sgd_state or {}).items()}
         self._scratch_buffer = np.empty(0, np.float32)
-        self._C = C
+        self.guard: DeviceUpdateGuard | None = None  # the device learner's; the parity gate trains unguarded, as torch does
+
+    def _open(self, state: Any) -> None:
+        """Bind the training and eval graphs (and AdamW's optimizer graph) to the checkpoint ``state``."""
+        C, folder, options = self._C, self.folder, self._options
+        self.state = state
+        self.module = C.Module(self._training_model, state, str(folder / EVAL_MODEL), self._device, options)
+        self.optimizer = C.Optimizer(str(folder / OPTIMIZER_MODEL), state, self._device, options) if self.spec.optimizer["type"] == "adamw" else None
+        if self.optimizer is not None and hasattr(self, "_lr"):
+            self.optimizer.set_learning_rate(self._lr)
 
     @property
     def lr(self) -> float:
@@ -125,21 +143,87 @@ class OrtSession:
         return [value.numpy() for value in fetches]
 
     def train_step(self, inputs: list[np.ndarray], labels: np.ndarray) -> tuple[np.ndarray, float, bool]:
-        """One optimizer step; returns (outputs, loss, skipped). A non-finite loss or gradient skips the update."""
+        """One optimizer step; returns (outputs, loss, skipped). A non-finite loss or gradient skips the
+        update; with a guard attached, so does any step the guard refuses (and it is undone)."""
         self.module.lazy_reset_grad()
         fetched = self._run(inputs, labels, True)
         loss = float(fetched[0])
         # views of ORT's own buffers (no copies): the update below writes the weights in place
         params = [self.state.get_parameter(name) for name in self.spec.trainable]
         grads = {name: param.grad.numpy() for name, param in zip(self.spec.trainable, params)}
-        skipped = not math.isfinite(loss) or not all(_finite(g) for g in grads.values())
-        if not skipped:
+
+        def apply() -> None:
             if self.optimizer is not None:
                 self.optimizer.optimizer_step()
             else:
                 self._sgd_step(grads, [param.data.numpy() for param in params])
+
+        applied = self._guarded(apply, grads.values(), loss)
+        if math.isfinite(loss):  # the forward's statistics, as PyTorch's forward moves them, step or not
             self._write_running_stats(fetched[2:], labels.shape[0])
-        return fetched[1], loss, skipped
+        return fetched[1], loss, not applied
+
+    def _guarded(self, apply: Callable[[], None], grads: Iterable[np.ndarray], loss: float) -> bool:
+        """Run ``apply`` (one optimizer step) unless the loss or a gradient is not finite or the guard
+        refuses it; return whether it was applied."""
+        if self.guard is None:
+            finite = math.isfinite(loss) and all(_finite(g) for g in grads)
+            if finite:
+                apply()
+            return finite
+        # PyTorch's float32 gradient norm: it overflows where torch's does (and the guard then skips)
+        norm = math.sqrt(sum(float(np.vdot(g, g)) for g in grads))
+        return self.guard.step(self, apply, lr=self._lr, grad_norm=norm, loss=loss) is None
+
+    # ------------------------------------------------------------ the guard's view of a step
+    def save_step_state(self) -> Any:
+        """Copies of what a step changes: the trained parameters and the optimizer state (running
+        statistics follow the forward pass, as in PyTorch, and are not part of a step). ORT 1.19's
+        AdamW moments have no setter: with AdamW the whole checkpoint is kept, as bytes, and a
+        refusal reloads it."""
+        trained = {name: self.state.get_parameter(name).data.numpy().copy() for name in self.spec.trainable}
+        if self.optimizer is not None:
+            return trained, self._checkpoint_bytes()
+        return trained, {name: buffer.copy() for name, buffer in self.sgd_state.items()}
+
+    def measure_step(self, saved: Any) -> StepMeasure:
+        before: dict[str, np.ndarray] = saved[0]
+        largest, change, size, count = 0.0, 0.0, 0.0, 0
+        for name, old in before.items():
+            new = self.state.get_parameter(name).data.numpy()
+            largest = max(largest, float(np.abs(new).max(initial=0.0)))
+            delta = new - old
+            change += float(np.vdot(delta, delta))
+            size += float(np.vdot(old, old))
+            count += old.size
+        return largest, math.sqrt(change), math.sqrt(size), count
+
+    def restore_step_state(self, saved: Any) -> None:
+        trained, rest = saved
+        if self.optimizer is not None:
+            self._open(self._load_checkpoint_bytes(rest))
+            return
+        for name, value in trained.items():
+            self._write(name, value)
+        self.sgd_state = rest  # a step before which a buffer did not exist leaves none, as in torch
+
+    def _checkpoint_bytes(self) -> bytes:
+        fd, path = tempfile.mkstemp(prefix="taste_cl_guard_", suffix=".ckpt")
+        os.close(fd)
+        try:
+            self._C.save_checkpoint(self.state, path, True)
+            return Path(path).read_bytes()
+        finally:
+            os.unlink(path)
+
+    def _load_checkpoint_bytes(self, data: bytes) -> Any:
+        fd, path = tempfile.mkstemp(prefix="taste_cl_guard_", suffix=".ckpt")
+        try:
+            os.write(fd, data)
+            os.close(fd)
+            return self._C.load_checkpoint(path)
+        finally:
+            os.unlink(path)
 
     def accumulated_step(self, parts: Sequence[tuple[list[np.ndarray], np.ndarray]]) -> tuple[np.ndarray, float, bool]:
         """One optimizer step on micro-batches' gradients, each weighted by its share of the rows: the
@@ -161,15 +245,16 @@ class OrtSession:
             outputs.append(fetched[1])
             if math.isfinite(float(fetched[0])):
                 self._write_running_stats(fetched[2:], labels.shape[0])
-        skipped = not math.isfinite(loss) or not all(np.isfinite(g).all() for g in summed.values())
-        if not skipped:
+
+        def apply() -> None:
             if self.optimizer is not None:
                 for name, grad in summed.items():
                     self.state.get_parameter(name).grad.update_inplace(np.ascontiguousarray(grad, np.float32))
                 self.optimizer.optimizer_step()
             else:
                 self._sgd_step(summed, [self.state.get_parameter(name).data.numpy() for name in summed])
-        return np.concatenate(outputs), loss, skipped
+
+        return np.concatenate(outputs), loss, not self._guarded(apply, summed.values(), loss)
 
     def _write_running_stats(self, values: list[np.ndarray], batch: int) -> None:
         """Store the graph's new running statistics; ONNX's variance is biased, PyTorch's unbiased."""
