@@ -2,7 +2,9 @@
 
 Inputs ``x`` are a tensor (or numpy array) or a dict / tuple / list of them, nested at
 will (a *pytree*). The model is called as the structure says (:func:`call_model`):
-``model(x)`` for a tensor, ``model(**x)`` for a dict, ``model(*x)`` for a tuple or list.
+``model(x)`` for a tensor, ``model(**x)`` for a dict, ``model(*x)`` for a tuple or list,
+or ``model(x)`` for a whole structure when its ``forward`` takes it as one argument
+(the call mode, :data:`CALL_MODES`).
 
 Everything that comes from the app passes through here before any state is touched,
 so a bad batch raises :class:`~taste_cl.exceptions.InvalidBatchError` and leaves the
@@ -14,6 +16,8 @@ JSON-able description, so checkpoints hold no code).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +33,7 @@ BatchLike = tuple[Any, Any] | Sequence[Any] | Mapping[str, Any]
 Inputs = Any  # a tensor, or a dict / tuple / list of Inputs
 
 __all__ = [
+    "CALL_MODES",
     "ArrayLike",
     "BatchLike",
     "Inputs",
@@ -36,7 +41,9 @@ __all__ = [
     "as_tensor",
     "batch_len",
     "call_model",
+    "call_style",
     "cat_batches",
+    "check_call",
     "count_nonfinite",
     "describe",
     "index_batch",
@@ -65,21 +72,82 @@ _NUMPY_REFUSED = {
 }
 
 
-# ------------------------------------------------------------------ pytrees
-def call_model(model: Callable[..., Any], x: Inputs, *, output: Callable[[Any], Any] | None = None) -> Any:
+# ------------------------------------------------------------------ model calls
+CALL_MODES = ("auto", "keywords", "positional")
+"""How a dict / tuple / list input reaches the model: ``"keywords"`` spreads it (``model(**x)``,
+``model(*x)``), ``"positional"`` passes it whole (``model(x)``), ``"auto"`` picks one (:func:`call_style`)."""
+
+
+def check_call(call: Any, name: str = "call") -> str:
+    """``call`` if it is one of :data:`CALL_MODES`, else ``ValueError`` naming ``name`` and the value."""
+    if not isinstance(call, str) or call not in CALL_MODES:
+        raise ValueError(f"`{name} == {call!r}`, must be one of {', '.join(map(repr, CALL_MODES))}")
+    return call
+
+
+def call_style(model: Callable[..., Any], x: Inputs, call: str = "auto") -> str:
+    """``"keywords"`` or ``"positional"``: how :func:`call_model` passes ``x`` to ``model`` under ``call``.
+
+    ``"auto"`` reads the signature of ``model.forward``: when it takes exactly one required
+    argument (no ``*args`` or ``**kwargs``) and spreading ``x`` cannot fit it (a dict whose keys
+    are not all parameter names, a tuple or list longer than its positional parameters), ``x``
+    is passed whole; otherwise, and when the signature says nothing (``forward(*args, **kwargs)``,
+    a signature that cannot be read), it is spread.
+    """
+    if call != "auto" or not isinstance(x, (Mapping, tuple, list)):  # a tensor is passed as it is whatever the mode
+        return "keywords" if call == "auto" else call
+    fits = tuple(x) if isinstance(x, Mapping) else len(x)
+    forward = getattr(model, "forward", model)
+    function = getattr(forward, "__func__", None)
+    whole = _method_takes_whole(function, fits) if function is not None else _takes_whole(_parameters(forward), fits)
+    return "positional" if whole else "keywords"
+
+
+@functools.lru_cache(maxsize=256)
+def _method_takes_whole(function: Callable[..., Any], fits: tuple[str, ...] | int) -> bool:
+    """:func:`_takes_whole` for a method's function (its first parameter bound), cached: the learner calls it every step."""
+    params = _parameters(function)
+    return _takes_whole(None if params is None else params[1:], fits)
+
+
+def _parameters(function: Callable[..., Any]) -> list[inspect.Parameter] | None:
+    """The parameters of ``function``; None when its signature cannot be read (a builtin, an odd callable)."""
+    try:
+        return list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
+def _takes_whole(params: list[inspect.Parameter] | None, fits: tuple[str, ...] | int) -> bool:
+    """Whether a ``forward`` with ``params`` takes an input of dict keys / sequence length ``fits`` whole (see :func:`call_style`)."""
+    if params is None or any(p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for p in params):
+        return False  # the signature says nothing: spread, as always
+    required = [p for p in params if p.default is inspect.Parameter.empty]
+    if len(required) != 1 or required[0].kind is inspect.Parameter.KEYWORD_ONLY:
+        return False
+    if isinstance(fits, int):
+        return fits > sum(p.kind is not inspect.Parameter.KEYWORD_ONLY for p in params)
+    return not set(fits) <= {p.name for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+
+
+def call_model(model: Callable[..., Any], x: Inputs, *, output: Callable[[Any], Any] | None = None, call: str = "auto") -> Any:
     """Call ``model`` on ``x``: ``model(x)`` for a tensor, ``model(**x)`` for a dict,
-    ``model(*x)`` for a tuple or list (wrap the model to take a whole dict as one argument).
+    ``model(*x)`` for a tuple or list, or ``model(x)`` when ``call`` (:data:`CALL_MODES`,
+    resolved by :func:`call_style`) passes the structure whole.
 
     ``output`` (a :class:`~taste_cl.outputs.OutputSelector`) picks the tensor to train on
     from what the model returns (a dict, tuple or dataclass); None returns it as it is.
     """
-    if isinstance(x, torch.Tensor):
+    if isinstance(x, torch.Tensor) or call_style(model, x, call) == "positional":
         out = model(x)
     elif isinstance(x, Mapping):
         out = model(**x)
     else:
         out = model(*x)
     return out if output is None else output(out)
+
+
+# ------------------------------------------------------------------ pytrees
 
 
 def to_like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -435,7 +503,7 @@ def _to_tree(value: Any, spec: Spec | None, name: str, *, dtype: torch.dtype, de
             raise InvalidBatchError(f"{name} is an empty dict; give at least one input tensor")
         odd = [key for key in value if not isinstance(key, str)]
         if odd:
-            raise InvalidBatchError(f"{name} has non-string key(s) {odd[:5]!r}; dict inputs are passed as model(**x)")
+            raise InvalidBatchError(f"{name} has non-string key(s) {odd[:5]!r}; dict keys name the model's inputs and must be strings")
         if spec is not None and (spec.kind != "dict" or set(spec.keys) != set(value)):
             want = sorted(spec.keys) if spec.kind == "dict" else f"a {spec.kind}"
             raise InvalidBatchError(f"{name} has keys {sorted(value)}, expected {want} like the first batch")

@@ -5,9 +5,10 @@ Torch-free, so the device runtimes (``taste_cl/adapters/onnxruntime/``) can use 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-__all__ = ["INT_LIMIT", "check_int", "check_positive"]
+__all__ = ["INT_LIMIT", "check_finite_positive", "check_int", "check_positive"]
 
 INT_LIMIT = 2**62  # saved counters beyond this are corrupt (and would overflow int64 tensors)
 
@@ -26,3 +27,10 @@ def check_positive(name: str, value: Any, *, upper: float | None = None) -> floa
         rule = "a number > 0" + ("" if upper is None else f" and <= {upper}")
         raise ValueError(f"`{name} == {value!r}`, must be {rule}")
     return value
+
+
+def check_finite_positive(name: str, value: Any) -> float:
+    """``value`` as a float if it is a finite number (not a bool) ``> 0``, else ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{name} == {value!r}`, must be a finite number > 0")
+    return float(value)

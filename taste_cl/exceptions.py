@@ -19,11 +19,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ArtifactError",
+    "BatchNormModeWarning",
     "CheckpointError",
     "CheckpointNotFoundError",
     "DeploymentError",
     "ElasticWarning",
     "ExportError",
+    "GeneratedRowsWarning",
     "InsecureDeploymentWarning",
     "InvalidBatchError",
     "InvalidUpdateError",
@@ -115,6 +117,14 @@ class ExportError(TasteCLError, ValueError):
 
 class ArtifactError(CheckpointError):
     """An artifact folder is missing, incomplete, tampered with, or lists a file it must not."""
+
+
+class BatchNormModeWarning(TasteCLWarning):
+    """An export trains BatchNorm on the device in another mode than the learner does (the message says why)."""
+
+
+class GeneratedRowsWarning(TasteCLWarning):
+    """An export's parity gate trained on generated rows, not the user's: pass ``example=`` with real rows."""
 
 
 class UnsupportedOperatorError(ExportError):

@@ -33,7 +33,7 @@ from taste_cl._batch import (
     to_like,
     unflatten,
 )
-from taste_cl._checks import check_int
+from taste_cl._checks import INT_LIMIT, check_int
 from taste_cl.exceptions import InvalidBatchError
 
 __all__ = ["BufferStorage", "ClassBalancedReplay", "ReplayStrategy", "ReservoirReplay"]
@@ -462,7 +462,7 @@ class ReservoirReplay(_SeededStrategy):
     def load_state_dict(self, state: State) -> None:
         """Restore :meth:`state_dict` output; validated first, so a bad state raises ValueError and changes nothing."""
         storage, generator = self._parse_base_state(state)
-        seen = _state_int(state, "seen", len(storage))
+        seen = _state_int(state, "seen", len(storage), INT_LIMIT)  # at least what it holds; a corrupt huge count freezes the reservoir
         if len(storage) != min(seen, self.capacity):
             raise ValueError(f"a reservoir that has seen {seen} samples holds {min(seen, self.capacity)}; state holds {len(storage)}")
         self._storage, self._generator, self.seen = storage, generator, seen
@@ -607,8 +607,9 @@ class ClassBalancedReplay(_SeededStrategy):
         staged._classes = [int(c) for c in classes]
         staged._set_quotas()
         for label, count, class_slots in zip(staged._classes, seen, slot_lists):
-            if isinstance(count, bool) or not isinstance(count, int) or count < len(class_slots):
-                raise ValueError(f"class {label} has seen {count!r} samples but holds {len(class_slots)}")
+            held = len(class_slots)
+            if isinstance(count, bool) or not isinstance(count, int) or not held <= count <= INT_LIMIT:
+                raise ValueError(f"class {label} has seen {count!r} samples, must be an int in [{held}, {INT_LIMIT}] (at least the {held} it holds)")
             if len(class_slots) > staged._quotas[label] or any(labels[i] != label for i in class_slots):
                 raise ValueError(f"class {label}'s slots exceed its quota or hold other labels")
         self._storage, self._generator = storage, generator

@@ -60,9 +60,12 @@ FieldSpec = tuple[tuple[int, ...], torch.dtype]
 _ALL_TASKS = ("classification", "token_classification", "regression", "multilabel")
 
 
-def _forward(model: nn.Module, x: Inputs, output: Callable[[Any], Any] | None) -> torch.Tensor:
-    """The one place strategies call a model; ``output`` picks the learner's tensor from what it returns."""
-    return call_model(model, x, output=output)
+def _forward(model: nn.Module, x: Inputs, learner: OnlineLearner | None) -> torch.Tensor:
+    """The one place strategies call a model (a teacher), as ``learner`` calls its own: its ``output``
+    picks the tensor from what the model returns, its ``call`` mode passes ``x``."""
+    if learner is None:
+        return call_model(model, x)
+    return call_model(model, x, output=learner.output, call=learner.call)
 
 
 def _check_weight(name: str, value: float) -> float:
@@ -291,7 +294,7 @@ class LwF(Strategy):
         if self.teacher is None or not self.alpha:
             return loss
         with torch.no_grad():
-            target = _forward(self.teacher, x, None if self._learner is None else self._learner.output)
+            target = _forward(self.teacher, x, self._learner)
         return loss + self.alpha * self._distill(outputs, target)
 
     def _distill(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

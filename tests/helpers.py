@@ -163,3 +163,14 @@ def public_modules() -> list[str]:
             names.append(".".join(parts))
     return sorted(set(names))
 
+
+def quadrant_images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` 8x8 one-channel images whose class (0-3) is the brightest quadrant."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 4, (n,), generator=g)
+    x = torch.randn(n, 1, 8, 8, generator=g) * 0.5
+    for i, label in enumerate(y.tolist()):
+        row, col = divmod(label, 2)
+        x[i, :, row * 4 : row * 4 + 4, col * 4 : col * 4 + 4] += 1.5
+    return x, y
+

@@ -20,7 +20,7 @@ pytest.importorskip("onnxruntime.training")
 from taste_cl import OnlineLearner, ReservoirReplay
 from taste_cl.adapters.device.guard import DeviceUpdateGuard
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
-from taste_cl.exceptions import ArtifactError, NonFiniteOutputError
+from taste_cl.exceptions import ArtifactError, ExportError, GeneratedRowsWarning, NonFiniteOutputError
 
 POISON_LR = 1e4  # under any max_lr: only the size of the step it makes can refuse it
 
@@ -181,3 +181,43 @@ def test_the_manifest_of_a_saved_folder_carries_the_guard(folder: Path, tmp_path
     device.observe(_stream(1, seed=6)[0])
     manifest = json.loads((device.save(tmp_path / "s", web=False) / "manifest.json").read_text())
     assert manifest["guard"] == device.guard.state_dict()
+
+
+# ------------------------------------------------------------------ the gate says which rows it checked
+def _fresh(lr: float = 0.05) -> OnlineLearner:
+    """A learner exported before its first observe: the gate has no rows of the user's unless given some."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    return OnlineLearner(model, optimizer=optimizer, replay=ReservoirReplay(40, seed=0), replay_batch_size=4, input_shape=(6,), num_classes=3)
+
+
+def test_a_gate_on_generated_rows_says_so_and_the_device_measures_its_first_steps(tmp_path: Path) -> None:
+    with pytest.warns(GeneratedRowsWarning, match=r"generated rows .* pass example=\(x, y\) with real rows"):
+        folder = _fresh().export(tmp_path / "art", backend="onnxruntime")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["parity"]["rows"] == "generated"
+    device = OrtOnlineLearner.from_artifacts(folder)
+    assert device.guard.protect_first == 20
+    for batch in _stream(20, seed=7):
+        device.observe(batch)
+    assert device.guard.protected_steps == 20  # every one of the first steps measured
+
+
+@pytest.mark.parametrize(("rows", "expected"), [("example", "example"), ("replay", "replay")])
+def test_real_rows_are_recorded_as_such(tmp_path: Path, rows: str, expected: str) -> None:
+    learner, example = _fresh(), None
+    if rows == "example":  # given before the first observe
+        example = tuple(map(torch.from_numpy, _stream(1, 8)[0]))
+    else:  # observed: the buffer holds the user's rows
+        for x, y in _stream(4, seed=8):
+            learner.observe((torch.from_numpy(x), torch.from_numpy(y)))
+    folder = learner.export(tmp_path / "art", backend="onnxruntime", example=example)
+    assert json.loads((folder / "manifest.json").read_text())["parity"]["rows"] == expected
+    assert OrtOnlineLearner.from_artifacts(folder).guard.protect_first == 0
+
+
+def test_a_refusal_on_generated_rows_says_the_rows_were_generated(tmp_path: Path) -> None:
+    with pytest.warns(GeneratedRowsWarning), pytest.raises(ExportError, match=r"generated rows \(uniform in \[0, 1\), random labels\)"):
+        _fresh(lr=1e4).export(tmp_path / "art", backend="onnxruntime")
+    assert not (tmp_path / "art").exists()

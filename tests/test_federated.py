@@ -267,6 +267,23 @@ def test_validating_strategy_drops_huge_values_caps_liars_and_logs_both(caplog: 
     assert "dropped the update of node 0" in caplog.text and "capped the weight of node 1" in caplog.text
 
 
+def test_a_node_that_replies_twice_in_a_round_counts_once(caplog: pytest.LogCaptureFixture) -> None:
+    from flwr.serverapp.strategy import FedAvg
+
+    strategy = flower.ValidatingStrategy(FedAvg())
+    strategy._expected = {"w": ((3,), np.dtype(np.float32))}
+    first, second, again = _contents([0.0, 6.0, 6.0], [10.0, 10.0, 10.0])
+    with caplog.at_level("WARNING"):
+        arrays, _ = strategy.aggregate_train(1, [_Reply(first, 1), _Reply(second, 2), _Reply(again, 2)])
+    assert np.allclose(arrays["w"].numpy(), 3.0)  # the mean of nodes 1 and 2; counting node 2 twice gives 4
+    assert [(d.server_round, d.node_id) for d in strategy.dropped] == [(1, 2)]
+    assert strategy.dropped[0].reason == "a second reply in round 1: only the node's first reply counts"
+    assert (strategy.rounds[-1].accepted, strategy.rounds[-1].dropped) == (2, 1)
+    assert "dropped the update of node 2: a second reply" in caplog.text
+    arrays, _ = strategy.aggregate_train(2, [_Reply(c, node) for node, c in zip((1, 2), _contents([0.0, 6.0], [10.0, 10.0]))])
+    assert np.allclose(arrays["w"].numpy(), 3.0) and len(strategy.dropped) == 1  # a new round: each node replies once again
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import quadrant_images
 from torch import nn
 
 from taste_cl import CheckpointError, ElasticTrainer, OnlineLearner
@@ -57,17 +58,6 @@ def _frozen_cnn() -> nn.Sequential:
     )  # fmt: skip
     model[:6].requires_grad_(False)
     return model
-
-
-def _images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Class = the brightest quadrant of an 8x8 image."""
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, 4, (n,), generator=g)
-    x = torch.randn(n, 1, 8, 8, generator=g) * 0.5
-    for i, label in enumerate(y.tolist()):
-        row, col = divmod(label, 2)
-        x[i, :, row * 4 : row * 4 + 4, col * 4 : col * 4 + 4] += 1.5
-    return x, y
 
 
 def _features(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,11 +137,11 @@ def test_frozen_backbone_head_learns_as_plain_observe_does(fixed_timing):
     # the cheapest unit, and stayed at the untrained accuracy)
     fixed_timing(10.0, lambda units: ([0.02 if u.endswith("weight") else 0.01 for u in units], [0.0] * len(units), 0.0))
     plain_model, elastic_model = _frozen_cnn(), _frozen_cnn()
-    plain = _train(plain_model, _images, 40)
+    plain = _train(plain_model, quadrant_images, 40)
     before = _frozen_values(elastic_model)
     elastic = ElasticTrainer(rho=0.5, reselect_every=10, cache_dir=None)
     with pytest.warns(RuntimeWarning, match=r"rho=0\.5 .*4 frozen parameter tensor\(s\).*training all 2 trainable unit\(s\): 6\.weight, 6\.bias"):
-        accuracy = _train(elastic_model, _images, 40, [elastic])
+        accuracy = _train(elastic_model, quadrant_images, 40, [elastic])
     assert plain > 0.6 and accuracy == plain
     assert elastic.selected == ["6.weight", "6.bias"] and elastic.profile_.units == ["6.weight", "6.bias"]
     assert all(torch.equal(a, b) for a, b in zip(plain_model.parameters(), elastic_model.parameters()))
@@ -203,7 +193,7 @@ def test_trainable_parameters_outside_the_optimizer_are_refused_and_never_units(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # timing noise and the budget are not this test's subject
         for step in range(4):
-            learner.observe(_images(8, step))
+            learner.observe(quadrant_images(8, step))
     assert [n for n, p in model.named_parameters() if any(p is c for c in elastic.candidates())] == ["6.weight", "6.bias"]
     assert elastic.profile_.units == ["6.weight", "6.bias"]
     assert "2.weight" in elastic.frozen_names() and model[2].weight.requires_grad  # the user's flag, untouched
@@ -284,7 +274,7 @@ def test_profile_times_frozen_layers_where_the_backward_crosses_them():
 
 def test_a_frozen_layer_inside_a_lora_wrapper_is_timed_once():
     model, x = _lora_mlp(), torch.randn(4, 16)
-    calls = _capture(model, x, trainable_ids(model, None))
+    calls = _capture(model, x, trainable_ids(model, None), "auto")
     assert [(c.name, c.nested) for c in calls] == [("0", False), ("1", False), ("2", False), ("3", False), ("4", False)]
     assert unit_names(model, x) == ["0.a", "0.b", "2.a", "2.b", "4.a", "4.b"]
     assert unit_names(model, x, granularity="module") == ["0", "2", "4"]

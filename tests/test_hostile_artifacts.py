@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import rehash
+from hostile_npz import edit_npz
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -81,7 +82,6 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             batchnorm="batch" if name in BATCH_STATISTICS else "frozen",
         )  # fmt: skip
     return folders
-
 
 
 def _folder_bytes(folder: Path) -> dict[str, bytes]:
@@ -306,12 +306,56 @@ def _no_replay(manifest: dict) -> None:
     ],
 )
 def test_manifest_facts_the_graphs_state_are_checked(exports, tmp_path, live, base, edit, match) -> None:
-    folder = Path(shutil.copytree(exports[base], tmp_path / "edited"))
+    _refused(_edited(exports[base], edit, tmp_path), match, live)
+
+
+def _edited(export: Path, edit: Callable[[dict], None], tmp_path: Path) -> Path:
+    """A copy of ``export`` with ``edit`` applied to its manifest (and no replay.npz when it drops the buffer), re-signed."""
+    folder = Path(shutil.copytree(export, tmp_path / "edited"))
     manifest = json.loads((folder / "manifest.json").read_text())
     edit(manifest)
     if manifest.get("replay") is None:
         (folder / "replay.npz").unlink()
     rehash(folder, lambda m: (m.clear(), m.update(manifest)))
+    return folder
+
+
+# ------------------------------------------------------ bounds before allocation
+@pytest.mark.parametrize(
+    ("base", "edit", "match"),
+    [
+        # observe would run 10**9 steps per batch: a hang, not an error
+        ("mlp3", _edit("train_iterations", 10**9), r"manifest `train_iterations == 1000000000`, must be an int in \[1, 1000\]"),
+        ("mlp3", _edit("train_iterations", 1e9), r"manifest `train_iterations == 1000000000.0`, must be an int in \[1, 1000\]"),
+        # SGD settings that make every step non-finite
+        ("mlp3", _edit("optimizer.momentum", 1e300), r"manifest `optimizer.momentum == 1e\+300`, must be in \[0.0, 1.0\]"),
+        ("mlp3", _edit("optimizer.weight_decay", 1e30), r"manifest `optimizer.weight_decay == 1e\+30`, must be in \[0.0, 1000000.0\]"),
+        # a buffer allocated at load: its capacity, and its memory (capacity x 440-byte rows of the CNN's inputs and labels)
+        ("mlp3", _edit("replay.capacity", 2**40), r"manifest `replay.capacity == 1099511627776`, must be an int in \[1, 10000000\]"),
+        ("cnn3", _edit("replay.capacity", 10**7), r"manifest `replay.capacity == 10000000`, must be at most 2440322: rows of 440 bytes"),
+    ],
+)
+def test_manifest_values_out_of_bounds_are_refused(exports, tmp_path, live, base, edit, match) -> None:
+    _refused(_edited(exports[base], edit, tmp_path), match, live)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        # a header is all np.load reads before it allocates: these files are a few hundred bytes
+        ({"claims": {"x0": (10**9, 6)}}, r"replay.npz: array 'x0' is float32 \(1000000000, 6\), must be float32 \(20, 6\)"),
+        ({"claims": {"y": (2**40,)}}, r"replay.npz: array 'y' is int64 \(1099511627776,\), must be int64 \(20,\)"),
+        ({"claims": {"x0": (20, 6, 10**6)}}, r"array 'x0' is float32 \(20, 6, 1000000\), must be float32 \(20, 6\)"),
+        # a deflated member may expand far beyond the file: np.savez stores them
+        ({"compressed": True}, r"replay.npz is not a valid replay archive: member '\w+.npy' is not an uncompressed .npy array"),
+        ({"change": lambda arrays: arrays.update(extra=np.zeros(3))}, r"replay.npz holds arrays \['extra', 'x0', 'y'\], expected \['x0', 'y'\]"),
+    ],
+    ids=["x-rows", "y-rows", "x-row-shape", "compressed", "extra-array"],
+)
+def test_replay_arrays_are_bounded_by_their_headers_before_they_are_read(exports, tmp_path, live, options, match) -> None:
+    folder = Path(shutil.copytree(exports["mlp3"], tmp_path / "replay"))
+    edit_npz(folder / "replay.npz", **options)
+    rehash(folder)
     _refused(folder, match, live)
 
 
@@ -490,3 +534,14 @@ def test_any_manifest_mutation_is_refused_or_harmless(exports, live, mutations) 
         except InvalidBatchError:
             pass
         _assert_same(before, _snapshot(live))
+
+
+@pytest.mark.parametrize(("name", "file"), [("mlp3", "replay.npz"), ("mlp3", "sgd_state.npz")])
+def test_a_file_over_its_bound_is_refused_unread(exports, tmp_path, live, name, file) -> None:
+    """A sparse file far beyond what its kind can hold, re-hashed as an attacker would (the manifest's hashing
+    reads in chunks): refused from its size before it is read into memory."""
+    folder = Path(shutil.copytree(exports[name], tmp_path / "big"))
+    with open(folder / file, "r+b") as handle:
+        handle.truncate(3 << 30)  # 3 GiB, no disk used
+    rehash(folder)
+    _refused(folder, rf"{file} in .* is 3221225472 bytes, over the \d+-byte bound for this file", live)

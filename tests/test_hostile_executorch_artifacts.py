@@ -9,6 +9,9 @@ and the folder exactly as they were. Exporting takes most of a minute per model:
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -18,14 +21,17 @@ import numpy as np
 import pytest
 import torch
 from helpers import rehash
+from hostile_npz import edit_npz
 from torch import nn
 
 pytest.importorskip("executorch.extension.training")
 
 from taste_cl import InvalidBatchError, OnlineLearner, ReservoirReplay
 from taste_cl.adapters.device.artifacts import ArtifactError
+from taste_cl.adapters.executorch import learner as learner_module
 from taste_cl.adapters.executorch.build import export_model
 from taste_cl.adapters.executorch.learner import EtOnlineLearner
+from taste_cl.adapters.executorch.runtime import MAX_FILE_BYTES
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -59,7 +65,6 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     device.observe((np.random.default_rng(0).standard_normal((5, 6)).astype(np.float32), np.array([0, 1, 2, 0, 1])))
     folders["saved3"] = device.save(root / "saved3")
     return folders
-
 
 
 def _snapshot(device: EtOnlineLearner) -> dict[str, Any]:
@@ -180,6 +185,11 @@ def _set(key: str, value: Callable[[np.ndarray], np.ndarray]) -> Callable[[dict[
         (_params(_set("0.bias", lambda a: np.full_like(a, np.nan))), r"saved parameter '0.bias' holds NaN or infinite values"),
         (_params(_set("2.weight", lambda a: a.T.copy())), r"saved parameter '2.weight' has shape \(16, 3\)"),
         (_params(lambda arrays: arrays.pop("2.bias")), r"saved parameters .* do not match the program's"),
+        # a header claiming 24 GB over 384 bytes of data: refused before np.load allocates it
+        (
+            lambda folder: edit_npz(folder / "params.npz", claims={"0.weight": (10**9, 6)}),
+            r"params.npz: saved parameter '0.weight' has shape \(1000000000, 6\), the program's is \(16, 6\)",
+        ),
     ],
 )
 def test_saved_parameters_are_checked_against_the_program(exports, tmp_path, live, damage, match) -> None:
@@ -208,3 +218,97 @@ def test_batches_over_the_programs_bound_are_refused_before_they_run(exports, li
     with pytest.raises(InvalidBatchError, match="at most 128 samples"):
         device.predict(np.zeros((129, 6), np.float32))
     _assert_same(before, _snapshot(device))
+
+
+# ------------------------------------------------------ bounds before allocation
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        # SGD settings that make every step non-finite: the ONNX Runtime manifest's bounds
+        (lambda m: m["optimizer"].update(momentum=1e300), r"invalid manifest: manifest `optimizer.momentum == 1e\+300`, must be in \[0.0, 1.0\]"),
+        (lambda m: m["optimizer"].update(weight_decay=1e30), r"manifest `optimizer.weight_decay == 1e\+30`, must be in \[0.0, 1000000.0\]"),
+        (lambda m: m["optimizer"].update(dampening=2), r"manifest `optimizer.dampening == 2`, must be in \[0.0, 1.0\]"),
+        (lambda m: m["optimizer"].update(lr=1e9), r"manifest `optimizer.lr == 1000000000.0`, must be in \(0.0, 1000000.0\]"),
+        (lambda m: m["optimizer"].update(nesterov=1), r"manifest `optimizer.nesterov == 1`, must be true or false"),  # was a bare TypeError
+        # observe would run 10**9 steps per batch: a hang, not an error
+        (lambda m: m.update(train_iterations=10**9), r"manifest `train_iterations == 1000000000`, must be an int in \[1, 1000\]"),
+        (lambda m: m.update(train_iterations=1e9), r"manifest `train_iterations == 1000000000.0`, must be an int in \[1, 1000\]"),
+        (lambda m: m.update(replay_batch_size=10**9), r"manifest `replay_batch_size == 1000000000`, must be an int in \[0, 100000\]"),
+        (lambda m: m["counters"].update(steps=-1), r"manifest `counters.steps == -1`, must be an int in \[0, "),
+        # the buffer is allocated at load: its capacity was refused only by the failing allocation
+        (lambda m: m["replay"].update(capacity=2**40), r"manifest `replay.capacity == 1099511627776`, must be an int in \[1, 10000000\]"),
+        (lambda m: m["replay"].update(size=41), r"manifest `replay.size == 41`, must be an int in \[0, 40\]"),
+    ],
+)
+def test_manifest_values_are_bounded_before_any_file_is_read(exports, tmp_path, live, monkeypatch, edit, match) -> None:
+    folder = _copy(exports, "mlp3", tmp_path)
+    rehash(folder, edit)
+    monkeypatch.setattr(learner_module, "read_verified", _never_read())
+    _refused(folder, match, live)
+
+
+def _never_read(name: str | None = None) -> Callable[..., bytes]:
+    """A ``read_verified`` that fails the test when it reads ``name`` (None: any file)."""
+    real = learner_module.read_verified
+
+    def read(folder: Path, manifest: dict, file: str, **bounds: Any) -> bytes:
+        assert name is not None, f"{file} was read"
+        data = real(folder, manifest, file, **bounds)  # a bound refuses ``name`` in there, before reading it
+        assert file != name, f"{file} was read"
+        return data
+
+    return read
+
+
+def _replay(**options: Any) -> Callable[[Path], None]:
+    return lambda folder: edit_npz(folder / "replay.npz", **options)
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        # headers claiming terabytes over a few hundred bytes of data: np.load would allocate them first
+        (_replay(claims={"x": (10**9, 6)}), r"array 'x' is float32 \(1000000000, 6\), must be numbers for \d+ samples of float32 \[6\]"),
+        (_replay(claims={"y": (2**40,)}), r"array 'y' holds 1099511627776 samples; the manifest's replay.size is \d+"),
+        (_replay(claims={"generator": (2**40,)}), r"array 'generator' is uint8 \(1099511627776,\), must be a torch generator state"),
+        (_replay(change=lambda a: a.update(capacity=np.int64(2**40))), r"array 'capacity' is 1099511627776; the manifest's replay.capacity is 40"),
+        # a deflated member may expand far beyond the file: np.savez stores them
+        (_replay(compressed=True), r"member '\w+.npy' is not an uncompressed .npy array"),
+        (_replay(change=lambda a: a.update(extra=np.zeros(3))), r"the archive holds arrays \[.*'extra'.*\], expected"),
+    ],
+    ids=["x-rows", "y-rows", "generator", "capacity", "compressed", "extra-array"],
+)
+def test_replay_arrays_are_bounded_by_their_headers_before_they_are_read(exports, tmp_path, live, damage, match) -> None:
+    folder = _copy(exports, "mlp3", tmp_path)
+    damage(folder)
+    rehash(folder)
+    _refused(folder, rf"replay.npz is not a valid replay buffer for this program: {match}", live)
+
+
+@pytest.mark.parametrize("name", ["model.pte", "model.ptd", "params.npz", "replay.npz"])
+def test_a_file_over_its_bound_is_refused_unread(exports, tmp_path, live, monkeypatch, name) -> None:
+    """Each file's size on disk is checked against MAX_FILE_BYTES (lowered here to just below it) before it is read."""
+    folder = _copy(exports, "saved3", tmp_path)
+    size = (folder / name).stat().st_size
+    monkeypatch.setitem(MAX_FILE_BYTES, name, size - 1)
+    monkeypatch.setattr(learner_module, "read_verified", _never_read(name))
+    _refused(folder, rf"{name} in .* is {size} bytes, over the {size - 1}-byte bound for this file", live)
+
+
+def test_a_weights_file_over_a_gibibyte_is_refused_before_it_is_read(exports, tmp_path, live) -> None:
+    """The red team's case at the real bound: a listed model.ptd past 1 GiB (sparse here) raised a raw
+    MemoryError under a 2 GiB address-space cap when it was read whole."""
+    folder = _copy(exports, "mlp3", tmp_path)
+    path = folder / "model.ptd"
+    os.truncate(path, MAX_FILE_BYTES["model.ptd"] + 1)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    digest = hashlib.sha256()
+    with path.open("rb") as file:  # re-signed without holding the file in memory
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    manifest["files"]["model.ptd"] = digest.hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    before = _snapshot(live)
+    with pytest.raises(ArtifactError, match=r"model.ptd in .* is 1073741825 bytes, over the 1073741824-byte bound for this file"):
+        EtOnlineLearner.from_artifacts(folder)
+    _assert_same(before, _snapshot(live))

@@ -32,6 +32,7 @@ from taste_cl import (
     ReservoirReplay,
     StabilityPlasticityMonitor,
 )
+from taste_cl._checks import INT_LIMIT
 from taste_cl.state.checkpoint import CHECKPOINT_FILE, CheckpointLimits, decode_state, encode_state, read_checkpoint
 from taste_cl.testing import states_equal
 
@@ -121,6 +122,10 @@ CASES: list[tuple[str, Edit, str]] = [
     ("guard max_lr NaN", _set("guard.config.max_lr", math.nan), "max_lr == nan"),
     ("guard negative counter", _set("guard.skipped_in_row", -1), "skipped_in_row == -1"),
     ("plugins not a dict", _set("plugins", ["tuner"]), "section `plugins` must be a dict"),
+    # class 2: counters past their bounds (a reservoir that has seen 2**80 samples never takes another)
+    ("replay seen 2**80", _set("replay.seen", 2**80), rf"`seen == {2**80}` in the state, must be an int in \[20, {INT_LIMIT}\]"),
+    ("replay seen fewer than it holds", _set("replay.seen", 3), r"`seen == 3` in the state, must be an int in \[20, "),
+    ("probe class seen 2**80", _set("monitor.probe.seen.0", 2**80), rf"has seen {2**80} samples, must be an int in \[\d+, {INT_LIMIT}\]"),
 ]
 
 
@@ -197,6 +202,7 @@ BALANCED: list[tuple[str, Edit, str]] = [
     ("slot of another class", _set("replay.slots", lambda s: [s[1], s[0], *s[2:]]), "hold other labels"),
     ("class seen fewer than held", _set("replay.seen.0", 0), "seen 0 samples"),
     ("classes repeated", _set("replay.classes", lambda c: [c[0]] * len(c)), "distinct"),
+    ("class seen 2**80", _set("replay.seen.0", 2**80), rf"has seen {2**80} samples, must be an int in \[\d+, {INT_LIMIT}\]"),
 ]
 
 
@@ -236,7 +242,7 @@ def test_a_file_over_max_bytes_is_refused_before_it_is_read(tmp_path, monkeypatc
     reads = []
     real_read = os.read
     monkeypatch.setattr(os, "read", lambda fd, n: reads.append(n) or real_read(fd, n))
-    with pytest.raises(CheckpointError, match=f"is {size} bytes, over the bound max_bytes={size - 1}"):
+    with pytest.raises(CheckpointError, match=f"is {size} bytes, over the bound of {size - 1}; .* within max_bytes={size - 1}"):
         OnlineLearner.load(tmp_path, model=tiny_learner().model, max_bytes=size - 1)
     assert reads == []
     monkeypatch.undo()
@@ -364,6 +370,40 @@ def test_a_refused_load_attaches_no_plugin_to_the_monitor_passed_in(tmp_path):
     with pytest.raises(CheckpointError, match="steps == -1"):
         OnlineLearner.load(tmp_path, model=tiny_learner().model, monitor=monitor, plugins=[Subscriber("sub")])
     assert monitor._subscribers == []
+
+
+def _plugin(kind: str, cache: Any) -> LearnerPlugin:
+    from taste_cl.elastic import ElasticTrainer
+    from taste_cl.tuning import BatchSizeTuner
+
+    if kind == "elastic":  # binds to its learner and subscribes to the monitor when attached
+        return ElasticTrainer(cache_dir=None, warmup=0, repeats=2, tolerance=1e9)
+    return BatchSizeTuner(cache_dir=cache, max_batch_size=16)  # subscribes; holds what cannot be deep-copied
+
+
+@pytest.mark.parametrize(("kind", "field", "message"), [("elastic", "steps", "`steps == -1`"), ("tuner", "observes", "`tuner state observes == -1`")])
+def test_a_load_refused_at_a_plugin_state_attaches_nothing_passed_in(tmp_path, kind, field, message):
+    learner = tiny_learner(plugins=[_plugin(kind, tmp_path / "cache")])
+    for seed in range(3):
+        learner.observe(batch(seed=seed))
+    learner.save(tmp_path / "good")
+    state = _copy(learner)
+    name = learner.plugins[0].name
+    state["plugins"][name][field] = -1
+    _write(tmp_path, state)
+    monitor, plugin = StabilityPlasticityMonitor(), _plugin(kind, tmp_path / "cache")
+    before = _copy(plugin)
+    with pytest.raises(CheckpointError, match=f"plugin '{name}': .*{message}"):
+        OnlineLearner.load(tmp_path, model=tiny_learner().model, monitor=monitor, plugins=[plugin])
+    assert monitor._subscribers == []  # nothing subscribed: a drift event reaches no plugin
+    monitor.emit("drift_detected")
+    monitor.dispatch()
+    assert states_equal(before, _copy(plugin))
+    if kind == "elastic":
+        with pytest.raises(RuntimeError, match="not attached"):
+            plugin.frozen_names()  # bound to no learner
+    loaded = OnlineLearner.load(tmp_path / "good", model=tiny_learner().model, monitor=StabilityPlasticityMonitor(), plugins=[plugin])
+    assert loaded.plugins == [plugin] and states_equal(_copy(plugin), _copy(learner.plugins[0]))
 
 
 # ------------------------------------------ any single value replaced: CheckpointError or a clean load

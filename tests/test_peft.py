@@ -335,8 +335,8 @@ def test_update_and_probe_guards_restore_the_wrapped_model_bit_identically(digit
     [("text_transformer", ["linear1", "linear2", "head"]), ("resnet18", r".*(layer4\.\d\.conv\d|fc)")],
 )
 def test_zoo_models_wrapped_by_lora_train_adapters_and_round_trip(name, targets, tmp_path):
-    """Dict inputs reach the base through peft's forward; BatchNorm running statistics keep
-    following the stream (peft freezes parameters, not buffers) and round-trip too."""
+    """Dict inputs reach the base through peft's forward; the frozen base's BatchNorm modules run in
+    eval mode (``frozen_norm="eval"``, the default), so their running statistics stay, and all round-trips."""
     case = ZOO[name]
     model, loss_fn, _ = case.build()
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))

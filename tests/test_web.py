@@ -14,11 +14,15 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from helpers import rehash
+from hostile_npz import edit_npz
 from torch import nn
 
 pytest.importorskip("onnxruntime.training")
@@ -256,6 +260,63 @@ def test_make_web_compatible_is_idempotent_and_refuses_tampering(artifacts: Path
     with pytest.raises(CheckpointError, match="SHA-256 mismatch"):
         make_web_compatible(folder)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == listing  # left exactly as it was
+
+
+def _manifest(edit: Callable[[dict[str, Any]], object]) -> Callable[[Path], None]:
+    """A damage: the manifest edited and the folder re-signed, as an attacker would."""
+    return lambda folder: rehash(folder, edit)
+
+
+def _replay(**options: Any) -> Callable[[Path], None]:
+    """A damage: ``replay.npz`` rewritten (see ``edit_npz``), the folder re-signed as an attacker would."""
+
+    def damage(folder: Path) -> None:
+        edit_npz(folder / "replay.npz", **options)
+        rehash(folder)
+
+    return damage
+
+
+def _first(key: str, value: float) -> Callable[[dict[str, np.ndarray]], None]:
+    """A change of a replay archive: the first entry of array ``key`` set to ``value``."""
+    return lambda arrays: arrays[key].reshape(-1).__setitem__(0, value)
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        # every value web.json copies is bounded as the device bounds it: the hashes were recomputed
+        (
+            _manifest(lambda m: m["optimizer"].update(lr="nan")),
+            r"manifest\.json: manifest `optimizer\.lr == 'nan'`, must be a finite number",
+        ),
+        (_manifest(lambda m: m["optimizer"].update(lr=-0.05)), r"manifest `optimizer\.lr == -0\.05`, must be in \(0\.0, 1000000\.0\]"),
+        (_manifest(lambda m: m.update(num_classes=1e9)), r"manifest `num_classes == 1000000000\.0`, must be an int in \[1, 100000\]"),
+        (
+            _manifest(lambda m: m.update(train_iterations=10**9)),
+            r"manifest `train_iterations == 1000000000`, must be an int in \[1, 1000\]",
+        ),
+        # a width the manifest repeats consistently, but not the graph's
+        (
+            _manifest(lambda m: (m.update(num_classes=7), m["output"].update(shape=["batch", 7]))),
+            r"`num_classes == 7`, must be the output width of eval_model\.onnx's 'logits', \[10\]",
+        ),
+        # the buffer, read as the device reads it, with no ignored label (the browser trains on each)
+        (_replay(change=_first("y", 10)), r"replay\.npz: labels in \[0, 10\], must be in \[0, 9\]$"),
+        (_replay(change=_first("y", -100)), r"replay\.npz: labels in \[-100, 9\], must be in \[0, 9\]$"),
+        (_replay(change=_first("x0", math.nan)), r"replay\.npz: array 'x0' holds NaN or infinite values"),
+        (_replay(claims={"x0": (10**9, 64)}), r"replay\.npz: array 'x0' is float32 \(1000000000, 64\), must be float32 \(\d+, 64\)"),
+    ],
+    ids=["lr-nan", "lr-negative", "classes-1e9", "iterations", "classes-not-the-graphs", "label-10", "label-ignored", "feature-nan", "x-rows"],
+)
+def test_values_out_of_bounds_are_refused_and_nothing_is_written(artifacts: Path, tmp_path: Path, damage, match) -> None:
+    folder = Path(shutil.copytree(artifacts / "sgd", tmp_path / "hostile"))
+    damage(folder)
+    files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(WebCompatibilityError, match=match):
+        make_web_compatible(folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == files
+    assert [p.name for p in tmp_path.iterdir()] == ["hostile"]  # no staging folder left behind
 
 
 def test_optimizer_state_survives_the_rewrite(artifacts: Path, tmp_path: Path) -> None:

@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import onnxruntime
 
     from taste_cl.adapters.device.transforms import disable_random_layers
-    from taste_cl.adapters.onnxruntime.learner_export import export_model
+    from taste_cl.adapters.onnxruntime.build import export_model
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
     threads = torch.get_num_threads()  # --threads applied by parse()

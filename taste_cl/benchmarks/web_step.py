@@ -73,7 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import onnxruntime
 
-    from taste_cl.adapters.onnxruntime.learner_export import OrtOnlineLearner, export, read_manifest
+    from taste_cl.adapters.device.artifacts import read_manifest
+    from taste_cl.adapters.onnxruntime.learner_export import export
+    from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
     from taste_cl.cli.serve_demo import DemoServer, drive_browser
 
     threads = torch.get_num_threads()

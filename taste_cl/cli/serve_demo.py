@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
@@ -51,8 +52,33 @@ def repo_root() -> Path:
     raise FileNotFoundError("web/ and examples/web/ not found: run this from a taste_cl source checkout")
 
 
+_INDEX_PAGES = ("index.html", "index.htm")  # what SimpleHTTPRequestHandler serves for a folder
+
+
+def _plain(path: Path, root: Path) -> bool:
+    """Whether ``path`` is a regular file or a folder inside ``root`` (resolved) reached through no symbolic link."""
+    try:
+        mode = path.lstat().st_mode
+        resolved = path.resolve(strict=True)
+    except (OSError, ValueError, RuntimeError):  # missing, a NUL in the name, a link loop
+        return False
+    return resolved == path and resolved.is_relative_to(root) and (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def _servable(path: Path, root: Path) -> bool:
+    """Whether ``path`` may be served from ``root``: a regular file, or a folder whose index pages (served
+    in its place) are, inside the root and reached through no symbolic link (a link in the artifacts folder
+    could lead anywhere: ``/etc/passwd``, the user's home); FIFOs and devices are never opened."""
+    if not _plain(path, root):
+        return False
+    return not path.is_dir() or all(_plain(path / page, root) for page in _INDEX_PAGES if os.path.lexists(path / page))
+
+
 class _Handler(SimpleHTTPRequestHandler):
-    """Static files from three roots: ``/web/``, ``/artifacts/`` and the page for everything else."""
+    """Static files from three roots: ``/web/``, ``/artifacts/`` and the page for everything else.
+
+    Only regular files (and folder listings) inside the roots, reached through no symbolic link,
+    are served; anything else is a 404, answered without opening it."""
 
     def __init__(self, *args: object, roots: dict[str, Path], **kwargs: object) -> None:
         self.roots = roots
@@ -60,12 +86,14 @@ class _Handler(SimpleHTTPRequestHandler):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def translate_path(self, path: str) -> str:
+        forbidden = str(self.roots[""] / "__forbidden__")  # a 404: never leave the served roots
         parts = [p for p in unquote(urlsplit(path).path).split("/") if p]
         if any(p in (".", "..") or "\\" in p for p in parts):
-            return str(self.roots[""] / "__forbidden__")  # never leave the served roots
+            return forbidden
         prefix = parts[0] if parts and parts[0] in self.roots else ""
         rest = parts[1:] if prefix else parts
-        return str(self.roots[prefix].joinpath(*rest))
+        target = self.roots[prefix].joinpath(*rest)
+        return str(target) if _servable(target, self.roots[prefix]) else forbidden
 
     def end_headers(self) -> None:
         self.send_header("Cache-Control", "no-store")  # a re-export must never be mixed with a cached one
@@ -86,10 +114,10 @@ class DemoServer:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"`port == {port!r}`, must be an int in [0, 65535]")
         base = repo_root() if root is None else root
-        roots = {
-            "": base / "examples" / "web",
-            "web": base / "web",
-            "artifacts": Path(artifacts).absolute(),
+        roots = {  # resolved: a served path must resolve to itself (no link on the way), inside one of them
+            "": (base / "examples" / "web").resolve(),
+            "web": (base / "web").resolve(),
+            "artifacts": Path(artifacts).resolve(),
         }
         for name, folder in roots.items():
             if not folder.is_dir():

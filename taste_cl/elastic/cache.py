@@ -1,8 +1,9 @@
 """The on-disk profile cache: untrusted input, validated field by field before use.
 
 A cache file may be stale, truncated, hand-edited or hostile. Every problem (unreadable
-path, oversize file, bad JSON, deep nesting, wrong types, negative or non-finite times,
-unit names that are not this model's) gives a :class:`~taste_cl.exceptions.ProfileCacheWarning` and a fresh
+path, a link, FIFO, device or folder in place of the file, oversize file, bad JSON, deep
+nesting, wrong types, negative or non-finite times, unit names that are not this model's)
+gives a :class:`~taste_cl.exceptions.ProfileCacheWarning` and a fresh
 measurement; nothing from a bad entry is used, and a cache that cannot be written is
 warned about, never fatal.
 """
@@ -22,7 +23,7 @@ from torch import nn
 from taste_cl.elastic.profiling import describe_input, profile_tensors, trainable_ids, unit_names
 from taste_cl.elastic.tensor_profile import Granularity, TensorProfile, parse_profile
 from taste_cl.exceptions import ProfileCacheWarning
-from taste_cl.state.checkpoint import atomic_write_bytes
+from taste_cl.state.files import atomic_write_bytes, read_regular_file
 from taste_cl.tuning.fingerprint import hardware_fingerprint, model_signature
 
 __all__ = ["CACHE_FILE", "load_or_profile"]
@@ -36,17 +37,15 @@ MAX_ENTRIES = 64
 def _read_entries(path: Path) -> dict[str, Any]:
     """The cache's profile entries (raw), or {} with a warning when the file is unusable."""
     try:
-        if not path.exists():
-            return {}
-        if path.stat().st_size > MAX_CACHE_BYTES:
-            raise ValueError(f"it is larger than {MAX_CACHE_BYTES} bytes")
-        payload = json.loads(path.read_text(encoding="utf-8"))
+        payload = json.loads(read_regular_file(path, MAX_CACHE_BYTES).decode("utf-8"))
         if not isinstance(payload, dict) or payload.get("format") != PROFILE_FORMAT:
             return {}  # another format version: silently measure again
         entries = payload.get("profiles")
         if not isinstance(entries, dict):
             raise ValueError("`profiles` is not an object")  # noqa: TRY004
         return entries
+    except (FileNotFoundError, NotADirectoryError):
+        return {}  # no cache yet (a folder that is a file is reported when the profile is written)
     except (OSError, ValueError, RecursionError, UnicodeDecodeError) as error:
         warnings.warn(f"elastic profile cache {str(path)!r} is unusable ({error}); measuring again", ProfileCacheWarning, stacklevel=3)
         return {}
@@ -81,7 +80,7 @@ def load_or_profile(
     if not refresh and key in entries:
         try:
             profile = parse_profile(entries[key])
-            expected = unit_names(model, example, granularity=granularity, trainable=live)
+            expected = unit_names(model, example, granularity=granularity, trainable=live, call=profile_kwargs.get("call", "auto"))
             if profile.units != expected or profile.granularity != granularity or profile.clock != clock:
                 raise ValueError(f"its units {profile.units[:4]}... are not this model's {expected[:4]}...")
             return profile, True

@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 from taste_cl._batch import call_model
 from taste_cl._checks import check_int, check_positive
 from taste_cl.elastic.tensor_profile import CLOCKS, Clock, Granularity, TensorProfile, check_clock, check_granularity
+from taste_cl.learner.frozen import norm_modules, train_mode
 
 __all__ = ["Clock", "Granularity", "TensorProfile", "profile_tensors", "trainable_ids", "unit_names", "unit_parameters"]
 
@@ -115,9 +116,9 @@ class _Call:
     nested: bool
 
 
-def _capture(model: nn.Module, example: Any, trainable: set[int]) -> list[_Call]:
-    """Run ``model`` once; return the first call of every module with trainable parameters of
-    its own and of every other leaf module (frozen or parameter-free), in call order.
+def _capture(model: nn.Module, example: Any, trainable: set[int], call: str) -> list[_Call]:
+    """Run ``model`` once (``example`` passed as ``call`` says, :func:`~taste_cl._batch.call_model`); return the first
+    call of every module with trainable parameters of its own and of every other leaf module (frozen or parameter-free), in call order.
 
     A leaf called while another captured module runs is left out (replaying the outer
     module times it already); a unit module called so is kept, marked ``nested``.
@@ -147,7 +148,7 @@ def _capture(model: nn.Module, example: Any, trainable: set[int]) -> list[_Call]
             handles.append(module.register_forward_hook(leave))
     try:
         with torch.no_grad():
-            call_model(model, example)
+            call_model(model, example, call=call)
     finally:
         for handle in handles:
             handle.remove()
@@ -163,20 +164,23 @@ def _units_of(name: str, module: nn.Module, granularity: str, trainable: set[int
     return [(f"{name}.{pname}" if name else pname, [p]) for pname, p in params]
 
 
-def unit_names(model: nn.Module, example: Any, *, granularity: Granularity = "tensor", trainable: Iterable[nn.Parameter] | None = None) -> list[str]:
+def unit_names(
+    model: nn.Module, example: Any, *, granularity: Granularity = "tensor", trainable: Iterable[nn.Parameter] | None = None, call: str = "auto"
+) -> list[str]:
     """The units of ``model`` for ``example``, in execution order (one no-grad forward pass).
 
-    ``trainable``: the parameters that may be units (default: those with ``requires_grad``).
+    ``trainable``: the parameters that may be units (default: those with ``requires_grad``);
+    ``call``: how a dict or tuple ``example`` is passed to the model (the learner's ``call``).
     """
     check_granularity(granularity)
     ids = trainable_ids(model, trainable)
-    was_training = model.training
+    modes = _modes(model)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     try:
         with torch.random.fork_rng(devices=[]):
-            calls = _capture(model, example, ids)
+            calls = _capture(model, example, ids, call)
     finally:
-        _restore(model, buffers, was_training)
+        _restore(model, buffers, modes)
     return [unit for call in calls for unit, _ in _units_of(call.name, call.module, granularity, ids)]
 
 
@@ -205,8 +209,14 @@ def unit_parameters(model: nn.Module, units: Sequence[str], granularity: str, tr
     return out
 
 
-def _restore(model: nn.Module, buffers: dict[str, torch.Tensor], was_training: bool) -> None:
-    model.train(was_training)
+def _modes(model: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """Every module's train/eval mode (the learner keeps frozen parts' normalisation modules in eval mode)."""
+    return [(module, module.training) for module in model.modules()]
+
+
+def _restore(model: nn.Module, buffers: dict[str, torch.Tensor], modes: list[tuple[nn.Module, bool]]) -> None:
+    for module, training in modes:
+        module.training = training
     with torch.no_grad():
         for name, b in model.named_buffers():
             if name in buffers:
@@ -342,6 +352,8 @@ def profile_tensors(
     clock: Clock = "wall",
     trainable: Iterable[nn.Parameter] | None = None,
     output: Callable[[Any], Any] | None = None,
+    call: str = "auto",
+    frozen_norms: Sequence[str] = (),
 ) -> TensorProfile:
     """Measure forward, per-unit weight-gradient and activation-gradient times on ``example``.
 
@@ -358,26 +370,29 @@ def profile_tensors(
     ``requires_grad`` flags, buffers (BatchNorm statistics) and the torch RNG are left as
     they were. ``clock``: ``"wall"`` or ``"cpu"`` (see the module doc). ``output`` picks the
     trained tensor from the model's output (the learner's ``output``; :mod:`taste_cl.outputs`):
-    the full backward starts from it, as the training step's does.
+    the full backward starts from it, as the training step's does. ``call`` says how a dict or
+    tuple ``example`` is passed to the model (the learner's ``call``, :data:`~taste_cl._batch.CALL_MODES`).
+    The model trains in train mode with the normalisation modules named ``frozen_norms`` in eval
+    mode, as the learner's step runs it (its :attr:`~taste_cl.OnlineLearner.frozen_norms`).
     """
     check_profile_options(granularity, clock, warmup, repeats, max_rounds, tolerance)
     ids = trainable_ids(model, trainable)
     device = _device(example)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     kept = [(p, p.requires_grad, p.grad) for p in model.parameters()]
-    was_training = model.training
-    model.train()
+    modes = _modes(model)
+    train_mode(model, norm_modules(model, frozen_norms))
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     try:
         for p, _, _ in kept:
             p.requires_grad_(id(p) in ids)
             p.grad = None  # the full backward accumulates here: the user's gradients are set aside
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            parts = _measures(_capture(model, example, ids), granularity, ids, param_ptrs)
-            forward = _Measure(lambda: lambda: call_model(model, example, output=output), [])
+            parts = _measures(_capture(model, example, ids, call), granularity, ids, param_ptrs)
+            forward = _Measure(lambda: lambda: call_model(model, example, output=output, call=call), [])
 
             def full_backward() -> Callable[[], Any]:
-                outs = [o for o in _float_leaves(call_model(model, example, output=output)) if o.requires_grad]
+                outs = [o for o in _float_leaves(call_model(model, example, output=output, call=call)) if o.requires_grad]
                 return lambda: torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
             backward = _Measure(full_backward, [])
@@ -399,7 +414,7 @@ def profile_tensors(
         for p, flag, grad in kept:
             p.requires_grad_(flag)
             p.grad = grad
-        _restore(model, buffers, was_training)
+        _restore(model, buffers, modes)
     if profile.relative_noise() > tolerance:
         return TensorProfile(**{**profile.to_dict(), "noisy": True})
     return profile

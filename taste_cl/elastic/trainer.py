@@ -203,6 +203,7 @@ class ElasticTrainer(SelectionCycle, LearnerPlugin):
         options = {
             "granularity": self.granularity, "warmup": self.warmup, "repeats": self.repeats,
             "max_rounds": self.max_rounds, "tolerance": self.tolerance, "clock": self.clock, "output": learner.output,
+            "call": learner.call, "frozen_norms": learner.frozen_norms,
         }  # fmt: skip
         trainable = self.candidates()  # the units this cycle switched off count as trainable
         if self.cache_dir is None:

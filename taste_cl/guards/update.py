@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from taste_cl._checks import check_int
+from taste_cl._checks import check_finite_positive, check_int
 from taste_cl.guards.size_rule import StepSizeHistory, log_clamped
 
 if TYPE_CHECKING:
@@ -90,12 +90,6 @@ class _GuardConfig:
     snapshot_every: int
     divergence_factor: float
     update_jump: float = 1e3  # a default: checkpoints written before it existed lack it
-
-
-def _positive_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"`{name} == {value!r}`, must be a finite number > 0")
-    return float(value)
 
 
 class UpdateGuard:
@@ -144,13 +138,13 @@ class UpdateGuard:
             raise TypeError(f"rollback must be a bool; got {type(rollback).__name__}")
         self.config = _GuardConfig(
             mode=mode,
-            max_lr=_positive_number("max_lr", max_lr),
-            update_bound=_positive_number("update_bound", update_bound),
+            max_lr=check_finite_positive("max_lr", max_lr),
+            update_bound=check_finite_positive("update_bound", update_bound),
             stuck_after=check_int("stuck_after", stuck_after, 1),
             rollback=rollback,
             snapshot_every=check_int("snapshot_every", snapshot_every, 1),
-            divergence_factor=_positive_number("divergence_factor", divergence_factor),
-            update_jump=_positive_number("update_jump", update_jump),
+            divergence_factor=check_finite_positive("divergence_factor", divergence_factor),
+            update_jump=check_finite_positive("update_jump", update_jump),
         )
         self.protected_steps = 0  # copy-protected steps since construction (not saved): what "auto" costs
         self._reset()

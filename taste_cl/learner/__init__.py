@@ -3,6 +3,7 @@
 - :mod:`.learner`: :class:`OnlineLearner`, which orchestrates validate -> plan -> step -> store;
 - :mod:`.batching`: :class:`BatchPlan` and the micro-batches and accumulation window it plans;
 - :mod:`.checks`: the argument checks and what the first batch settles (task, input spec, output shape);
+- :mod:`.frozen`: which normalisation modules sit in frozen parts, kept in eval mode while the learner trains;
 - :mod:`.heads`: growing the classifier for a class the model never saw (``max_classes``);
 - :mod:`.stats`: :class:`ObserveStats`, what ``observe`` returns here and on devices (no torch).
 

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from taste_cl._batch import Inputs, Spec, as_tensor, batch_len, call_model, index_batch, leaves
+from taste_cl._batch import Inputs, Spec, as_tensor, batch_len, call_model, call_style, check_call, index_batch, leaves
 from taste_cl._checks import check_int, check_positive
 from taste_cl.exceptions import InvalidBatchError
+from taste_cl.learner.frozen import check_frozen_norm, norm_modules, train_mode
 from taste_cl.learner.heads import MAX_CLASSES, check_growable
 from taste_cl.outputs import OutputSelector, describe_output, select_checked
 from taste_cl.replay import ClassBalancedReplay, ReplayStrategy
@@ -63,7 +64,7 @@ def settle_first_batch(learner: OnlineLearner, x: Inputs, spec: Spec, raw_y: Any
     try:
         raw = learner._eval_forward(index_batch(x, slice(0, 1)), None)
     except Exception as error:
-        raise InvalidBatchError(f"model cannot take x of {_shapes(x)}: {error}{_integer_hint(x)}") from error
+        raise InvalidBatchError(f"model cannot take x of {_shapes(x)}: {error}{_integer_hint(x)}{_call_hint(learner, x, error)}") from error
     # the model is checked on the first sample only: a cheap forward, whatever the batch size
     output, out = select_checked(raw, learner.output, 1, where="the first sample of the first batch")
     output_shape = tuple(out.shape[1:])
@@ -86,7 +87,7 @@ def settle_first_batch(learner: OnlineLearner, x: Inputs, spec: Spec, raw_y: Any
     if task != monitor.task and (monitor.steps or monitor.samples_seen):
         raise ValueError(f"the monitor already scored {monitor.task!r}; this learner's task is {task!r}")
     mode = monitor.prequential
-    score_eval = mode == "eval" or (mode == "auto" and _output_depends_on_mode(learner.model, x, output))
+    score_eval = mode == "eval" or (mode == "auto" and _output_depends_on_mode(learner.model, x, output, learner.call, learner.frozen_norms))
     return FirstBatch(task, spec, output_shape, num_classes, score_eval, y, output, describe_output(raw))
 
 
@@ -99,6 +100,8 @@ def check_arguments(
     plugins: Sequence[LearnerPlugin],
     max_classes: int | None = None,
     max_grad_norm: float | None = None,
+    call: str = "auto",
+    frozen_norm: str = "eval",
 ) -> None:
     """The constructor's arguments that are checked on their own: types, ranges, unique plugin names."""
     if not isinstance(model, nn.Module):
@@ -113,6 +116,8 @@ def check_arguments(
         raise ValueError(f"`max_classes == {max_classes}`, must be <= {MAX_CLASSES}")
     if max_grad_norm is not None and not math.isfinite(check_positive("max_grad_norm", max_grad_norm)):
         raise ValueError(f"`max_grad_norm` must be finite (None: no clipping); got {max_grad_norm}")
+    check_call(call)
+    check_frozen_norm(frozen_norm)
     names = [plugin.name for plugin in plugins]
     if len(set(names)) != len(names):
         raise ValueError(f"plugin names must be unique (they key checkpoint state); got {names}")
@@ -152,6 +157,14 @@ def _integer_hint(x: Inputs) -> str:
     return ""
 
 
+def _call_hint(learner: OnlineLearner, x: Inputs, error: Exception) -> str:
+    """For a structured ``x`` spread into a model that refused the arguments: the call mode that passes it whole."""
+    if not isinstance(error, TypeError) or isinstance(x, torch.Tensor) or call_style(learner.model, x, learner.call) != "keywords":
+        return ""
+    spread = "**" if isinstance(x, dict) else "*"
+    return f" (x is passed as model({spread}x); if forward takes it as one argument, pass OnlineLearner(call='positional'))"
+
+
 def _task_from_targets(raw_y: Any, loss_fn: Any) -> Task:
     """The task for a loss taste_cl does not know: classification for integer targets only."""
     y = as_tensor(raw_y, "y")
@@ -179,8 +192,9 @@ def _check_scalar_loss(loss_fn: Callable[..., Any], outputs: torch.Tensor, targe
         raise InvalidBatchError(f"loss_fn must return a scalar tensor (use reduction='mean' or 'sum'); got {got}")
 
 
-def _output_depends_on_mode(model: nn.Module, x: Inputs, output: OutputSelector | None) -> bool:
-    """Whether train mode changes the model's output on ``x`` (batch statistics, dropout, ...).
+def _output_depends_on_mode(model: nn.Module, x: Inputs, output: OutputSelector | None, call: str, frozen: Sequence[str]) -> bool:
+    """Whether train mode (the learner's: the ``frozen`` normalisation modules in eval mode) changes the
+    model's output on ``x`` (batch statistics, dropout, ...).
 
     Checked on a copy, with the RNG restored afterwards, so neither the model's buffers nor
     the random stream change. Any failure counts as mode-dependent (scoring in eval mode is
@@ -190,8 +204,9 @@ def _output_depends_on_mode(model: nn.Module, x: Inputs, output: OutputSelector 
         twin = copy.deepcopy(model)
         devices = sorted({t.device.index or 0 for t in leaves(x) if t.device.type == "cuda"})
         with torch.random.fork_rng(devices=devices), torch.no_grad():
-            eval_out = call_model(twin.eval(), x, output=output)
-            train_out = call_model(twin.train(), x, output=output)
+            eval_out = call_model(twin.eval(), x, output=output, call=call)
+            train_mode(twin, norm_modules(twin, frozen))
+            train_out = call_model(twin, x, output=output, call=call)
         return not torch.allclose(train_out.float(), eval_out.float(), rtol=1e-4, atol=1e-5)
     except Exception:  # noqa: BLE001 - any failure (copy, train-mode forward) means: score in eval mode
         return True

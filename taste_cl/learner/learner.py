@@ -54,6 +54,7 @@ from taste_cl._batch import (
 from taste_cl.guards.update import UpdateGuard
 from taste_cl.learner.batching import BatchPlan, Chunk, MicroBatcher, OnBatcher, plan_from, rescale_lr
 from taste_cl.learner.checks import check_arguments, check_optimizer_covers, check_replay_fits, settle_first_batch
+from taste_cl.learner.frozen import frozen_norms, train_mode
 from taste_cl.learner.heads import plan_growth
 from taste_cl.learner.stats import ObserveStats, Totals
 from taste_cl.monitor.monitor import StabilityPlasticityMonitor
@@ -89,7 +90,8 @@ class OnlineLearner:
     """Wrap a model so it keeps adapting to a stream of labelled batches.
 
     Inputs ``x`` are a tensor or a dict / tuple / list of tensors, passed as ``model(x)``,
-    ``model(**x)`` or ``model(*x)``; floating leaves follow the model's dtype and device,
+    ``model(**x)`` or ``model(*x)``, or whole as ``model(x)`` to a ``forward(self, batch)``
+    (see ``call``); floating leaves follow the model's dtype and device,
     integer and bool leaves keep their dtype. Targets follow the ``task``: class labels,
     0/1 multi-label targets, real values or per-token tags (see :mod:`taste_cl.tasks`).
 
@@ -132,6 +134,21 @@ class OnlineLearner:
         as ``torch.nn.utils.clip_grad_norm_`` does. Fine-tuning a pretrained model on
         shifted data needs it: its first gradients can be large enough to wreck the
         features (see docs/personalize.md). Default None: no clipping. Saved in checkpoints.
+    frozen_norm:
+        What training does to the normalisation modules (those tracking running statistics:
+        ``BatchNorm*d``, ``SyncBatchNorm``, ``InstanceNorm*d(track_running_stats=True)``) in the
+        parts of the model that do not train. ``"eval"`` (default) runs them in eval mode while
+        the learner trains, as Keras does for ``trainable=False``: a frozen backbone normalises
+        as at inference and its running statistics never move (in train mode they drift
+        towards the user's data, and last-layer personalization forgot the base task more than
+        full fine-tuning did). ``"train"`` lets them follow the data, as before this option.
+        A parameter is frozen when it does not require gradients or the optimizer does not
+        hold it, decided once, here: a plugin freezing units for a step (ElasticTrainer) never
+        changes a module's mode. A normalisation module is in a frozen part when its own
+        parameters are all frozen or, having none (``affine=False``), when the nearest module
+        above it that holds parameters holds only frozen ones (see
+        :mod:`taste_cl.learner.frozen`); :attr:`frozen_norms` names them. Saved in checkpoints
+        (one written before this option loads as ``"train"``, the way it trained).
     replay:
         A :class:`~taste_cl.replay.ReplayStrategy`, or None to train on the stream only.
     replay_batch_size:
@@ -158,6 +175,16 @@ class OnlineLearner:
         non-finite; ordinary steps pay nothing. ``"always"`` copy-protects every step,
         ``"never"`` none. Pass ``UpdateGuard(rollback=True, ...)`` to roll back to the
         last good snapshot when updates get stuck.
+    call:
+        How a dict / tuple / list ``x`` is passed to the model, everywhere the model runs on a
+        batch (training, ``predict``, the monitor's probe, strategies' teachers, plugins' probes,
+        exports): ``"keywords"`` spreads it (``model(**x)``, ``model(*x)``), ``"positional"``
+        passes it whole (``model(x)``, for a ``forward(self, batch)`` that reads ``batch["user"]``).
+        ``"auto"`` (default) passes it whole when ``model.forward`` takes one required argument
+        and the dict's keys are not all its parameter names (a tuple or list: longer than its
+        positional parameters), else spreads it; a ``forward(*args, **kwargs)``, whose signature
+        says nothing, is spread: pass ``"positional"`` there. Saved in checkpoints (one written
+        before this option loads as ``"keywords"``). A tensor ``x`` is always ``model(x)``.
     """
 
     def __init__(
@@ -179,14 +206,20 @@ class OnlineLearner:
         output: OutputLike | None = None,
         max_classes: int | None = None,
         max_grad_norm: float | None = None,
+        frozen_norm: str = "eval",
+        call: str = "auto",
     ) -> None:
-        check_arguments(model, replay, replay_batch_size, train_iterations, num_classes, plugins, max_classes, max_grad_norm)
+        check_arguments(model, replay, replay_batch_size, train_iterations, num_classes, plugins, max_classes, max_grad_norm, call, frozen_norm)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.call = call
         self.output: OutputSelector | None = resolve_output(output)  # settled on the first batch when None
         self.model = model
         self.loss_fn = loss_fn if loss_fn is not None else nn.CrossEntropyLoss()
         self.optimizer = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=0.01)
         check_optimizer_covers(model, self.optimizer)
+        self.frozen_norm = frozen_norm
+        trained = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self._frozen_parts = frozen_norms(model, trained)  # decided once, before plugins attach
         self.task: Task | None = resolve_task(task) if task is not None else infer_task(self.loss_fn)
         check_replay_fits(replay, self.task)
         self.strategy = resolve_strategy(strategy)
@@ -238,6 +271,12 @@ class OnlineLearner:
         """Whether the prequential score comes from an eval-mode forward before training (decided on the first batch:
         a model whose train-mode outputs differ, e.g. with BatchNorm or dropout), rather than from the training forward."""
         return self._score_eval
+
+    @property
+    def frozen_norms(self) -> list[str]:
+        """Names of the normalisation modules that run in eval mode while the learner trains: those in
+        frozen parts, decided when it was built; none under ``frozen_norm="train"``."""
+        return [] if self.frozen_norm == "train" else list(self._frozen_parts)
 
     @property
     def replay_rows(self) -> int:
@@ -421,9 +460,8 @@ class OnlineLearner:
         if self._batcher.accumulated == 0:
             for plugin in self.plugins:
                 plugin.before_step(self)
-        if not self.model.training:  # train() walks every module: only when needed
-            self.model.train()
-        logits = call_model(self.model, x, output=self.output)
+        self._train_mode()
+        logits = call_model(self.model, x, output=self.output, call=self.call)
         n_stream = y.shape[0] if n_stream is None else n_stream
         loss = self.strategy.loss(self.loss_fn, logits, y, x=x, n_stream=n_stream, fields=fields or {})
         loss_value = loss.item()
@@ -494,9 +532,14 @@ class OnlineLearner:
         self.model.eval()
         try:
             with torch.no_grad():
-                return call_model(self.model, x, output=output)
+                return call_model(self.model, x, output=output, call=self.call)
         finally:
-            self.model.train(was_training)
+            if was_training:
+                self._train_mode()
+
+    def _train_mode(self) -> None:
+        """Train mode, the normalisation modules of frozen parts in eval mode unless ``frozen_norm="train"``."""
+        train_mode(self.model, self._frozen_parts.values(), keep_frozen=self.frozen_norm != "train")
 
     def _validate(self, batch: BatchLike) -> tuple[Inputs, torch.Tensor]:
         raw_x, raw_y = split_batch(batch)

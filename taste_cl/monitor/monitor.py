@@ -515,6 +515,7 @@ def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, A
         raise fail("flips", "must be None or [negative flip rate, flip impact]")
     probe = (ClassBalancedReplay if task.balances_classes else ReservoirReplay)(monitor.probe_capacity, seed=monitor.seed)
     probe.load_state_dict(state.get("probe", {}))  # atomic on the new probe
+    _check_probe_ids(probe, seen)
     detector = copy.deepcopy(monitor.drift_detector)
     detector.load_state_dict(state.get("drift_detector", {}))
     return {
@@ -535,6 +536,27 @@ def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, A
         "last_correct": (torch.tensor(id_list, dtype=torch.long), torch.tensor(flags, dtype=torch.bool)),
         "flips": None if flips is None else (_finite(flips[0], fail, "flips"), _finite(flips[1], fail, "flips")),
     }
+
+
+def _check_probe_ids(probe: ClassBalancedReplay | ReservoirReplay, samples_seen: int) -> None:
+    """The probe's only per-sample field is each sample's stream id: an int64 ``(n,)`` tensor of
+    distinct ids of samples seen, ``[0, samples_seen)``. The flip metrics match samples across
+    evaluations by id, so a repeated or made-up id would pair different samples."""
+    if not len(probe):
+        return
+    where = "monitor state `probe.storage.fields"
+    fields = probe.contents()[2]
+    if set(fields) != {"sid"}:
+        raise ValueError(f"{where}` must hold exactly the sample ids `sid`; got {sorted(fields)}")
+    ids = fields["sid"]
+    if ids.dtype != torch.int64 or tuple(ids.shape) != (len(probe),):
+        raise ValueError(f"{where}.sid` must be an int64 tensor of shape ({len(probe)},); got {ids.dtype} {tuple(ids.shape)}")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= samples_seen:
+        raise ValueError(f"{where}.sid` must hold ids of samples seen, in [0, {samples_seen}); got ids in [{low}, {high}]")
+    repeated = len(probe) - int(ids.unique().numel())
+    if repeated:
+        raise ValueError(f"{where}.sid` must hold distinct ids; got {repeated} repeated (e.g. {int(ids.mode().values)})")
 
 
 def _finite(value: Any, fail: Callable[[str, str], ValueError], key: str) -> float:

@@ -23,12 +23,10 @@ longer alive.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
 import os
-import stat
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -39,7 +37,11 @@ import torch
 
 from taste_cl._checks import check_int
 from taste_cl.exceptions import CheckpointError, CheckpointNotFoundError
-from taste_cl.state.files import _host_tag, atomic_write_bytes  # noqa: F401 - _host_tag: the temp-file tests read it here
+from taste_cl.state.files import (  # noqa: F401 - _host_tag: the temp-file tests read it here, read_regular_file
+    _host_tag,
+    atomic_write_bytes,
+    read_regular_file,
+)
 
 __all__ = [
     "CHECKPOINT_FILE",
@@ -287,31 +289,16 @@ def write_checkpoint(
 
 
 def _read_bounded(path: Path, max_bytes: int) -> bytes:
-    """Read a regular file (never following a symbolic link) of at most ``max_bytes``."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    """Read a regular file (never following a symbolic link) of at most ``max_bytes``
+    (:func:`~taste_cl.state.files.read_regular_file`), its refusals as checkpoint errors."""
     try:
-        fd = os.open(path, flags)
+        return read_regular_file(path, max_bytes)
     except FileNotFoundError as error:
         raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: file does not exist") from error
+    except ValueError as error:
+        raise CheckpointError(f"{error}; checkpoints are read from regular files only, within max_bytes={max_bytes}") from error
     except OSError as error:
-        if error.errno == errno.ELOOP:
-            raise CheckpointError(f"{str(path)!r} is a symbolic link; checkpoints are read from regular files only") from error
         raise CheckpointError(f"cannot open checkpoint {str(path)!r}: {error}") from error
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(f"{str(path)!r} is not a regular file; checkpoints are read from regular files only")
-        if info.st_size > max_bytes:
-            raise CheckpointError(f"{str(path)!r} is {info.st_size} bytes, over the bound max_bytes={max_bytes}")
-        chunks, total = [], 0
-        while chunk := os.read(fd, min(1 << 24, max_bytes + 1 - total)):
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > max_bytes:
-                raise CheckpointError(f"{str(path)!r} grew past the bound max_bytes={max_bytes} while being read")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def read_checkpoint(directory: str | os.PathLike[str], *, limits: CheckpointLimits = DEFAULT_LIMITS) -> dict[str, Any]:

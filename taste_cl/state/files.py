@@ -1,20 +1,27 @@
-"""Atomic file writes, torch-free: readers see the old file or the new one, never half.
+"""Atomic file writes and bounded reads of regular files, torch-free.
 
-Used by learner checkpoints (:mod:`.checkpoint`) and by the tuner's caches, which also run on
-torch-free devices (the device batch-size tuner).
+Writers replace a file so readers see the old one or the new one, never half; readers of files
+anyone may have put there (the tuner's and the elastic profiler's caches) get the bytes of a
+regular file of bounded size, or a refusal, never a hang or an unbounded read. Learner checkpoints
+(:mod:`.checkpoint`) are written here; the caches, which also run on torch-free devices (the device
+batch-size tuner), are written and read here.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import re
 import secrets
 import socket
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes"]
+__all__ = ["atomic_write_bytes", "read_regular_file"]
+
+_READ_CHUNK = 1 << 24
 
 
 def _host_tag() -> str:
@@ -75,3 +82,37 @@ def atomic_write_bytes(target: Path, data: bytes | Sequence[bytes]) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def read_regular_file(path: Path, max_bytes: int) -> bytes:
+    """The bytes of the regular file at ``path``, refused unless it holds at most ``max_bytes``.
+
+    Opened without following a symbolic link in its last component and without blocking (a FIFO
+    would wait for a writer forever); anything but a regular file (a link, FIFO, device such as
+    ``/dev/zero``, socket or folder) is refused before a byte is read, and at most
+    ``max_bytes + 1`` bytes are ever read (a file that grows while read is refused too).
+    Raises ``FileNotFoundError`` (or ``NotADirectoryError``) when there is no file there,
+    ``ValueError`` naming the path and the rule for a refused one, ``OSError`` when it cannot be read.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise ValueError(f"{str(path)!r} is a symbolic link; only regular files are read") from error
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{str(path)!r} is not a regular file (mode {stat.filemode(info.st_mode)}); only regular files are read")
+        if info.st_size > max_bytes:
+            raise ValueError(f"{str(path)!r} is {info.st_size} bytes, over the bound of {max_bytes}")
+        chunks, total = [], 0
+        while chunk := os.read(fd, min(_READ_CHUNK, max_bytes + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:
+                raise ValueError(f"{str(path)!r} grew past the bound of {max_bytes} bytes while being read")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

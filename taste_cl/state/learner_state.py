@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from taste_cl.exceptions import CheckpointError
+from taste_cl.monitor.monitor import StabilityPlasticityMonitor
 from taste_cl.outputs import OutputLike
 from taste_cl.state.checkpoint import CheckpointLimits, read_checkpoint
 from taste_cl.state.restore import CHECKPOINT_FORMAT, MONITOR_CONFIG, build_parts, validate_state
@@ -24,7 +25,6 @@ from taste_cl.strategies import Strategy, resolve_strategy
 
 if TYPE_CHECKING:
     from taste_cl.learner.learner import OnlineLearner
-    from taste_cl.monitor.monitor import StabilityPlasticityMonitor
     from taste_cl.plugins import LearnerPlugin
     from taste_cl.replay import ReplayStrategy
 
@@ -43,6 +43,8 @@ def learner_state(learner: OnlineLearner) -> dict[str, Any]:
             "num_classes": learner.num_classes,
             "max_classes": learner.max_classes,
             "max_grad_norm": learner.max_grad_norm,
+            "frozen_norm": learner.frozen_norm,
+            "call": learner.call,
             "input_shape": None if learner.input_shape is None else list(learner.input_shape),
             "input_spec": None if learner.input_spec is None else learner.input_spec.to_json(),
             "output_shape": None if learner.output_shape is None else list(learner.output_shape),
@@ -99,12 +101,37 @@ def load_learner(
         "output": output,  # checked against the checkpoint's, which a key or index comes from (section config)
         "max_classes": config.get("max_classes"),  # checked with the config section
         "max_grad_norm": config.get("max_grad_norm"),
+        "frozen_norm": config.get("frozen_norm", "train"),  # checked with the config section; "train": how an older one trained
+        "call": config.get("call", "keywords"),  # checked with the config section; older checkpoints spread dicts
     }
-    # Checked on a throwaway learner before plugins attach (they, and a strategy, may subscribe to the monitor).
-    validate_state(cls(model, **{**parts, "strategy": copy.deepcopy(parts["strategy"])}), state)
+    # Checked whole, plugin states included, on a throwaway learner before anything passed in attaches: it has a
+    # twin of the monitor and copies of the strategy and plugins (they subscribe to the monitor and bind to the learner).
+    shared = {id(part): part for part in (model, optimizer, replay, monitor)}
+    trial_parts = {**parts, "monitor": _twin(monitor), "strategy": copy.deepcopy(parts["strategy"], dict(shared))}
+    validate_state(cls(model, **trial_parts, plugins=[_stand_in(plugin, shared) for plugin in plugins]), state)
     learner = cls(model, **parts, plugins=plugins)
     learner.load_state_dict(state)
     return learner
+
+
+def _twin(monitor: StabilityPlasticityMonitor) -> StabilityPlasticityMonitor:
+    """A fresh monitor with ``monitor``'s settings and a copy of its drift detector: what a checkpoint's
+    monitor section is checked against, without the subscribers ``monitor`` has or would get."""
+    settings = {key: getattr(monitor, key) for key in MONITOR_CONFIG}
+    return StabilityPlasticityMonitor(**settings, drift_detector=copy.deepcopy(monitor.drift_detector))
+
+
+def _stand_in(plugin: LearnerPlugin, shared: dict[int, Any]) -> LearnerPlugin:
+    """A copy of ``plugin`` to try its checkpointed state on (some plugins check theirs only when attached).
+
+    A deep copy that shares the learner's parts (``shared``, by id); a plugin holding what cannot be
+    copied (a lock, a process handle) gets a shallow one: attaching rebinds only the copy's attributes,
+    and the trial load is put back (see :func:`~taste_cl.state.restore.validate_state`).
+    """
+    try:
+        return copy.deepcopy(plugin, dict(shared))
+    except (TypeError, RuntimeError, copy.Error):
+        return copy.copy(plugin)
 
 
 def _rebuild_strategy(saved: dict[str, Any] | None, strategy: Strategy | None) -> Strategy | None:

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from taste_cl._batch import Inputs, Spec, count_nonfinite, leaves, map_leaves, to_inputs, unflatten
+from taste_cl._batch import Inputs, Spec, check_call, count_nonfinite, leaves, map_leaves, to_inputs, unflatten
 from taste_cl._checks import INT_LIMIT
 from taste_cl.exceptions import CheckpointError
 from taste_cl.guards.update import UpdateGuard, hyperparameter_problem
+from taste_cl.learner.frozen import check_frozen_norm
 from taste_cl.learner.heads import MAX_CLASSES, grow_for_state
 from taste_cl.monitor.monitor import PREQUENTIAL_MODES, StabilityPlasticityMonitor
 from taste_cl.monitor.monitor import _parse_state as parse_monitor_state
@@ -54,16 +55,15 @@ CONFIG_KEYS = {
     "optimizer_type",
 }
 """Keys of the ``config`` section; a new config entry is added here and checked in :func:`_config`."""
-OPTIONAL_CONFIG_KEYS = {"output", "max_classes", "max_grad_norm"}
-"""``config`` keys that checkpoints written before them lack (``output``, ``max_classes``, ``max_grad_norm``: None then)."""
+OPTIONAL_CONFIG_KEYS = {"output", "max_classes", "max_grad_norm", "call", "frozen_norm"}
+"""``config`` keys that checkpoints written before them lack (``output``, ``max_classes``, ``max_grad_norm``: None then;
+``call``: ``"keywords"``, how every model was called before; ``frozen_norm``: ``"train"``, how they trained)."""
 MONITOR_CONFIG = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed", "prequential", "regression_threshold")
 _BUILTIN_REPLAY: dict[str, type[ReservoirReplay | ClassBalancedReplay]] = {
     "ReservoirReplay": ReservoirReplay,
     "ClassBalancedReplay": ClassBalancedReplay,
 }
 _TOP_LEVEL_EXTRA = ("format", "replay_type")
-PROBE_FIELDS: dict[str, FieldSpec | None] = {"sid": ((), torch.int64)}
-"""Per-sample fields of the monitor's probe: each sample's stream id (it names the sample across evaluations)."""
 
 Apply = Callable[[], None]
 
@@ -267,11 +267,15 @@ def _config(ctx: _Context) -> Apply:
     strategy = learner.strategy
     max_classes = _max_classes(config.get("max_classes"), ctx.num_classes)
     max_grad_norm = _max_grad_norm(config.get("max_grad_norm"))
+    call = _call(config.get("call", "keywords"))
+    frozen_norm = _frozen_norm(config.get("frozen_norm", "train"))
 
     def apply() -> None:
         learner.output = output
         learner.max_classes = max_classes
         learner.max_grad_norm = max_grad_norm
+        learner.call = call
+        learner.frozen_norm = frozen_norm
         learner.input_spec, learner.output_shape, learner.num_classes = ctx.input_spec, ctx.output_shape, ctx.num_classes
         learner.input_shape = shape
         learner.task = ctx.task if ctx.task is not None else learner.task
@@ -291,6 +295,22 @@ def _max_classes(value: Any, num_classes: int | None) -> int | None:
 def _max_grad_norm(value: Any) -> float | None:
     """``config.max_grad_norm``: None, or the positive finite norm each step's gradient is clipped to."""
     return None if value is None else _number("config.max_grad_norm", value, positive=True)
+
+
+def _call(value: Any) -> str:
+    """``config.call``: how the model takes a dict / tuple / list input (see :data:`~taste_cl._batch.CALL_MODES`)."""
+    try:
+        return check_call(value, "config.call")
+    except ValueError as error:
+        raise _Invalid(str(error)) from error
+
+
+def _frozen_norm(value: Any) -> str:
+    """``config.frozen_norm``: the mode of the normalisation modules in frozen parts (see :mod:`taste_cl.learner.frozen`)."""
+    try:
+        return check_frozen_norm(value, "config.frozen_norm")
+    except ValueError as error:
+        raise _Invalid(str(error)) from error
 
 
 def parse_task(value: Any) -> Task | None:
@@ -674,10 +694,9 @@ def _monitor(ctx: _Context) -> Apply:
         parsed = parse_monitor_state(saved, monitor)
     except (ValueError, TypeError, KeyError, RuntimeError) as error:
         raise _Invalid(str(error)) from error
-    stored = _stored_samples(parsed["probe"])
+    stored = _stored_samples(parsed["probe"])  # its sample ids were checked by the monitor
     if stored is not None:
         check_samples(ctx, "monitor.probe", *stored)
-    _check_fields("monitor.probe.storage.fields", *_storage_fields(parsed["probe"]), PROBE_FIELDS, "the monitor's probe")
     return lambda: monitor.load_state_dict(saved)
 
 
@@ -716,10 +735,12 @@ def restore_state(learner: OnlineLearner, state: Any) -> None:
 
 
 def validate_state(learner: OnlineLearner, state: Any) -> None:
-    """Raise :class:`CheckpointError` unless ``state`` fits ``learner``; changes nothing."""
+    """Raise :class:`CheckpointError` unless ``state`` fits ``learner``, its plugins' states included; changes
+    nothing (each plugin's state is tried and put back: some plugins check theirs only when loading it)."""
     undo = grow_for_state(learner, state)
     try:
         _parse_sections(learner, state)
+        _load_plugins(learner, state["plugins"], keep=False)
     finally:
         if undo is not None:
             undo()
@@ -743,20 +764,27 @@ def _parse_sections(learner: OnlineLearner, state: Any) -> list[Apply]:
     return applies
 
 
-def _load_plugins(learner: OnlineLearner, states: dict[str, Any]) -> None:
-    """Load each plugin's state; if one fails, put the ones already loaded back and raise."""
+def _load_plugins(learner: OnlineLearner, states: dict[str, Any], *, keep: bool = True) -> None:
+    """Load each plugin's state; if one fails, put the ones already loaded back and raise.
+    ``keep=False`` (a trial) puts them all back once every one has loaded."""
     done: list[tuple[Any, dict[str, Any]]] = []
     for plugin in learner.plugins:
         if plugin.name not in states:
             continue
-        before = plugin.state_dict()
+        done.append((plugin, plugin.state_dict()))
         try:
             plugin.load_state_dict(states[plugin.name])
         except Exception as error:
-            for loaded, previous in reversed([*done, (plugin, before)]):
-                loaded.load_state_dict(previous)
+            _put_back(done)
             raise CheckpointError(f"checkpoint does not fit this learner: plugin {plugin.name!r}: {error}") from error
-        done.append((plugin, before))
+    if not keep:
+        _put_back(done)
+
+
+def _put_back(loaded: list[tuple[Any, dict[str, Any]]]) -> None:
+    """Load each ``(plugin, earlier state)`` back, the last loaded first."""
+    for plugin, previous in reversed(loaded):
+        plugin.load_state_dict(previous)
 
 
 def build_parts(
@@ -787,6 +815,8 @@ def build_parts(
         config = {**config, "task": parse_task(config["task"]), "strategy": parse_strategy(config["strategy"])}
         _max_classes(config.get("max_classes"), None)  # the learner is built with it
         _max_grad_norm(config.get("max_grad_norm"))
+        _call(config.get("call", "keywords"))
+        _frozen_norm(config.get("frozen_norm", "train"))
         try:
             entries = 1 if config["input_spec"] is None else Spec.from_json(config["input_spec"]).entries
         except ValueError as error:

@@ -2,7 +2,8 @@
 
 A cache file is read into plain values and every field is checked (format, key, types,
 ranges, a bound on its size and on the number of points) before the tuner uses any of
-it. Anything wrong -- unreadable, too large, too deeply nested, absurd rates, a folder
+it; only a regular file is read (:func:`~taste_cl.state.files.read_regular_file`). Anything
+wrong -- unreadable, too large, too deeply nested, absurd rates, a folder, link, FIFO or device
 where a file should be, an unwritable cache folder -- is reported with a
 :class:`TunerCacheWarning` and the tuner measures from scratch; a write that fails is a
 warning too, never an error out of ``tune`` or ``observe``.
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from taste_cl.exceptions import TunerCacheWarning
-from taste_cl.state.files import atomic_write_bytes
+from taste_cl.state.files import atomic_write_bytes, read_regular_file
 from taste_cl.tuning.fingerprint import default_cache_dir
 
 __all__ = ["MAX_SAMPLES_PER_S", "CachedSurface", "Observation", "SurrogateCache", "TunerCacheWarning", "check_observations"]
@@ -89,13 +90,9 @@ class SurrogateCache:
         """The validated cache entry for ``key``; None on a miss or (with a warning) an unusable file."""
         path = self.path(key)
         try:
-            if not path.exists():
-                return None
-            with open(path, "rb") as handle:
-                raw = handle.read(MAX_FILE_BYTES + 1)
-            if len(raw) > MAX_FILE_BYTES:
-                raise ValueError(f"file larger than {MAX_FILE_BYTES} bytes")
-            return self._parse(json.loads(raw), key)
+            return self._parse(json.loads(read_regular_file(path, MAX_FILE_BYTES)), key)
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # no cache yet (a folder that is a file is reported when the tuner writes)
         except (OSError, ValueError, TypeError, RecursionError, MemoryError, UnicodeDecodeError) as error:
             _warn(f"ignoring corrupt tuner cache {str(path)!r} ({type(error).__name__}: {error}); measuring afresh")
             return None

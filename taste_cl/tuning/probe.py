@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from taste_cl._batch import batch_len, call_model, index_batch
+from taste_cl.learner.frozen import frozen_norms, train_mode
 from taste_cl.tasks import infer_task
 from taste_cl.tuning.searcher import thread_options, timed_rate
 
@@ -101,6 +102,9 @@ class ProbeRunner:
     passes its own so that the measurements do not depend on the machine's load).
     ``output`` picks the trained tensor from the model's output, as the learner's
     ``output`` does (:mod:`taste_cl.outputs`; None: the model returns one tensor).
+    The copy trains as a learner built on ``(model, optimizer)`` with the default
+    ``frozen_norm="eval"`` does: the normalisation modules of its frozen parts in eval mode
+    (:mod:`taste_cl.learner.frozen`), so a batch of one trains where only those hold BatchNorm.
     """
 
     def __init__(
@@ -118,8 +122,8 @@ class ProbeRunner:
         self.output = output
         self.model, self.loss_fn, self.optimizer = copy.deepcopy((model, loss_fn, optimizer))
         self.samples = (samples[0], _trained_targets(self.model, self.loss_fn, samples, output))
-        self.model.train()
         self._params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        train_mode(self.model, frozen_norms(self.model, [p for p in self._params if p.requires_grad]).values())
         with torch.no_grad():
             self._initial = [p.detach().clone() for p in self._params]
         first = self._params[0] if self._params else next(self.model.parameters(), None)

@@ -242,8 +242,9 @@ def read_manifest(directory: str | os.PathLike[str], *, required: Iterable[str] 
     return manifest
 
 
-def read_verified(folder: str | os.PathLike[str], manifest: dict[str, Any], name: str) -> bytes:
-    """The bytes of the listed file ``name``, re-checked against the manifest's hash as they are read."""
+def read_verified(folder: str | os.PathLike[str], manifest: dict[str, Any], name: str, *, max_bytes: int | None = None) -> bytes:
+    """The bytes of the listed file ``name``, re-checked against the manifest's hash as they are read;
+    refused unread when it is larger than ``max_bytes`` (the most a valid file of its kind can hold)."""
     check_plain_name(name)
     digest = manifest.get("files", {}).get(name)
     if digest is None:
@@ -251,6 +252,8 @@ def read_verified(folder: str | os.PathLike[str], manifest: dict[str, Any], name
     path = Path(folder) / name
     if path.is_symlink() or not path.is_file():
         raise ArtifactError(f"artifact file {name!r} is missing from {str(folder)!r} or not a regular file")
+    if max_bytes is not None and (size := path.lstat().st_size) > max_bytes:
+        raise ArtifactError(f"{name} in {str(folder)!r} is {size} bytes, over the {max_bytes}-byte bound for this file")
     data = path.read_bytes()
     if hashlib.sha256(data).hexdigest() != digest:
         raise ArtifactError(f"artifact file {name!r} in {str(folder)!r} changed after it was checked: SHA-256 mismatch")

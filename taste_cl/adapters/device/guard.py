@@ -17,12 +17,28 @@ No torch here: the ONNX Runtime device learner runs without it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+import numpy as np
+
+from taste_cl._checks import check_finite_positive
+from taste_cl.adapters.device.artifacts import MANIFEST_FILE, PARITY_ROWS
+from taste_cl.exceptions import ArtifactError, NonFiniteOutputError
 from taste_cl.guards.size_rule import StepSizeHistory, log_clamped
 
-__all__ = ["DEVICE_GUARD_MODES", "DeviceUpdateGuard", "GuardedSession", "StepMeasure"]
+__all__ = [
+    "DEVICE_GUARD_MODES",
+    "GENERATED_ROWS_PROTECTED",
+    "DeviceUpdateGuard",
+    "GuardedSession",
+    "StepMeasure",
+    "check_finite_outputs",
+    "guard_from_manifest",
+]
+
+GENERATED_ROWS_PROTECTED = 20
+"""Steps the device guard measures from the start when the export's parity gate checked generated rows."""
 
 DEVICE_GUARD_MODES = ("auto", "always", "never")
 StepMeasure = tuple[float, float, float, int]
@@ -64,13 +80,12 @@ class DeviceUpdateGuard:
     ) -> None:
         if mode not in DEVICE_GUARD_MODES:
             raise ValueError(f"`mode == {mode!r}`, must be one of {', '.join(map(repr, DEVICE_GUARD_MODES))}")
-        for name, value in (("max_lr", max_lr), ("update_bound", update_bound), ("update_jump", update_jump)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"`{name} == {value!r}`, must be a finite number > 0")
         if isinstance(protect_first, bool) or not isinstance(protect_first, int) or protect_first < 0:
             raise ValueError(f"`protect_first == {protect_first!r}`, must be an int >= 0")
         self.mode = mode
-        self.max_lr, self.update_bound, self.update_jump = float(max_lr), float(update_bound), float(update_jump)
+        self.max_lr = check_finite_positive("max_lr", max_lr)
+        self.update_bound = check_finite_positive("update_bound", update_bound)
+        self.update_jump = check_finite_positive("update_jump", update_jump)
         self.protect_first = protect_first
         self.sizes = StepSizeHistory()
         self.steps_seen = 0  # steps offered to the guard (applied or not), since it was built or loaded
@@ -138,3 +153,33 @@ class DeviceUpdateGuard:
             raise ValueError(f"{where}: `steps_seen == {seen!r}`, must be an int in [0, 2**53]")
         self.sizes.load_state_dict(sizes)
         self.steps_seen = seen
+
+
+def guard_from_manifest(manifest: Mapping[str, Any]) -> DeviceUpdateGuard:
+    """A device learner's guard: the update-size history a saved folder kept (``"guard"``), and every
+    step of the first :data:`GENERATED_ROWS_PROTECTED` measured when the export's gate checked generated
+    rows (``parity.rows``). :class:`~taste_cl.exceptions.ArtifactError` names a bad value."""
+    parity = manifest.get("parity")
+    rows = parity.get("rows", "given") if isinstance(parity, Mapping) else "given"
+    if rows not in PARITY_ROWS:
+        raise ArtifactError(f"{MANIFEST_FILE}: `parity.rows == {rows!r}`, must be one of {list(PARITY_ROWS)}")
+    guard = DeviceUpdateGuard(protect_first=GENERATED_ROWS_PROTECTED if rows == "generated" else 0)
+    if manifest.get("guard") is not None:
+        try:
+            guard.load_state_dict(manifest["guard"], where=f"{MANIFEST_FILE}'s guard")
+        except ValueError as error:
+            raise ArtifactError(str(error)) from None
+    return guard
+
+
+def check_finite_outputs(outputs: np.ndarray, guard: DeviceUpdateGuard) -> None:
+    """:class:`~taste_cl.exceptions.NonFiniteOutputError` when ``outputs`` (rows first) hold NaN or infinity:
+    a device learner's ``predict`` never returns them."""
+    bad = ~np.isfinite(outputs)
+    if bad.any():
+        rows = int(bad.reshape(outputs.shape[0], -1).any(axis=1).sum())
+        raise NonFiniteOutputError(
+            f"the model computes NaN or infinite outputs for {rows} of {outputs.shape[0]} rows: its weights are damaged "
+            f"or overflow on this input; the guard refused {guard.refused_steps} step(s) since load (last: {guard.last_cause}); "
+            "resume from an earlier saved folder"
+        )

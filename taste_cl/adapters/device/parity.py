@@ -56,6 +56,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from taste_cl.adapters.device.artifacts import GENERATED_ROWS_NOTE, PARITY_ROWS
 from taste_cl.exceptions import ParityError, TrainingDivergesError, UnstableTrainingError
 
 __all__ = [
@@ -107,12 +108,10 @@ def _to_torch(value: Any) -> Any:
 
 
 def _call(model: Any, x: Any) -> Any:
-    """``model(x)``, ``model(**x)`` for a dict, ``model(*x)`` for a tuple/list."""
-    if isinstance(x, Mapping):
-        return model(**x)
-    if isinstance(x, (list, tuple)):
-        return model(*x)
-    return model(x)
+    """``model`` on ``x`` as :func:`~taste_cl._batch.call_model` calls it (call mode ``"auto"``); torch imported when called."""
+    from taste_cl._batch import call_model
+
+    return call_model(model, x)
 
 
 def _numpy(tensor: Any) -> np.ndarray:
@@ -205,6 +204,7 @@ class ParityReport:
     diverged: str = ""  # how the backend diverged while torch did not; empty when it did not
     exact_departure: float | None = None  # the backend's departure from a float64 run, when one was compared
     torch_departure: float | None = None  # torch's float32 departure from that run
+    rows: str = "given"  # where the compared batches came from (PARITY_ROWS): "generated" rows are not the user's
 
     @property
     def passed(self) -> bool:
@@ -224,6 +224,7 @@ class ParityReport:
             + (f"; {self.exact_departure:.3g} from float64" if self.exact_departure is not None else "")
             + (f" (torch's float32 {self.torch_departure:.3g})" if self.torch_departure is not None else "")
             + (f"; {self.diverged}" if self.diverged else "")
+            + (f"; {GENERATED_ROWS_NOTE}" if self.rows == "generated" else "")
         )
 
 
@@ -377,6 +378,7 @@ def check_parity(
     watch_steps: int = WATCH_STEPS,
     alternatives: Mapping[str, Callable[..., Trainer]] | None = None,
     precise: Callable[[], Trainer] | None = None,
+    rows: str = "given",
 ) -> ParityReport:
     """Train ``reference`` and ``candidate`` on the same ``batches``; raise :class:`ParityError` if they differ.
 
@@ -393,7 +395,9 @@ def check_parity(
     the candidate alone diverges, parity fails. When the comparison fails and ``precise``
     (a fresh float64 twin of the reference) is given, a runtime within the tolerance of the
     float64 run passes (its departure in ``exact_departure``) and a training that amplifies
-    rounding is :class:`UnstableTrainingError` (see the module). Returns the report.
+    rounding is :class:`UnstableTrainingError` (see the module). ``rows`` says where the batches
+    came from (:data:`~taste_cl.adapters.device.artifacts.PARITY_ROWS`); on ``"generated"`` rows every
+    verdict says so, with how to give real ones. Returns the report.
     """
     batches = list(batches)
     if not batches:
@@ -403,6 +407,8 @@ def check_parity(
             raise ValueError(f"`{name} == {value!r}`, must be None or a number > 0")
     if isinstance(watch_steps, bool) or not isinstance(watch_steps, int) or watch_steps < 0:
         raise ValueError(f"`watch_steps == {watch_steps!r}`, must be an int >= 0")
+    if rows not in PARITY_ROWS:
+        raise ValueError(f"`rows == {rows!r}`, must be one of {', '.join(map(repr, PARITY_ROWS))}")
     expected, got = _run(reference, batches), _run(candidate, batches)
     tol = float(tolerance) if tolerance is not None else default_tolerance(np.asarray(expected.first).dtype)
     missing = sorted(set(expected.parameters) - set(got.parameters))
@@ -422,7 +428,7 @@ def check_parity(
         steps = max(len(batches), watch_steps)
         tried = {setting: training_diverges(make(), batches, steps) for setting, make in (alternatives or {}).items()}
         raise TrainingDivergesError(
-            _diverges_message(backend, *diverged, losses, tried, steps),
+            _diverges_message(backend, *diverged, losses, tried, steps) + (f" Note: {GENERATED_ROWS_NOTE}." if rows == "generated" else ""),
             step=diverged[0], reference_losses=losses[0], candidate_losses=losses[1], alternatives=tried,
         )  # fmt: skip
     alone = _divergence(None, losses[1])
@@ -430,6 +436,7 @@ def check_parity(
     report = ParityReport(
         backend, len(batches), output_diff, loss_diff, param_diff, tol, tol, param_tol, len(losses[0]),
         "" if alone is None else f"{backend}'s {alone[1]} (of {len(losses[1])} watched) while torch's training stayed finite",
+        rows=rows,
     )  # fmt: skip
     if not report.passed and not report.diverged and precise is not None:
         tolerances = (tol, tol, param_tol)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -39,9 +40,10 @@ import torch
 from torch import nn
 
 from taste_cl import __version__
-from taste_cl._batch import call_model, index_batch, split_batch
+from taste_cl._batch import call_model, call_style, check_call, index_batch, split_batch
 from taste_cl._checks import check_int
 from taste_cl.adapters.device.artifacts import (
+    GENERATED_ROWS_NOTE,
     staged_folder,
     write_manifest,
 )
@@ -64,7 +66,7 @@ from taste_cl.adapters.executorch.runtime import (
     executorch_runtime,
     sgd_config,
 )
-from taste_cl.exceptions import UnsupportedModelError
+from taste_cl.exceptions import GeneratedRowsWarning, UnsupportedModelError
 from taste_cl.learner import OnlineLearner
 from taste_cl.learner.heads import reserved_slots
 from taste_cl.outputs import selecting
@@ -77,15 +79,17 @@ PARITY_SIZES = (3, 8)  # alternate two batch sizes: the gate also checks the dyn
 
 
 class _WithLoss(nn.Module):
-    """Model + loss as one module: the loss first (what ExecuTorch differentiates), then the detached outputs."""
+    """Model + loss as one module: the loss first (what ExecuTorch differentiates), then the detached outputs;
+    ``x`` is passed to the model as ``call`` says (:func:`~taste_cl._batch.call_model`)."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], call: str) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.call = call
 
     def forward(self, x: Any, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = call_model(self.model, x)
+        out = call_model(self.model, x, call=self.call)
         return self.loss_fn(out, y), out.detach()
 
 
@@ -135,7 +139,7 @@ def _copy_parameter_views(program: Any) -> int:
     return rewritten
 
 
-def _lower(model: nn.Module, loss_fn: Callable[..., torch.Tensor], x: Any, y: torch.Tensor, max_batch: int) -> Any:
+def _lower(model: nn.Module, loss_fn: Callable[..., torch.Tensor], x: Any, y: torch.Tensor, max_batch: int, call: str = "auto") -> Any:
     """``torch.export`` + joint forward-backward (``addmm`` split, :func:`_split_addmm`) + ``to_executorch`` with external weights."""
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge
     from torch.export import Dim, export
@@ -148,7 +152,7 @@ def _lower(model: nn.Module, loss_fn: Callable[..., torch.Tensor], x: Any, y: to
     try:
         # the fused CPU attention kernel has no ExecuTorch backward: capture the math one (plain matmul/softmax)
         with sdpa_kernel(SDPBackend.MATH):
-            program = export(_WithLoss(model, loss_fn), (x, y), dynamic_shapes=(x_dims, {0: batch}), strict=True)
+            program = export(_WithLoss(model, loss_fn, call), (x, y), dynamic_shapes=(x_dims, {0: batch}), strict=True)
             stage = "the joint forward-backward graph"
             program = _export_forward_backward(program)
             _split_addmm(program)
@@ -236,10 +240,10 @@ def _prepare(model: nn.Module, trained: Sequence[str], transforms: Sequence[str]
     return prepared, rewritten + apply_transforms(prepared, transforms)
 
 
-def _reference(prepared: nn.Module, loss_fn: Callable[..., torch.Tensor], sgd: dict[str, Any], dtype: str | None = None) -> TorchTrainer:
-    """Torch training ``prepared`` with the device's SGD, in ``dtype`` (default float32)."""
+def _reference(prepared: nn.Module, loss_fn: Callable[..., torch.Tensor], sgd: dict[str, Any], call: str, dtype: str | None = None) -> TorchTrainer:
+    """Torch training ``prepared`` with the device's SGD, in ``dtype`` (default float32); the model takes its inputs as ``call`` says."""
     optimizer = torch.optim.SGD([p for p in prepared.parameters() if p.requires_grad], **sgd)
-    return TorchTrainer(prepared, optimizer, loss_fn, forward=call_model, dtype=dtype)
+    return TorchTrainer(prepared, optimizer, loss_fn, forward=partial(call_model, call=call), dtype=dtype)
 
 
 def _torch_trainer(
@@ -248,10 +252,11 @@ def _torch_trainer(
     transforms: Sequence[str],
     loss_fn: Callable[..., torch.Tensor],
     sgd: dict[str, Any],
+    call: str,
     dtype: str | None = None,
 ) -> TorchTrainer:
     """Torch training ``model`` with other transforms or SGD settings, in ``dtype``: an alternative the gate tries."""
-    return _reference(_prepare(model, trained, transforms)[0], loss_fn, sgd, dtype)
+    return _reference(_prepare(model, trained, transforms)[0], loss_fn, sgd, call, dtype)
 
 
 def _validate_options(max_batch_size: Any, transforms: Any, parity_steps: Any) -> list[str]:
@@ -276,6 +281,8 @@ def export_model(
     parity_steps: int = PARITY_STEPS,
     extra: Mapping[str, Any] | None = None,
     write_extra: Callable[[Path], dict[str, Any]] | None = None,
+    call: str = "auto",
+    parity_rows: str = "given",
 ) -> Path:
     """Export ``model`` for ExecuTorch training into ``directory``, published only if parity holds.
 
@@ -289,9 +296,14 @@ def export_model(
     :class:`~taste_cl.adapters.device.parity.ParityError` (``.report``) when it trains differently,
     and :class:`~taste_cl.adapters.device.parity.TrainingDivergesError` when torch's own training
     diverges on those batches (saying whether a lower ``lr``, or batch statistics on ONNX Runtime,
-    keeps it finite); ``directory`` is then untouched. Returns the folder.
+    keeps it finite); ``directory`` is then untouched. ``call`` (see :data:`~taste_cl._batch.CALL_MODES`)
+    says how a dict ``x`` is passed to the model (spread, or whole to a ``forward(self, batch)``); the
+    program's inputs are ``x``'s leaves either way. ``parity_rows`` says where ``example`` came from
+    (:data:`~taste_cl.adapters.device.artifacts.PARITY_ROWS`): on ``"generated"`` rows every verdict
+    says so, the manifest records it in ``parity.rows``, and the device measures its first steps. Returns the folder.
     """
     executorch_runtime()
+    check_call(call)
     names = _validate_options(max_batch_size, transforms, parity_steps)
     sgd = sgd_config(optimizer, lr)
     example = _cpu_example(example, max_batch_size)
@@ -310,27 +322,28 @@ def export_model(
             "affine layer with frozen statistics, or use backend='onnxruntime'"
         )
     leaves = dict(x) if isinstance(x, Mapping) else {"input": x}
-    spec = IOSpec.of(x, y, num_classes, index_bounds(prepared, partial(call_model, prepared, x), leaves))
+    spec = IOSpec.of(x, y, num_classes, index_bounds(prepared, partial(call_model, prepared, x, call=call), leaves))
     start = time.perf_counter()
-    lowered = _lower(prepared, loss_fn, x, y, max_batch_size)
+    lowered = _lower(prepared, loss_fn, x, y, max_batch_size, call)
     _check_kernels(lowered)
     export_s = time.perf_counter() - start
     batches = _parity_batches(example, parity_steps)
     # settings torch tries on the gate's batches if its own training diverges there
-    alternatives = {f"lr={sgd['lr'] / 10:g}": partial(_torch_trainer, model, trained, names, loss_fn, {**sgd, "lr": sgd["lr"] / 10})}
+    alternatives = {f"lr={sgd['lr'] / 10:g}": partial(_torch_trainer, model, trained, names, loss_fn, {**sgd, "lr": sgd["lr"] / 10}, call)}
     if "freeze_batchnorm" in applied:
         unfrozen = [name for name in names if name != "freeze_batchnorm"]
-        alternatives["backend='onnxruntime' with batchnorm='batch'"] = partial(_torch_trainer, model, trained, unfrozen, loss_fn, sgd)
+        alternatives["backend='onnxruntime' with batchnorm='batch'"] = partial(_torch_trainer, model, trained, unfrozen, loss_fn, sgd, call)
     with staged_folder(directory) as stage:
         _write_program(lowered, stage)
         program, data = (stage / PROGRAM).read_bytes(), (stage / WEIGHTS).read_bytes()
         report = check_parity(
-            _reference(prepared, loss_fn, sgd),
+            _reference(prepared, loss_fn, sgd, call),
             EtTrainer(program, data, spec, sgd),
             batches,
             backend=BACKEND,
             alternatives=alternatives,
-            precise=partial(_reference, prepared, loss_fn, sgd, "float64"),
+            precise=partial(_reference, prepared, loss_fn, sgd, call, "float64"),
+            rows=parity_rows,
         )
         manifest: dict[str, Any] = {
             "format": FORMAT,
@@ -363,32 +376,35 @@ def _report_json(report: ParityReport) -> dict[str, Any]:
         "tolerance": report.param_tol,
         "watched_steps": report.watched_steps,
         "float64_departure": report.exact_departure,
+        "rows": report.rows,
         "summary": str(report),
     }
 
 
 # ------------------------------------------------------------------ the learner
-def _learner_example(learner: OnlineLearner, example: tuple[Any, Any] | None) -> tuple[Any, torch.Tensor]:
-    """The shape-fixing batch: ``example``, else the replay buffer's contents (at least 8 samples), else
-    16 seeded rows from the learner's ``input_shape`` and ``num_classes`` (a learner that has not
-    observed yet); targets shaped by the learner's task once it has seen a batch."""
+def _learner_example(learner: OnlineLearner, example: tuple[Any, Any] | None) -> tuple[tuple[Any, torch.Tensor], str]:
+    """The shape-fixing batch and where it came from (:data:`~taste_cl.adapters.device.artifacts.PARITY_ROWS`):
+    ``example``, else the replay buffer's contents (at least 8 samples), else 16 seeded rows from the
+    learner's ``input_shape`` and ``num_classes`` (a learner that has not observed yet); targets shaped
+    by the learner's task once it has seen a batch."""
+    source = "example"
     if example is not None:
         x, y = split_batch(example)
     else:
         rows = buffered_rows(learner.replay)
         size = 0 if rows is None else len(rows)
         if rows is not None and size >= 8:
-            x, y = index_batch(rows.x, slice(0, size)), rows.y
+            (x, y), source = (index_batch(rows.x, slice(0, size)), rows.y), "replay"
         elif (synthetic := synthetic_example(learner, 16)) is not None:
-            x, y = synthetic
+            (x, y), source = synthetic, "generated"
         else:
             raise ValueError(
                 "exporting for ExecuTorch needs example data to fix shapes and check parity: pass example=(x, y), "
                 f"build the learner with input_shape= and num_classes=, or export after the replay buffer holds at least 8 samples (it holds {size})"
             )
     if learner.output_shape is None:
-        return x, torch.as_tensor(y)
-    return x, task_targets(learner.task, x, y, learner.output_shape)
+        return (x, torch.as_tensor(y)), source
+    return (x, task_targets(learner.task, x, y, learner.output_shape)), source
 
 
 def _replay_writer(replay: ReplayStrategy | None) -> Callable[[Path], dict[str, Any]]:
@@ -432,7 +448,8 @@ def export(
         freeze_untrained(model, chosen)  # units an ElasticTrainer switched off for now train unless left out
         plan = learner.batch_plan
         replay = copy.deepcopy(learner.replay) if include_replay else None
-        base = _learner_example(learner, example)
+        base, parity_rows = _learner_example(learner, example)
+        call = call_style(model, base[0], learner.call)  # decided on the model itself: the selecting subclass hides its signature
         # the program outputs the tensor the learner trains on (the model's output picked by learner.output)
         model = selecting(model, learner.output, base[0] if learner.output_shape is None else None)
         active_classes = reserved_slots(model, optimizer, learner, reserved_classes, base[0])
@@ -450,6 +467,8 @@ def export(
             **({} if selection is None else {"trainable_selection": selection}),
             **({} if active_classes is None else {"active_classes": active_classes}),
         }
+    if parity_rows == "generated":
+        warnings.warn(f"exporting for executorch: {GENERATED_ROWS_NOTE}", GeneratedRowsWarning, stacklevel=3)
     return export_model(
         model,
         learner.loss_fn,
@@ -462,4 +481,6 @@ def export(
         max_batch_size=max_batch_size,
         extra=extra,
         write_extra=_replay_writer(replay),
+        call=call,
+        parity_rows=parity_rows,
     )

@@ -17,6 +17,8 @@ import os
 import threading
 import time
 import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +28,12 @@ import torch
 from taste_cl._batch import split_batch
 from taste_cl.adapters.device.artifacts import ArtifactError, read_manifest, read_verified, staged_folder, write_manifest
 from taste_cl.adapters.device.class_slots import ClassSlots, parse_active_classes
+from taste_cl.adapters.device.guard import DeviceUpdateGuard, check_finite_outputs, guard_from_manifest
 from taste_cl.adapters.executorch.replay import load_replay, save_replay
 from taste_cl.adapters.executorch.runtime import (
     BACKEND,
     FORMAT,
+    MAX_FILE_BYTES,
     PARAMS,
     PROGRAM,
     REPLAY,
@@ -39,16 +43,45 @@ from taste_cl.adapters.executorch.runtime import (
     check_sgd,
     executorch_runtime,
 )
+from taste_cl.adapters.onnxruntime.manifest import MAX_ITERATIONS, MAX_REPLAY_BATCH, manifest_error, manifest_int, replay_size
+from taste_cl.adapters.onnxruntime.replay import npz_headers
 from taste_cl.learner import ObserveStats
 from taste_cl.replay import ReservoirReplay
 
 __all__ = ["EtOnlineLearner"]
 
 
-def _load_replay(folder: Path, manifest: dict[str, Any], spec: IOSpec) -> ReservoirReplay | None:
-    if manifest.get("replay") is None:
-        return None
-    return load_replay(read_verified(folder, manifest, REPLAY), spec)
+@dataclass(frozen=True)
+class _Plan:
+    """The manifest's batch plan, counters, classes in use and buffer size, validated before any file is read."""
+
+    replay_batch_size: int
+    train_iterations: int
+    samples_seen: int
+    steps: int
+    active_classes: tuple[int, ...] | None
+    replay: tuple[int, int] | None  # the buffer's (capacity, size)
+
+    @classmethod
+    def parse(cls, manifest: Mapping[str, Any], spec: IOSpec) -> _Plan:
+        """Within the ONNX Runtime manifest's bounds; a folder exported without a learner has no plan or counters (defaults)."""
+        counters = manifest.get("counters") or {}
+        if not isinstance(counters, Mapping):
+            raise manifest_error("counters", counters, "an object with samples_seen and steps")
+        plan, counters = {"replay_batch_size": 0, "train_iterations": 1, **manifest}, {"samples_seen": 0, "steps": 0, **counters}
+        return cls(
+            replay_batch_size=manifest_int(plan, "replay_batch_size", 0, MAX_REPLAY_BATCH),
+            train_iterations=manifest_int(plan, "train_iterations", 1, MAX_ITERATIONS),
+            samples_seen=manifest_int(counters, "samples_seen", 0, 2**62, "counters."),
+            steps=manifest_int(counters, "steps", 0, 2**62, "counters."),
+            active_classes=parse_active_classes(manifest.get("active_classes"), spec.num_classes),
+            replay=None if manifest.get("replay") is None else replay_size(manifest["replay"]),
+        )
+
+
+def _read(folder: Path, manifest: dict[str, Any], name: str) -> bytes:
+    """The listed file ``name``, hash-checked; refused unread when it is over its largest size (``MAX_FILE_BYTES``)."""
+    return read_verified(folder, manifest, name, max_bytes=MAX_FILE_BYTES[name])
 
 
 class EtOnlineLearner:
@@ -58,22 +91,29 @@ class EtOnlineLearner:
     trains ``train_iterations`` SGD steps on it mixed with ``replay_batch_size`` buffered
     samples, and offers it to the reservoir. Inputs may be numpy arrays or tensors (a dict
     of them for dict-input models); :meth:`predict` returns numpy outputs.
+
+    Every step goes through :attr:`guard`, as on ONNX Runtime (see
+    :class:`~taste_cl.adapters.onnxruntime.runtime.OrtOnlineLearner`): a step that would blow the
+    model up is undone, parameters and SGD momentum bit for bit; :meth:`predict` raises
+    :class:`~taste_cl.exceptions.NonFiniteOutputError` rather than return NaN; a folder whose
+    parameters are not finite is refused at load.
     """
 
-    def __init__(self, *, directory: Path, manifest: dict[str, Any], trainer: EtTrainer, replay: ReservoirReplay | None) -> None:
+    def __init__(self, *, directory: Path, manifest: dict[str, Any], trainer: EtTrainer, replay: ReservoirReplay | None, plan: _Plan) -> None:
         self.directory = directory
         self.manifest = manifest
         self.trainer = trainer
         self.replay = replay
         self.spec = trainer.spec
-        self.replay_batch_size = _count(manifest.get("replay_batch_size", 0), "replay_batch_size", 0)
-        self.train_iterations = _count(manifest.get("train_iterations", 1), "train_iterations", 1)
-        counters = manifest.get("counters") or {}
-        self.samples_seen = _count(counters.get("samples_seen", 0), "samples_seen", 0)
-        self.steps = _count(counters.get("steps", 0), "steps", 0)
+        self.replay_batch_size = plan.replay_batch_size
+        self.train_iterations = plan.train_iterations
+        self.samples_seen = plan.samples_seen
+        self.steps = plan.steps
         # reserved classifier slots activate on their first label (see taste_cl/adapters/device/class_slots.py)
-        self.classes = ClassSlots(parse_active_classes(manifest.get("active_classes"), self.spec.num_classes), self.spec.num_classes)
+        self.classes = ClassSlots(plan.active_classes, self.spec.num_classes)
         self.tuner: Any = None  # a DeviceBatchTuner (taste_cl/adapters/device/tuning.py) once attached
+        self.guard = trainer.guard if trainer.guard is not None else DeviceUpdateGuard()
+        trainer.guard = self.guard
         self._lock = threading.RLock()
 
     @classmethod
@@ -91,32 +131,42 @@ class EtOnlineLearner:
                 f"{str(folder)!r} holds a {manifest.get('backend')!r} artifact of format {manifest.get('format')!r}; "
                 f"this loader reads {BACKEND!r} format {FORMAT}"
             )
-        try:
+        optimizer = manifest.get("optimizer")
+        try:  # every value is bounded before a file is read
             spec = IOSpec.from_json(manifest.get("io"))
-            sgd = check_sgd({k: v for k, v in (manifest.get("optimizer") or {}).items() if k != "type"})
+            sgd = check_sgd({k: v for k, v in optimizer.items() if k != "type"} if isinstance(optimizer, Mapping) else optimizer)
+            plan = _Plan.parse(manifest, spec)
         except ValueError as error:
             raise ArtifactError(f"{str(folder)!r} has an invalid manifest: {error}") from None
-        program = read_verified(folder, manifest, PROGRAM)
-        data = read_verified(folder, manifest, WEIGHTS)
+        program = _read(folder, manifest, PROGRAM)
+        data = _read(folder, manifest, WEIGHTS)
         try:
             trainer = EtTrainer(program, data, spec, sgd)
         except RuntimeError as error:
             raise ArtifactError(f"ExecuTorch could not load the program in {str(folder)!r}: {error}") from error
         if manifest.get("params") is not None:
-            data = read_verified(folder, manifest, PARAMS)
+            data = _read(folder, manifest, PARAMS)
             try:
+                trainer.check_parameters(npz_headers(data))  # before np.load allocates what the headers claim
                 with np.load(io.BytesIO(data), allow_pickle=False) as saved:
                     trainer.load_parameters({name: saved[name] for name in saved.files})
             except (ValueError, OSError, zipfile.BadZipFile) as error:
                 raise ArtifactError(f"{str(folder)!r}: {PARAMS}: {error}") from None
-        learner = cls(directory=folder, manifest=manifest, trainer=trainer, replay=_load_replay(folder, manifest, spec))
+        damaged = sorted(name for name, value in trainer.parameters().items() if value.dtype.kind == "f" and not np.isfinite(value).all())
+        if damaged:
+            raise ArtifactError(
+                f"{str(folder)!r}: the parameters {damaged[:5]} hold NaN or infinite values: the model is damaged; load an earlier folder"
+            )
+        replay = None if plan.replay is None else load_replay(_read(folder, manifest, REPLAY), spec, plan.replay)
+        trainer.guard = guard_from_manifest(manifest)
+        learner = cls(directory=folder, manifest=manifest, trainer=trainer, replay=replay, plan=plan)
         if tuner is not None:
             tuner.attach(learner, manifest.get("tuner"))
         return learner
 
     @property
     def lr(self) -> float:
-        """The SGD learning rate; setting it rebuilds the shipped optimizer (momentum restarts)."""
+        """The SGD learning rate; set it to change it (momentum is kept)."""
         return float(self.trainer.sgd["lr"])
 
     @lr.setter
@@ -192,14 +242,19 @@ class EtOnlineLearner:
             return outputs.numpy(), loss, skipped
 
     def _accuracy(self, outputs: torch.Tensor, y: torch.Tensor) -> float:
-        if self.spec.num_classes is None or y.is_floating_point() or outputs.dim() != 2:
+        """The stream rows' accuracy; NaN without class labels, and when the outputs are not finite (no score from NaN)."""
+        if self.spec.num_classes is None or y.is_floating_point() or outputs.dim() != 2 or not bool(torch.isfinite(outputs).all()):
             return math.nan
         return float((self.classes.mask(outputs.numpy()).argmax(axis=1) == y.numpy()).mean())
 
     def predict(self, x: Any) -> np.ndarray:
-        """Model outputs for ``x`` (reserved slots not yet in use: ``-inf``); changes no parameter."""
+        """Model outputs for ``x`` (reserved slots not yet in use: ``-inf``); changes no parameter.
+
+        Raises :class:`~taste_cl.exceptions.NonFiniteOutputError` instead of returning NaN or infinite outputs."""
         with self._lock:
-            return self.classes.mask(self.trainer.predict(x))
+            outputs = self.trainer.predict(x)
+            check_finite_outputs(outputs, self.guard)
+            return self.classes.mask(outputs)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write the program, the current parameters (``params.npz``) and the buffer as a new artifact folder.
@@ -209,7 +264,7 @@ class EtOnlineLearner:
         """
         with self._lock, staged_folder(directory) as stage:
             for name in (PROGRAM, WEIGHTS):
-                (stage / name).write_bytes(read_verified(self.directory, self.manifest, name))
+                (stage / name).write_bytes(_read(self.directory, self.manifest, name))
             params: dict[str, Any] = self.trainer.parameters()
             np.savez(stage / PARAMS, **params)
             manifest = {key: value for key, value in self.manifest.items() if key != "files"}
@@ -222,13 +277,8 @@ class EtOnlineLearner:
             )
             if self.tuner is not None:
                 manifest["tuner"] = self.tuner.state_dict()
+            manifest["guard"] = self.guard.state_dict()
             if self.replay is not None:
                 manifest["replay"] = save_replay(stage / REPLAY, self.replay)
             write_manifest(stage, manifest)
         return Path(directory).absolute()
-
-
-def _count(value: Any, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ArtifactError(f"manifest `{name} == {value!r}`, must be an int >= {low}")
-    return value

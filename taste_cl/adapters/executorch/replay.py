@@ -4,13 +4,18 @@ The ExecuTorch Python runtime imports torch anyway, so the device keeps a
 :class:`~taste_cl.ReservoirReplay`, of a tensor or a flat dict of tensors (one array per key;
 integer ids are checked against their embedding table like every batch). A buffer of another strategy continues as a reservoir
 (its class-wise bookkeeping has no meaning there); the reservoir's random stream is saved
-and resumed when the strategy was a reservoir. ``np.load(allow_pickle=False)`` reads it.
+and resumed when the strategy was a reservoir. ``np.load(allow_pickle=False)`` reads it, once every
+array's header is bounded: ``size`` rows of the program's inputs and target, a capacity of at most
+``MAX_CAPACITY`` whose buffer fits ``MAX_REPLAY_BYTES`` (the ONNX Runtime side's bounds), and a
+generator state of torch's length.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +24,9 @@ import torch
 
 from taste_cl._batch import Spec, describe, unflatten
 from taste_cl.adapters.device.artifacts import ArtifactError, ExportError
-from taste_cl.adapters.executorch.runtime import IOSpec
+from taste_cl.adapters.executorch.runtime import IOSpec, LeafSpec
+from taste_cl.adapters.onnxruntime.manifest import MAX_CAPACITY
+from taste_cl.adapters.onnxruntime.replay import check_replay_memory, npz_headers
 from taste_cl.exceptions import InvalidBatchError
 from taste_cl.replay import ReplayStrategy, ReservoirReplay
 
@@ -72,16 +79,64 @@ def _stored_x(arrays: dict[str, np.ndarray], spec: IOSpec) -> list[torch.Tensor]
     return spec.flat_inputs({key: arrays[f"x{i}"] for i, key in enumerate(keys)})
 
 
-def load_replay(data: bytes, spec: IOSpec) -> ReservoirReplay:
-    """Rebuild the buffer from ``replay.npz`` bytes; samples are validated against the program's spec."""
+_Rule = tuple[str, Callable[[np.dtype, tuple[int, ...]], bool]]  # what an array must be, and a test of its header
+
+
+def _rules(spec: IOSpec, size: int) -> dict[str, _Rule]:
+    """What each array of the archive must be for ``size`` samples of the program's inputs and target."""
+
+    def numbers(leaf: LeafSpec) -> _Rule:
+        count = size * math.prod(leaf.shape)
+        return (f"numbers for {size} samples of {leaf.dtype} {list(leaf.shape)}",
+                lambda dtype, shape: dtype.kind in "biuf" and dtype.itemsize <= 8 and math.prod(shape) == count)  # fmt: skip
+
+    rules = {name: ("one integer", lambda dtype, shape: dtype.kind in "iu" and shape == ()) for name in ("capacity", "seed", "seen")}
+    rules["y"] = numbers(spec.target)
+    if spec.keys is None or not size:  # an empty buffer stores an empty 'x' whatever the inputs
+        return {**rules, "x": numbers(spec.inputs[0])}
+    longest, count = max(map(len, spec.keys)), len(spec.keys)
+    rules["keys"] = (f"{count} strings of at most {longest} characters",
+                     lambda dtype, shape: dtype.kind == "U" and dtype.itemsize <= 4 * longest and shape == (count,))  # fmt: skip
+    return {**rules, **{f"x{i}": numbers(leaf) for i, leaf in enumerate(spec.inputs)}}
+
+
+def _check_headers(headers: dict[str, tuple[np.dtype, tuple[int, ...]]], spec: IOSpec, entry: tuple[int, int] | None) -> int:
+    """Bound every array of the archive by its header, before any is read; return the number of samples."""
+    y_shape = headers["y"][1] if "y" in headers else ()
+    size = y_shape[0] if y_shape else 0
+    if entry is not None and size != entry[1]:
+        raise ValueError(f"array 'y' holds {size} samples; the manifest's replay.size is {entry[1]}")
+    rules = _rules(spec, size)
+    state = tuple(torch.Generator().get_state().shape)
+    generator: _Rule = (f"a torch generator state, uint8 {state}", lambda dtype, shape: dtype == np.uint8 and shape == state)
+    if not set(rules) <= set(headers) <= {*rules, "generator"}:
+        raise ValueError(f"the archive holds arrays {sorted(headers)}, expected {sorted(rules)} and maybe 'generator'")
+    for name, (dtype, shape) in headers.items():
+        rule, holds = rules.get(name, generator)
+        if not holds(dtype, shape):
+            raise ValueError(f"array {name!r} is {dtype} {shape}, must be {rule}")
+    return size
+
+
+def load_replay(data: bytes, spec: IOSpec, entry: tuple[int, int] | None = None) -> ReservoirReplay:
+    """Rebuild the buffer from ``replay.npz`` bytes; samples are validated against the program's spec.
+
+    Every array is bounded by its header before anything is read or allocated (see the module's
+    docstring). ``entry``: the manifest's ``(capacity, size)``, which the archive must hold.
+    """
     try:
+        headers = npz_headers(data)
+        size = _check_headers(headers, spec, entry)
         with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+            capacity, seed, seen = (int(archive[key]) for key in ("capacity", "seed", "seen"))
+            if entry is not None and capacity != entry[0]:
+                raise ValueError(f"array 'capacity' is {capacity}; the manifest's replay.capacity is {entry[0]}")
+            if not 1 <= capacity <= MAX_CAPACITY or size > capacity or seen < size:
+                raise ValueError(f"{size} samples for capacity {capacity} (at most {MAX_CAPACITY}) and {seen} seen")
+            leaves = [*spec.inputs, spec.target]
+            check_replay_memory(capacity, [math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves])
             arrays = {key: archive[key] for key in archive.files}
-        capacity, seed, seen = (int(arrays[key]) for key in ("capacity", "seed", "seen"))
         replay = ReservoirReplay(capacity, seed=seed)
-        size = int(arrays["y"].shape[0])
-        if size > capacity or seen < size:
-            raise ValueError(f"{size} samples for capacity {capacity} and {seen} seen")
         storage: dict[str, Any] = {"capacity": capacity, "size": size}
         if size:
             x = _stored_x(arrays, spec)

@@ -10,10 +10,16 @@ the folder and the device learner reads it, and neither imports the other.
 
 Limits of the shipped runtime (ExecuTorch 1.5), which this module works around or states:
 the parameters are reachable only after a first ``forward_backward`` (done once at load, on
-a zero batch, without a step); the SGD object has no learning-rate setter and no state
-access, so changing the rate rebuilds it (momentum restarts) and saving cannot keep the
-momentum buffers; the batch dimension has a lower bound of 2, so a single-sample
-``predict`` is padded and a single-sample training step is refused.
+a zero batch, without a step); the shipped SGD object has no learning-rate setter and no
+state access, so the step is PyTorch's ``SGD`` on the program's parameter tensors instead
+(the program computes loss and gradients, as ONNX Runtime's graphs do beside the numpy SGD),
+which lets the device guard restore the momentum of a refused step; the batch dimension has
+a lower bound of 2, so a single-sample ``predict`` is padded and a single-sample training
+step is refused.
+
+The SGD settings are bounded as the ONNX Runtime manifest bounds them
+(:func:`~taste_cl.adapters.onnxruntime.manifest.parse_sgd`), and each file of a folder has a
+largest size the device reads (:data:`MAX_FILE_BYTES`, checked on disk before reading).
 """
 
 from __future__ import annotations
@@ -22,20 +28,28 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from taste_cl.adapters.device.artifacts import ArtifactError, ExportError
+from taste_cl.adapters.onnxruntime.manifest import parse_sgd
+from taste_cl.adapters.onnxruntime.replay import MAX_REPLAY_BYTES
 from taste_cl.exceptions import InvalidBatchError, MissingDependencyError
 
-__all__ = ["BACKEND", "FORMAT", "PARAM_PREFIX", "EtTrainer", "IOSpec", "LeafSpec", "check_program", "executorch_runtime"]
+if TYPE_CHECKING:
+    from taste_cl.adapters.device.guard import DeviceUpdateGuard
+
+__all__ = ["BACKEND", "FORMAT", "MAX_FILE_BYTES", "PARAM_PREFIX", "EtTrainer", "IOSpec", "LeafSpec", "check_program", "executorch_runtime"]
 
 PARAM_PREFIX = "model."  # the exported wrapper holds the user's model as ``model``
 BACKEND = "executorch"
 FORMAT = 1  # the artifact folder's format, written by the export and by EtOnlineLearner.save
 PROGRAM, WEIGHTS, PARAMS, REPLAY = "model.pte", "model.ptd", "params.npz", "replay.npz"
+# the largest file of each kind the device reads: far above a model that trains on a device, low enough
+# that a hostile folder cannot exhaust its memory (the program and its weights are read whole)
+MAX_FILE_BYTES = {PROGRAM: 1 << 30, WEIGHTS: 1 << 30, PARAMS: 1 << 30, REPLAY: MAX_REPLAY_BYTES}
 MIN_BATCH = 2
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}
 SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
@@ -191,21 +205,11 @@ def sgd_config(optimizer: Any, lr: float | None = None) -> dict[str, Any]:
 
 
 def check_sgd(config: Any) -> dict[str, Any]:
-    """Validate SGD settings (from a learner or a manifest); return them as plain floats/bool."""
+    """Validate SGD settings (from a learner or a manifest) within the device's bounds (those of
+    :func:`~taste_cl.adapters.onnxruntime.manifest.parse_sgd`); return them as plain floats/bool."""
     if not isinstance(config, Mapping) or set(config) != set(SGD_KEYS):
         raise ValueError(f"SGD settings {config!r} must have exactly the keys {list(SGD_KEYS)}")
-    out: dict[str, Any] = {}
-    for key in SGD_KEYS[:4]:
-        value = config[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"`{key} == {value!r}`, must be a finite number >= 0")
-        out[key] = float(value)
-    if out["lr"] <= 0:
-        raise ValueError(f"`lr == {out['lr']!r}`, must be > 0")
-    if not isinstance(config["nesterov"], bool):
-        raise TypeError(f"`nesterov == {config['nesterov']!r}`, must be a bool")
-    out["nesterov"] = config["nesterov"]
-    return out
+    return parse_sgd(config)
 
 
 def _shape(dims: tuple[int, ...]) -> str:
@@ -251,11 +255,16 @@ def check_program(program: Any, spec: IOSpec) -> int:
 
 
 class EtTrainer:
-    """A loaded ExecuTorch training program with the shipped SGD; satisfies the parity gate's ``Trainer``.
+    """A loaded ExecuTorch training program and its SGD step; satisfies the parity gate's ``Trainer``.
 
     ``program`` and ``data`` are the ``.pte`` and ``.ptd`` bytes; they are kept alive as long
     as the trainer (the runtime reads from them). The program is checked against ``spec``
-    (:func:`check_program`) before it runs. Parameter names are PyTorch's.
+    (:func:`check_program`) before it runs. Parameter names are PyTorch's. The program computes
+    the loss and the gradients; the step is PyTorch's ``SGD`` on the program's parameter tensors
+    (ExecuTorch's shipped SGD keeps its momentum where nothing can read or restore it, which the
+    device guard needs). With a :class:`~taste_cl.adapters.device.guard.DeviceUpdateGuard` in
+    :attr:`guard` (the device learner attaches one; the parity gate trains unguarded, as torch
+    does) every step goes through it.
     """
 
     def __init__(self, program: bytes, data: bytes, spec: IOSpec, sgd: dict[str, Any]) -> None:
@@ -275,18 +284,64 @@ class EtTrainer:
         ]  # parameters are reachable only after one forward_backward
         self.module.forward_backward("forward", (*warm, spec.zero_targets(MIN_BATCH)))
         self.params = {name.removeprefix(PARAM_PREFIX): p for name, p in self.module.named_parameters().items()}
-        self.optimizer = self._new_optimizer()
-
-    def _new_optimizer(self) -> Any:
-        from executorch.extension.training import get_sgd_optimizer
-
         s = self.sgd
-        return get_sgd_optimizer(self.module.named_parameters(), s["lr"], s["momentum"], s["dampening"], s["weight_decay"], s["nesterov"])
+        try:
+            self.optimizer = torch.optim.SGD(
+                list(self.params.values()), lr=s["lr"], momentum=s["momentum"], dampening=s["dampening"],
+                weight_decay=s["weight_decay"], nesterov=s["nesterov"], foreach=False,
+            )  # fmt: skip
+        except ValueError as error:  # e.g. Nesterov without momentum
+            raise ArtifactError(f"the SGD settings {s} cannot train: {error}") from None
+        self.guard: DeviceUpdateGuard | None = None
 
     def set_lr(self, lr: float) -> None:
-        """Change the learning rate; the shipped SGD has no setter, so it is rebuilt and momentum restarts."""
+        """Change the learning rate; momentum is kept."""
         self.sgd = check_sgd({**self.sgd, "lr": lr})
-        self.optimizer = self._new_optimizer()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.sgd["lr"]
+
+    def _step(self, grads: Mapping[str, torch.Tensor], loss: float) -> bool:
+        """One SGD step with ``grads`` (by the program's names) unless the loss or a gradient is not
+        finite or the guard refuses it; return whether it was applied."""
+        for name, grad in grads.items():
+            self.params[name.removeprefix(PARAM_PREFIX)].grad = grad
+        try:
+            if self.guard is None:
+                finite = math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads.values())
+                if finite:
+                    self.optimizer.step()
+                return finite
+            norm = math.sqrt(sum(float(torch.dot(g.flatten(), g.flatten())) for g in grads.values()))  # torch's float32 norm
+            return self.guard.step(self, self.optimizer.step, lr=self.sgd["lr"], grad_norm=norm, loss=loss) is None
+        finally:
+            for parameter in self.params.values():
+                parameter.grad = None  # the runtime reuses its gradient buffers
+
+    # ------------------------------------------------------------ the guard's view of a step
+    def save_step_state(self) -> Any:
+        """Copies of the parameters and their momentum buffers."""
+        params = {name: p.detach().clone() for name, p in self.params.items()}
+        state = {name: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()}
+                 for name, p in self.params.items() if p in self.optimizer.state}  # fmt: skip
+        return params, state
+
+    def measure_step(self, saved: Any) -> tuple[float, float, float, int]:
+        before: dict[str, torch.Tensor] = saved[0]
+        largest = max((float(p.detach().abs().max()) for p in self.params.values() if p.numel()), default=0.0)
+        change = math.sqrt(sum(float(((self.params[n].detach() - old) ** 2).sum()) for n, old in before.items()))
+        size = math.sqrt(sum(float((old**2).sum()) for old in before.values()))
+        return largest, change, size, sum(old.numel() for old in before.values())
+
+    def restore_step_state(self, saved: Any) -> None:
+        params, state = saved
+        with torch.no_grad():
+            for name, value in params.items():
+                self.params[name].copy_(value)
+        for name, p in self.params.items():
+            if name in state:
+                self.optimizer.state[p] = state[name]
+            else:
+                self.optimizer.state.pop(p, None)
 
     def run(self, inputs: list[torch.Tensor], y: torch.Tensor, *, step: bool) -> tuple[float, torch.Tensor, bool]:
         """Forward and backward on validated tensors; step unless told not to or non-finite.
@@ -299,11 +354,7 @@ class EtTrainer:
         loss = float(outputs[0])
         if not step:
             return loss, outputs[1], False
-        grads = self.module.named_gradients()
-        finite = math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in grads.values())
-        if finite:
-            self.optimizer.step(grads)
-        return loss, outputs[1], not finite
+        return loss, outputs[1], not self._step(self.module.named_gradients(), loss)
 
     def accumulated_step(self, parts: list[tuple[list[torch.Tensor], torch.Tensor]]) -> tuple[float, torch.Tensor, bool]:
         """One SGD step on micro-batches' gradients, each weighted by its share of the rows: the step
@@ -321,10 +372,7 @@ class EtTrainer:
             for name, grad in self.module.named_gradients().items():  # the runtime reuses these buffers: keep copies
                 summed[name] = grad * weight if name not in summed else summed[name].add_(grad, alpha=weight)
             outputs.append(fetched[1].clone())
-        finite = math.isfinite(loss) and all(bool(torch.isfinite(g).all()) for g in summed.values())
-        if finite:
-            self.optimizer.step(summed)
-        return loss, torch.cat(outputs), not finite
+        return loss, torch.cat(outputs), not self._step(summed, loss)
 
     def check_batch(self, n: int) -> None:
         """Refuse a batch of ``n`` samples outside the program's bounds (:class:`InvalidBatchError`) before it runs."""
@@ -351,18 +399,24 @@ class EtTrainer:
     def parameters(self) -> dict[str, np.ndarray]:
         return {name: p.detach().numpy().copy() for name, p in self.params.items()}
 
-    def load_parameters(self, values: Mapping[str, np.ndarray]) -> None:
-        """Copy saved values into the live parameters; names, shapes and dtypes must all match and
-        values be finite (a ``ValueError`` names the first that does not, before any is copied)."""
-        if set(values) != set(self.params):
-            raise ValueError(f"saved parameters {sorted(values)} do not match the program's {sorted(self.params)}")
-        for name, value in values.items():
+    def check_parameters(self, saved: Mapping[str, tuple[np.dtype, tuple[int, ...]]]) -> None:
+        """Refuse saved parameters ``{name: (dtype, shape)}`` (an archive's headers, before it is read) whose names,
+        shapes or dtypes are not the program's; a ``ValueError`` names the first."""
+        if set(saved) != set(self.params):
+            raise ValueError(f"saved parameters {sorted(saved)} do not match the program's {sorted(self.params)}")
+        for name, (dtype, shape) in saved.items():
             parameter = self.params[name]
-            dtype = str(parameter.dtype).removeprefix("torch.")
-            if tuple(value.shape) != tuple(parameter.shape):
-                raise ValueError(f"saved parameter {name!r} has shape {value.shape}, the program's is {tuple(parameter.shape)}")
-            if value.dtype != np.dtype(dtype):
-                raise ValueError(f"saved parameter {name!r} is {value.dtype}; the program's is {dtype}")
+            expected = str(parameter.dtype).removeprefix("torch.")
+            if tuple(shape) != tuple(parameter.shape):
+                raise ValueError(f"saved parameter {name!r} has shape {tuple(shape)}, the program's is {tuple(parameter.shape)}")
+            if dtype != np.dtype(expected):
+                raise ValueError(f"saved parameter {name!r} is {dtype}; the program's is {expected}")
+
+    def load_parameters(self, values: Mapping[str, np.ndarray]) -> None:
+        """Copy saved values into the live parameters; names, shapes and dtypes must all match (:meth:`check_parameters`)
+        and values be finite (a ``ValueError`` names the first that does not, before any is copied)."""
+        self.check_parameters({name: (value.dtype, value.shape) for name, value in values.items()})
+        for name, value in values.items():
             if value.dtype.kind == "f" and not np.isfinite(value).all():
                 raise ValueError(f"saved parameter {name!r} holds NaN or infinite values")
         for name, value in values.items():

@@ -387,7 +387,8 @@ def _build_validating_strategy() -> type:
         A reply is dropped when its arrays do not have exactly the names, shapes and
         dtypes of the arrays the server sent, hold non-finite values, or its weight
         metric (the inner strategy's ``weighted_by_key``) is not a finite number > 0,
-        or a value exceeds the ``policy``'s magnitude bound. The weights of the rest
+        or a value exceeds the ``policy``'s magnitude bound, or its node (the message's
+        ``src_node_id``) already replied in the round (its first reply counts). The weights of the rest
         are capped by the :class:`AggregationPolicy` (default one if None) and
         rewritten to shares; the inner strategy aggregates them; with none left, the
         global model stays. Dropped updates are in ``dropped``, capped ones in
@@ -428,16 +429,21 @@ def _build_validating_strategy() -> type:
 
         def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
             kept, bytes_up, client_rss, client_s = [], 0, [], []
+            replied: set[int] = set()  # one reply per node per round: a second one would count its update twice
             for msg in replies:
+                node = msg.metadata.src_node_id
+                if not msg.has_error():
+                    bytes_up += sum(r.count_bytes() for r in msg.content.array_records.values())
+                if node in replied:
+                    self._drop(server_round, node, f"a second reply in round {server_round}: only the node's first reply counts")
+                    continue
+                replied.add(node)
                 if msg.has_error():
                     kept.append(msg)  # the inner strategy logs transport/client errors itself
                     continue
-                bytes_up += sum(r.count_bytes() for r in msg.content.array_records.values())
                 problem = _reply_problem(msg.content, self._expected, self.weighted_by_key, self.policy)
                 if problem is not None:
-                    node = msg.metadata.src_node_id
-                    logger.warning("round %d: dropped the update of node %d: %s", server_round, node, problem)
-                    self.dropped.append(DroppedUpdate(server_round, node, problem))
+                    self._drop(server_round, node, problem)
                     continue
                 kept.append(msg)
                 (metrics,) = msg.content.metric_records.values()
@@ -465,6 +471,11 @@ def _build_validating_strategy() -> type:
             )
             aggregate, summary = self.strategy.aggregate_train(server_round, kept)
             return (None if aggregate is None else _in_sent_dtypes(aggregate, self._expected)), summary
+
+        def _drop(self, server_round: int, node: int, reason: str) -> None:
+            """Leave a reply out of the aggregate: logged, and kept in ``dropped``."""
+            logger.warning("round %d: dropped the update of node %d: %s", server_round, node, reason)
+            self.dropped.append(DroppedUpdate(server_round, node, reason))
 
         def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
             return self.strategy.configure_evaluate(server_round, arrays, config, grid)

@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from taste_cl import __version__
-from taste_cl._batch import call_model
-from taste_cl.adapters.device.artifacts import ExportError, staged_folder, write_manifest
+from taste_cl._batch import call_model, check_call
+from taste_cl.adapters.device.artifacts import PARITY_ROWS, ExportError, staged_folder, write_manifest
 from taste_cl.adapters.device.embeddings import index_bounds
 from taste_cl.adapters.device.learner_data import BufferedRows, task_targets
 from taste_cl.adapters.device.parity import (
@@ -188,22 +188,23 @@ def _as_numpy(value: Any, dtype: torch.dtype) -> np.ndarray:
 
 
 class _Graph(nn.Module):
-    """Model + loss as one traced module: ``(*inputs, labels) -> (loss, outputs)``.
+    """Model + loss as one traced module: ``(*inputs, labels) -> (loss, outputs)``; the inputs are rebuilt
+    into the example's structure and passed to the model as ``call`` says (:func:`~taste_cl._batch.call_model`).
 
     The loss gets an alias of the outputs: an op inside it that returns its input object
     (``broadcast_tensors`` of equal shapes, as ``F.mse_loss`` calls it) would otherwise become
     the traced ``outputs``, and the inference model would then demand the labels.
     """
 
-    def __init__(self, model: nn.Module, loss: Callable[[Any, Any], Any], structure: str, names: list[str]) -> None:
+    def __init__(self, model: nn.Module, loss: Callable[[Any, Any], Any], structure: str, names: list[str], call: str) -> None:
         super().__init__()
         self.model = model
         self.loss = loss
-        self.structure, self.names = structure, names
+        self.structure, self.names, self.call = structure, names, call
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         *inputs, labels = tensors
-        out = call_model(self.model, _rebuild(self.structure, self.names, inputs))
+        out = call_model(self.model, _rebuild(self.structure, self.names, inputs), call=self.call)
         return self.loss(out.view_as(out), labels), out
 
 
@@ -495,7 +496,7 @@ def _running_stats_outputs(graph: Any, per_sample: dict[str, int], momenta: dict
     return stats
 
 
-def _batchnorm_geometry(model: nn.Module, x: Any) -> tuple[dict[str, int], dict[str, float]]:
+def _batchnorm_geometry(model: nn.Module, x: Any, call: str) -> tuple[dict[str, int], dict[str, float]]:
     """Per BatchNorm path: elements per channel of one sample, and PyTorch's momentum (None refused)."""
     per_sample: dict[str, int] = {}
     momenta: dict[str, float] = {}
@@ -509,7 +510,7 @@ def _batchnorm_geometry(model: nn.Module, x: Any) -> tuple[dict[str, int], dict[
                 lambda m, inputs, _, path=path: per_sample.__setitem__(path, math.prod(inputs[0].shape[2:]))
             ))  # fmt: skip
     try:
-        eval_outputs(model, call_model, x)
+        eval_outputs(model, partial(call_model, call=call), x)
     finally:
         for hook in hooks:
             hook.remove()
@@ -524,18 +525,22 @@ def _torch_trainer(
     lr: float,
     trainable: Sequence[str] | None,
     batchnorm: str,
+    call: str,
     dtype: str | None = None,
 ) -> TorchTrainer:
     """Torch training ``model`` as an export with ``lr`` and ``batchnorm`` would (dropout off), in
     ``dtype`` (default float32): an alternative the gate tries."""
     work, work_optimizer, _ = _working_copy(model, optimizer, lr, trainable)
     apply_transforms(work, batchnorm=batchnorm)
-    return _reference(work, work_optimizer, loss_fn, dtype)
+    return _reference(work, work_optimizer, loss_fn, call, dtype)
 
 
-def _reference(work: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[Any, Any], Any], dtype: str | None = None) -> TorchTrainer:
-    """Eager torch training copies of the transformed ``work`` and its optimizer, random layers off, in ``dtype``."""
-    reference = TorchTrainer(work, optimizer, loss_fn, forward=call_model, dtype=dtype)
+def _reference(
+    work: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[[Any, Any], Any], call: str, dtype: str | None = None
+) -> TorchTrainer:
+    """Eager torch training copies of the transformed ``work`` and its optimizer, random layers off, in ``dtype``;
+    the model takes its inputs as ``call`` says."""
+    reference = TorchTrainer(work, optimizer, loss_fn, forward=partial(call_model, call=call), dtype=dtype)
     disable_random_layers(reference.model)
     return reference
 
@@ -639,6 +644,8 @@ def export_model(
     opset: int = 17,
     task: Task | str | None = None,
     active_classes: Sequence[int] | None = None,
+    call: str = "auto",
+    parity_rows: str = "given",
 ) -> Path:
     """Write ONNX Runtime training artifacts for ``model`` trained with ``loss_fn`` and ``optimizer``.
 
@@ -665,9 +672,17 @@ def export_model(
     validates and shapes every target batch like :class:`~taste_cl.OnlineLearner`'s: a
     regression target ``(n,)`` for an ``(n, 1)`` output is trained as ``(n, 1)`` (the device
     takes either). ``active_classes`` (classes in use when the classifier has reserved
-    slots) is recorded in the manifest. Returns the published folder.
+    slots) is recorded in the manifest. ``call`` (see :data:`~taste_cl._batch.CALL_MODES`) says how
+    a dict or tuple ``x`` is passed to the model (spread, or whole to a ``forward(self, batch)``); the
+    graph's inputs are ``x``'s leaves, named by its keys, either way. ``parity_rows`` says where the
+    gate's batches came from (:data:`~taste_cl.adapters.device.artifacts.PARITY_ROWS`; the learner's
+    export says it): on ``"generated"`` rows every verdict says so, the manifest records it in
+    ``parity.rows``, and the device learner measures every one of its first steps. Returns the published folder.
     """
     _ort()
+    check_call(call)
+    if parity_rows not in PARITY_ROWS:
+        raise ValueError(f"`parity_rows == {parity_rows!r}`, must be one of {', '.join(map(repr, PARITY_ROWS))}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -694,24 +709,25 @@ def export_model(
     source_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     work, work_optimizer, chosen = _working_copy(model, optimizer, config["lr"], trainable)
     example_x = _rebuild(structure, names, ex_inputs)
-    before = eval_outputs(work, call_model, example_x)
-    bounds = index_bounds(work, partial(call_model, work, example_x), dict(zip(names, ex_inputs)))  # ids checked on the device
+    forward = partial(call_model, call=call)
+    before = eval_outputs(work, forward, example_x)
+    bounds = index_bounds(work, partial(forward, work, example_x), dict(zip(names, ex_inputs)))  # ids checked on the device
     output_shape = tuple(before.shape[1:])
     task = resolve_task(task) if task is not None else infer_task(loss_fn, output_shape)
     ex_labels = task_targets(task, example_x, y, output_shape)
     label_dtype = torch.int64 if not ex_labels.is_floating_point() else torch.float32
     ex_labels = ex_labels.to(label_dtype)
-    transforms = apply_transforms(work, batchnorm=batchnorm, run=partial(eval_outputs, work, call_model, example_x))
-    check_equivalent(before, eval_outputs(work, call_model, example_x), tolerance=default_tolerance("float32"))
+    transforms = apply_transforms(work, batchnorm=batchnorm, run=partial(eval_outputs, work, forward, example_x))
+    check_equivalent(before, eval_outputs(work, forward, example_x), tolerance=default_tolerance("float32"))
     work.train()
     snapshot = {key: value.clone() for key, value in work.state_dict().items()}
-    graph = _trace(_Graph(work, traceable_loss(loss_fn), structure, names), [*ex_inputs, ex_labels], names, opset)
+    graph = _trace(_Graph(work, traceable_loss(loss_fn), structure, names, call), [*ex_inputs, ex_labels], names, opset)
     work.load_state_dict(snapshot)  # tracing ran a training-mode forward (BatchNorm statistics moved)
     _set_initializers(graph, snapshot)
     fold_frozen_batchnorm(graph)  # before the gradient graph is built: ORT does not fuse training graphs
     running_stats = []
     if batchnorm == "batch":
-        running_stats = _running_stats_outputs(graph, *_batchnorm_geometry(work, example_x))
+        running_stats = _running_stats_outputs(graph, *_batchnorm_geometry(work, example_x, call))
     initializers = [init.name for init in graph.graph.initializer]
     requires_grad = [_PREFIX + name for name in chosen]
     missing = [name for name in requires_grad if name not in initializers]
@@ -799,20 +815,19 @@ def export_model(
             write_manifest(stage, manifest)
             batches = [(bx, task_targets(task, bx, by, output_shape)) for bx, by in parity_batches or [example]]
             # settings torch tries on the gate's batches if its own training diverges there
-            alternatives = {f"lr={config['lr'] / 10:g}": partial(_torch_trainer, model, optimizer, loss_fn, config["lr"] / 10, trainable, batchnorm)}
+            trainer = partial(_torch_trainer, model, optimizer, loss_fn, call=call)
+            alternatives = {f"lr={config['lr'] / 10:g}": partial(trainer, config["lr"] / 10, trainable, batchnorm)}
             if batchnorm == "frozen" and any(isinstance(module, FrozenBatchNorm) for module in work.modules()):
-                alternatives = {"batchnorm='batch'": partial(_torch_trainer, model, optimizer, loss_fn, config["lr"], trainable, "batch"),
-                                **alternatives}  # fmt: skip
+                alternatives = {"batchnorm='batch'": partial(trainer, config["lr"], trainable, "batch"), **alternatives}
             elif batchnorm == "batch" and running_stats:
-                alternatives = {"batchnorm='frozen'": partial(_torch_trainer, model, optimizer, loss_fn, config["lr"], trainable, "frozen"),
-                                **alternatives}  # fmt: skip
+                alternatives = {"batchnorm='frozen'": partial(trainer, config["lr"], trainable, "frozen"), **alternatives}
             report = _parity_gate(stage, work, work_optimizer, loss_fn, structure, names, dtypes, label_dtype,
-                                  batches, parity_steps, tolerance, alternatives)  # fmt: skip
+                                  batches, parity_steps, tolerance, alternatives, call, rows=parity_rows)  # fmt: skip
         manifest["parity"] = None if report is None else {
             "steps": report.steps, "max_output_diff": report.max_output_diff,
             "max_loss_diff": report.max_loss_diff, "max_param_diff": report.max_param_diff,
             "tolerance": report.output_tol, "param_tolerance": report.param_tol,
-            "watched_steps": report.watched_steps, "float64_departure": report.exact_departure}  # fmt: skip
+            "watched_steps": report.watched_steps, "float64_departure": report.exact_departure, "rows": report.rows}  # fmt: skip
         write_manifest(stage, manifest)
         add_web_artifacts(stage)  # the browser learner's files, or the reason it cannot train this model
     return Path(directory).absolute()
@@ -831,6 +846,9 @@ def _parity_gate(
     steps: int,
     tolerance: float | None,
     alternatives: Mapping[str, Callable[[], TorchTrainer]],
+    call: str,
+    *,
+    rows: str,
 ) -> ParityReport:
     """Train ``steps`` steps in torch and in the staged artifacts (dropout off in both) and compare;
     both keep training to :data:`~taste_cl.adapters.device.parity.WATCH_STEPS` steps, watched for divergence."""
@@ -847,11 +865,11 @@ def _parity_gate(
         # by up to lr per step. Outputs and losses keep the tight bound.
         tol = tolerance if tolerance is not None else default_tolerance("float32")
         param_tolerance = max(tol, 2.0 * float(work_optimizer.param_groups[0]["lr"]) * steps)
-    reference = _reference(work, work_optimizer, loss)
+    reference = _reference(work, work_optimizer, loss, call)
     with tempfile.TemporaryDirectory(prefix="taste_cl_parity_") as scratch:
         graph = Path(scratch) / TRAINING_MODEL
         _without_dropout(stage / TRAINING_MODEL, graph)
         candidate = _SessionTrainer(load(stage, training_model=graph))
         return check_parity(reference, candidate, numpy_batches, backend="onnxruntime", tolerance=tolerance,
                             param_tolerance=param_tolerance, alternatives=alternatives,
-                            precise=partial(_reference, work, work_optimizer, loss, "float64"))  # fmt: skip
+                            precise=partial(_reference, work, work_optimizer, loss, call, "float64"), rows=rows)  # fmt: skip

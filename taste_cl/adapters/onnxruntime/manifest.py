@@ -31,7 +31,10 @@ __all__ = [
     "RunningStat",
     "TensorSpec",
     "manifest_error",
+    "manifest_int",
     "parse_manifest",
+    "parse_sgd",
+    "replay_size",
 ]
 
 
@@ -108,7 +111,8 @@ def manifest_error(what: str, value: Any, rule: str) -> ArtifactError:
     return ArtifactError(f"manifest `{what} == {value!r}`, must be {rule}")
 
 
-def _int(manifest: Mapping[str, Any], key: str, low: int, high: int, where: str = "") -> int:
+def manifest_int(manifest: Mapping[str, Any], key: str, low: int, high: int, where: str = "") -> int:
+    """``manifest[key]``, an int in ``[low, high]``; :class:`ArtifactError` naming ``where + key`` otherwise."""
     value = manifest.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise manifest_error(where + key, value, f"an int in [{low}, {high}]")
@@ -148,55 +152,71 @@ def _tensor(value: Any, what: str, dtypes: Sequence[str]) -> TensorSpec:
     if bound is not None and dtype not in ("int64", "int32"):
         raise manifest_error(f"{what}.bound", bound, "absent for a non-integer input")
     if bound is not None:
-        bound = _int(value, "bound", 1, 2**62, f"{what}.")
+        bound = manifest_int(value, "bound", 1, 2**62, f"{what}.")
     return TensorSpec(_name(value.get("name"), f"{what}.name"), str(dtype), tuple(dims), bound)
+
+
+def _rate_and_decay(value: Mapping[str, Any], where: str) -> dict[str, float]:
+    return {"lr": _number(value, "lr", 0.0, 1e6, open_low=True, where=where),
+            "weight_decay": _number(value, "weight_decay", 0.0, 1e6, open_low=False, where=where)}  # fmt: skip
+
+
+def parse_sgd(value: Mapping[str, Any], where: str = "optimizer.") -> dict[str, Any]:
+    """SGD settings bounded so that a step stays finite: ``lr`` in (0, 1e6], ``weight_decay`` in [0, 1e6],
+    ``momentum`` and ``dampening`` in [0, 1], ``nesterov`` a bool (the ExecuTorch manifest reuses it)."""
+    config: dict[str, Any] = _rate_and_decay(value, where)
+    config["momentum"] = _number(value, "momentum", 0.0, 1.0, open_low=False, where=where)
+    config["dampening"] = _number(value, "dampening", 0.0, 1.0, open_low=False, where=where)
+    nesterov = value.get("nesterov")
+    if not isinstance(nesterov, bool):
+        raise manifest_error(where + "nesterov", nesterov, "true or false")
+    config["nesterov"] = nesterov
+    return config
 
 
 def _optimizer(value: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping) or value.get("type") not in ("sgd", "adamw"):
         raise manifest_error("optimizer.type", value.get("type") if isinstance(value, Mapping) else value, "'sgd' or 'adamw'")
-    where = "optimizer."
-    config: dict[str, Any] = {"type": value["type"], "lr": _number(value, "lr", 0.0, 1e6, open_low=True, where=where)}
-    config["weight_decay"] = _number(value, "weight_decay", 0.0, 1e6, open_low=False, where=where)
-    if config["type"] == "adamw":
-        betas = value.get("betas")
-        if not isinstance(betas, list) or len(betas) != 2:
-            raise manifest_error("optimizer.betas", betas, "a list of two numbers in [0, 1)")
-        config["betas"] = [_number({"b": b}, "b", 0.0, 1.0, open_low=False, where="optimizer.betas.") for b in betas]
-        if max(config["betas"]) >= 1.0:
-            raise manifest_error("optimizer.betas", betas, "two numbers in [0, 1)")
-        config["eps"] = _number(value, "eps", 0.0, 1.0, open_low=True, where=where)
-    else:
-        config["momentum"] = _number(value, "momentum", 0.0, 1.0, open_low=False, where=where)
-        config["dampening"] = _number(value, "dampening", 0.0, 1.0, open_low=False, where=where)
-        nesterov = value.get("nesterov")
-        if not isinstance(nesterov, bool):
-            raise manifest_error("optimizer.nesterov", nesterov, "true or false")
-        config["nesterov"] = nesterov
+    if value["type"] == "sgd":
+        return {"type": "sgd", **parse_sgd(value)}
+    config: dict[str, Any] = {"type": "adamw", **_rate_and_decay(value, "optimizer.")}
+    betas = value.get("betas")
+    if not isinstance(betas, list) or len(betas) != 2:
+        raise manifest_error("optimizer.betas", betas, "a list of two numbers in [0, 1)")
+    config["betas"] = [_number({"b": b}, "b", 0.0, 1.0, open_low=False, where="optimizer.betas.") for b in betas]
+    if max(config["betas"]) >= 1.0:
+        raise manifest_error("optimizer.betas", betas, "two numbers in [0, 1)")
+    config["eps"] = _number(value, "eps", 0.0, 1.0, open_low=True, where="optimizer.")
     return config
+
+
+def replay_size(value: Any) -> tuple[int, int]:
+    """A replay entry's ``capacity`` (at most ``MAX_CAPACITY``) and ``size`` (at most the capacity), checked
+    before its ``replay.npz`` is read; both backends' manifests hold them."""
+    if not isinstance(value, Mapping) or value.get("file") != REPLAY_FILE:
+        raise manifest_error("replay.file", value.get("file") if isinstance(value, Mapping) else value, repr(REPLAY_FILE))
+    capacity = manifest_int(value, "capacity", 1, MAX_CAPACITY, "replay.")
+    return capacity, manifest_int(value, "size", 0, capacity, "replay.")
 
 
 def _replay_info(value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
-    if not isinstance(value, Mapping) or value.get("file") != REPLAY_FILE:
-        raise manifest_error("replay.file", value.get("file") if isinstance(value, Mapping) else value, repr(REPLAY_FILE))
+    capacity, size = replay_size(value)
     where = "replay."
-    capacity = _int(value, "capacity", 1, MAX_CAPACITY, where)
-    size = _int(value, "size", 0, capacity, where)
-    seen = _int(value, "seen", size, 2**62, where)
+    seen = manifest_int(value, "seen", size, 2**62, where)
     rng = value.get("rng")
     if rng is not None:
         if not isinstance(rng, Mapping) or set(rng) != {"state", "inc", "has_uint32", "uinteger"}:
             raise manifest_error("replay.rng", rng, "null or {state, inc, has_uint32, uinteger}")
-        _int(rng, "has_uint32", 0, 1, "replay.rng.")
-        _int(rng, "uinteger", 0, 2**32 - 1, "replay.rng.")
+        manifest_int(rng, "has_uint32", 0, 1, "replay.rng.")
+        manifest_int(rng, "uinteger", 0, 2**32 - 1, "replay.rng.")
         for key in ("state", "inc"):
             text = rng[key]
             if not isinstance(text, str) or not text.isdigit() or len(text) > 40 or int(text) >= 2**128:
                 raise manifest_error(f"replay.rng.{key}", text, "a decimal string below 2**128")
     return {"file": REPLAY_FILE, "capacity": capacity, "size": size, "seen": seen,
-            "seed": _int(value, "seed", 0, 2**63 - 1, where), "rng": rng}  # fmt: skip
+            "seed": manifest_int(value, "seed", 0, 2**63 - 1, where), "rng": rng}  # fmt: skip
 
 
 def _running_stat(entry: Mapping[str, Any], i: int, param_names: Mapping[str, str]) -> RunningStat:
@@ -211,7 +231,7 @@ def _running_stat(entry: Mapping[str, Any], i: int, param_names: Mapping[str, st
         str(parameter),
         entry["stat"],
         _number(entry, "momentum", 0.0, 1.0, open_low=True, where=where),
-        _int(entry, "per_sample", 1, MAX_ROW_ELEMENTS, where),
+        manifest_int(entry, "per_sample", 1, MAX_ROW_ELEMENTS, where),
     )
 
 
@@ -233,7 +253,7 @@ def parse_manifest(manifest: Mapping[str, Any]) -> DeviceSpec:
         raise manifest_error("inputs", names, "distinct names, different from the labels and output names")
     num_classes = manifest.get("num_classes")
     if num_classes is not None:
-        num_classes = _int(manifest, "num_classes", 1, MAX_CLASSES)
+        num_classes = manifest_int(manifest, "num_classes", 1, MAX_CLASSES)
     if (labels.dtype == "int64") != (num_classes is not None):
         raise manifest_error("num_classes", num_classes, "an int exactly when the labels are int64 class indices")
     if num_classes is not None and output.shape[:1] != (num_classes,):
@@ -241,7 +261,7 @@ def parse_manifest(manifest: Mapping[str, Any]) -> DeviceSpec:
         raise manifest_error("num_classes", num_classes, f"the output width {width} (the output is {output.as_json()['shape']})")
     ignore_index = manifest.get("ignore_index")
     if ignore_index is not None:
-        ignore_index = _int(manifest, "ignore_index", -(2**31), 2**31 - 1)
+        ignore_index = manifest_int(manifest, "ignore_index", -(2**31), 2**31 - 1)
     param_names = manifest.get("param_names")
     if not isinstance(param_names, Mapping) or not param_names:
         raise manifest_error("param_names", param_names, "a non-empty object mapping graph names to PyTorch names")
@@ -257,7 +277,7 @@ def parse_manifest(manifest: Mapping[str, Any]) -> DeviceSpec:
     running_stats = tuple(_running_stat(entry, i, param_names) for i, entry in enumerate(stats))
     batch_size = manifest.get("batch_size")
     if batch_size is not None:
-        _int(manifest, "batch_size", 1, MAX_REPLAY_BATCH)
+        manifest_int(manifest, "batch_size", 1, MAX_REPLAY_BATCH)
     counters = manifest.get("counters")
     if not isinstance(counters, Mapping):
         raise manifest_error("counters", counters, "an object with samples_seen and steps")
@@ -273,9 +293,9 @@ def parse_manifest(manifest: Mapping[str, Any]) -> DeviceSpec:
         trainable=tuple(trainable),
         running_stats=running_stats,
         replay=_replay_info(manifest.get("replay")),
-        replay_batch_size=_int(manifest, "replay_batch_size", 0, MAX_REPLAY_BATCH),
-        train_iterations=_int(manifest, "train_iterations", 1, MAX_ITERATIONS),
-        samples_seen=_int(counters, "samples_seen", 0, 2**62, "counters."),
-        steps=_int(counters, "steps", 0, 2**62, "counters."),
+        replay_batch_size=manifest_int(manifest, "replay_batch_size", 0, MAX_REPLAY_BATCH),
+        train_iterations=manifest_int(manifest, "train_iterations", 1, MAX_ITERATIONS),
+        samples_seen=manifest_int(counters, "samples_seen", 0, 2**62, "counters."),
+        steps=manifest_int(counters, "steps", 0, 2**62, "counters."),
         active_classes=parse_active_classes(manifest.get("active_classes"), num_classes),
     )

@@ -34,8 +34,6 @@ from typing import Any
 import numpy as np
 
 from taste_cl.adapters.device.artifacts import (
-    MANIFEST_FILE,
-    PARITY_ROWS,
     ArtifactError,
     check_plain_name,
     read_manifest,
@@ -44,7 +42,7 @@ from taste_cl.adapters.device.artifacts import (
     write_manifest,
 )
 from taste_cl.adapters.device.class_slots import ClassSlots
-from taste_cl.adapters.device.guard import DeviceUpdateGuard
+from taste_cl.adapters.device.guard import DeviceUpdateGuard, check_finite_outputs, guard_from_manifest
 from taste_cl.adapters.onnxruntime.batches import features, split_batch, targets
 from taste_cl.adapters.onnxruntime.cross_checks import ADAMW_OP, TRAINING_OPS, check_agreement
 from taste_cl.adapters.onnxruntime.manifest import (
@@ -58,18 +56,19 @@ from taste_cl.adapters.onnxruntime.manifest import (
     TRAINING_MODEL,
     WEB_FILES,
     DeviceSpec,
-    manifest_error,
     parse_manifest,
 )
 from taste_cl.adapters.onnxruntime.ort_checkpoint import read_checkpoint
 from taste_cl.adapters.onnxruntime.proto import Signature, check_no_external_data, read_signature
-from taste_cl.adapters.onnxruntime.replay import NumpyReplay
+from taste_cl.adapters.onnxruntime.replay import MAX_REPLAY_BYTES, NumpyReplay
 from taste_cl.adapters.onnxruntime.session import OrtSession, load_sgd_state, ort_bindings
 from taste_cl.adapters.web.compat import add_web_artifacts
-from taste_cl.exceptions import NonFiniteOutputError
 from taste_cl.learner.stats import ObserveStats
 
 __all__ = ["OrtOnlineLearner", "load"]
+
+
+_NPZ_SLACK = 1 << 16  # an .npz archive's zip and .npy headers, per member
 
 
 @dataclass
@@ -116,34 +115,15 @@ def load(directory: str | os.PathLike[str], *, training_model: Path | None = Non
     sgd_state = None
     if SGD_STATE_FILE in manifest["files"]:
         shapes = {name: info.trainable[name].dims for name in spec.trainable}
-        sgd_state = load_sgd_state(read_verified(folder, manifest, SGD_STATE_FILE), spec, manifest, shapes)
+        bound = _NPZ_SLACK + sum(4 * math.prod(dims) + _NPZ_SLACK for dims in shapes.values())  # float32 buffers and their headers
+        sgd_state = load_sgd_state(read_verified(folder, manifest, SGD_STATE_FILE, max_bytes=bound), spec, manifest, shapes)
     replay = None
     if spec.replay is not None:
-        replay = NumpyReplay.from_bytes(read_verified(folder, manifest, REPLAY_FILE), spec.replay, spec)
+        replay = NumpyReplay.from_bytes(read_verified(folder, manifest, REPLAY_FILE, max_bytes=MAX_REPLAY_BYTES + _NPZ_SLACK), spec.replay, spec)
     # everything is checked: only now does ONNX Runtime load the files
-    guard = _guard(manifest)
+    guard = guard_from_manifest(manifest)
     session = OrtSession(folder, spec, sgd_state, training_model=training_model, session_options=session_options)
     return _Loaded(folder, manifest, spec, session, replay, guard)
-
-
-GENERATED_ROWS_PROTECTED = 20
-"""Steps the device guard measures from the start when the export's parity gate checked generated rows."""
-
-
-def _guard(manifest: Mapping[str, Any]) -> DeviceUpdateGuard:
-    """The device guard, with the update-size history a saved folder kept (``"guard"``), and every step of the
-    first ``GENERATED_ROWS_PROTECTED`` measured when the gate checked generated rows (``parity.rows``)."""
-    parity = manifest.get("parity")
-    rows = parity.get("rows", "given") if isinstance(parity, Mapping) else "given"
-    if rows not in PARITY_ROWS:
-        raise manifest_error("parity.rows", rows, f"one of {list(PARITY_ROWS)}")
-    guard = DeviceUpdateGuard(protect_first=GENERATED_ROWS_PROTECTED if rows == "generated" else 0)
-    if manifest.get("guard") is not None:
-        try:
-            guard.load_state_dict(manifest["guard"], where=f"{MANIFEST_FILE}'s guard")
-        except ValueError as error:
-            raise ArtifactError(str(error)) from None
-    return guard
 
 
 class OrtOnlineLearner:
@@ -159,7 +139,7 @@ class OrtOnlineLearner:
     that decides as the PyTorch learner's update guard does: a step that would leave a parameter
     non-finite or change the parameters far beyond the typical step is undone (parameters and
     optimizer state restored bit for bit) and reported as skipped. When the export's parity gate
-    checked generated rows rather than the user's, the first ``GENERATED_ROWS_PROTECTED`` steps
+    checked generated rows rather than the user's, the first :data:`~taste_cl.adapters.device.guard.GENERATED_ROWS_PROTECTED` steps
     are all measured. :meth:`predict` raises :class:`~taste_cl.exceptions.NonFiniteOutputError`
     rather than return NaN or infinite outputs, and ``observe`` scores no such outputs
     (its accuracy is NaN). A folder whose weights are not finite is refused at load.
@@ -294,13 +274,7 @@ class OrtOnlineLearner:
         infinite outputs (the masked reserved slots aside)."""
         with self._lock:
             outputs = self.session.predict(features(x, self.spec))
-            if not np.isfinite(outputs).all():
-                bad = int((~np.isfinite(outputs.reshape(outputs.shape[0], -1))).any(axis=1).sum())
-                raise NonFiniteOutputError(
-                    f"the model computes NaN or infinite outputs for {bad} of {outputs.shape[0]} rows: its weights are damaged "
-                    f"or overflow on this input; the guard refused {self.guard.refused_steps} step(s) since load "
-                    f"(last: {self.guard.last_cause}); resume from an earlier saved folder"
-                )
+            check_finite_outputs(outputs, self.guard)
             return self.classes.mask(outputs)
 
     def export_inference_model(self, path: str | os.PathLike[str]) -> Path:

@@ -22,6 +22,13 @@
   names/dtypes/shapes, the logits and loss outputs, the learning rate, the batch plan, and
   the classes in use when output slots are reserved (``active_classes``, None: all).
 
+Every value written is first checked as the device learner checks it, since the folder's
+hashes prove nothing against whoever can write it: the manifest within the device's bounds
+(:func:`~taste_cl.adapters.onnxruntime.manifest.parse_manifest`: a finite learning rate > 0,
+bounded counts), ``num_classes`` the eval graph's output width, and the buffer as the device
+reads it (finite features) with every label a class of the output; a value out of bounds is a
+:class:`WebCompatibilityError` naming it, and nothing is written.
+
 The manifest's SHA-256 table is refreshed to cover the rewritten and added files.
 
 The ONNX Runtime exporter and ``OrtOnlineLearner.save`` call :func:`add_web_artifacts`
@@ -37,18 +44,22 @@ PosixPath('artifacts/web.json')
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from taste_cl import __version__
-from taste_cl.exceptions import CheckpointError, MissingDependencyError, WebCompatibilityError
+from taste_cl.exceptions import ArtifactError, CheckpointError, MissingDependencyError, WebCompatibilityError
+
+if TYPE_CHECKING:
+    from taste_cl.adapters.onnxruntime.manifest import DeviceSpec
 
 __all__ = [
     "WEB_FORMAT",
@@ -198,22 +209,24 @@ def _rewrite_checkpoint(staging: Path, folder: Path, lr: float) -> None:
     CheckpointState.save_checkpoint(state, str(staging / _CHECKPOINT), include_optimizer_state=True)
 
 
-def _write_replay(staging: Path, folder: Path, info: dict[str, Any] | None) -> dict[str, Any] | None:
+def _write_replay(staging: Path, folder: Path, manifest: dict[str, Any], spec: DeviceSpec) -> dict[str, Any] | None:
     """Write the buffer as raw little-endian ``x`` (float32), then ``y`` (int64) 8-byte aligned; return its header.
 
-    ``info`` is the manifest's replay entry (capacity, seen, seed); ``replay.npz`` holds one
-    array per input (``x0``) and ``y``.
+    ``replay.npz`` is read as the device reads it (bounded, finite features), with no ignored
+    label: the browser trains on every one, so each must be a class of the output.
     """
-    source = folder / _REPLAY_NPZ
-    if info is None or not source.is_file():
+    from taste_cl.adapters.device.artifacts import read_verified
+    from taste_cl.adapters.onnxruntime.replay import NumpyReplay
+
+    if spec.replay is None:
         return None
-    with np.load(source, allow_pickle=False) as data:
-        x = np.ascontiguousarray(data["x0"], dtype="<f4")
-        y = np.ascontiguousarray(data["y"], dtype="<i8")
-    header = {"capacity": int(info["capacity"]), "seen": int(info["seen"]), "seed": int(info["seed"])}
-    size = int(y.shape[0])
-    if x.shape[0] != size and size:
-        raise CheckpointError(f"{_REPLAY_NPZ} has {x.shape[0]} feature rows for {size} labels")
+    try:
+        replay = NumpyReplay.from_bytes(read_verified(folder, manifest, _REPLAY_NPZ), spec.replay, dataclasses.replace(spec, ignore_index=None))
+    except ArtifactError as error:
+        raise WebCompatibilityError(str(error)) from None
+    (features,), labels = replay.rows(replay.size)
+    x, y = np.ascontiguousarray(features, dtype="<f4"), np.ascontiguousarray(labels, dtype="<i8")
+    size = replay.size
     x_bytes, y_bytes = x.tobytes() if size else b"", y.tobytes()
     y_offset = -(-len(x_bytes) // 8) * 8  # int64 views (JS BigInt64Array) need 8-byte alignment
     (staging / REPLAY_BINARY).write_bytes(x_bytes + bytes(y_offset - len(x_bytes)) + y_bytes)
@@ -222,7 +235,7 @@ def _write_replay(staging: Path, folder: Path, info: dict[str, Any] | None) -> d
         "file": REPLAY_BINARY,
         "byte_order": "little",
         "size": size,
-        **header,
+        **{key: spec.replay[key] for key in ("capacity", "seen", "seed")},
         "arrays": {
             "x": {"dtype": "float32", "shape": [size, *feature_shape], "offset": 0, "nbytes": len(x_bytes)},
             "y": {"dtype": "int64", "shape": [size], "offset": y_offset, "nbytes": len(y_bytes)},
@@ -237,14 +250,31 @@ def _loss_output(eval_model: Any, logits: str) -> str:
     return names[0]
 
 
-def _web_manifest(folder: Path, staging: Path, manifest: dict[str, Any], replay: dict[str, Any] | None) -> dict[str, Any]:
-    import onnx
+def _device_spec(manifest: dict[str, Any]) -> DeviceSpec:
+    """The manifest within the device learner's bounds; a value out of them is a :class:`WebCompatibilityError` naming it."""
+    from taste_cl.adapters.onnxruntime.manifest import parse_manifest  # that module imports this one
 
-    evaluation = onnx.load(str(folder / _EVAL), load_external_data=False)
-    output = manifest["output"]
+    try:
+        return parse_manifest(manifest)
+    except ArtifactError as error:
+        raise WebCompatibilityError(f"{_MANIFEST}: {error}") from None
+
+
+def _check_output_width(evaluation: Any, spec: DeviceSpec) -> None:
+    """Refuse a ``num_classes`` that is not the eval graph's output width (the browser sizes its labels by it)."""
+    declared = [output for output in evaluation.graph.output if output.name == spec.output.name]
+    width = [dim.dim_value for dim in declared[0].type.tensor_type.shape.dim[1:]] if declared else None
+    if width != [spec.num_classes]:
+        raise WebCompatibilityError(
+            f"{_MANIFEST}: `num_classes == {spec.num_classes}`, must be the output width of {_EVAL}'s {spec.output.name!r}, {width}"
+        )
+
+
+def _web_manifest(
+    folder: Path, staging: Path, evaluation: Any, spec: DeviceSpec, manifest: dict[str, Any], replay: dict[str, Any] | None
+) -> dict[str, Any]:
     graph_inputs = [i.name for i in evaluation.graph.input]
-    inputs = [dict(spec) for spec in manifest.get("inputs") or [manifest["input"]]]  # newer manifests list them
-    named = [spec["name"] for spec in inputs] + [manifest["labels"]["name"]]
+    named = [item.name for item in spec.inputs] + [spec.labels.name]
     if any(name not in graph_inputs for name in named):
         raise CheckpointError(f"{_EVAL} inputs {graph_inputs} do not match the manifest's input and labels names {named}")
     files = [_TRAINING, _EVAL, WEB_OPTIMIZER_MODEL, _CHECKPOINT, _INFERENCE] + ([REPLAY_BINARY] if replay else [])
@@ -259,22 +289,23 @@ def _web_manifest(folder: Path, staging: Path, manifest: dict[str, Any], replay:
             "checkpoint": _CHECKPOINT,
             "inference": _INFERENCE,
         },
-        "inputs": inputs,
-        "labels": dict(manifest["labels"]),
+        "inputs": [item.as_json() for item in spec.inputs],
+        "labels": spec.labels.as_json(),
         "outputs": {
-            "logits": output["name"],
-            "loss": _loss_output(evaluation, output["name"]),
+            "logits": spec.output.name,
+            "loss": _loss_output(evaluation, spec.output.name),
         },
-        "num_classes": int(manifest["num_classes"]),
-        "active_classes": manifest.get("active_classes"),  # reserved slots not yet in use are masked (device/class_slots.py)
-        "optimizer": {**manifest["optimizer"], "lr_in_graph": True},
+        "num_classes": spec.num_classes,
+        # reserved slots not yet in use are masked (device/class_slots.py)
+        "active_classes": None if spec.active_classes is None else list(spec.active_classes),
+        "optimizer": {**spec.optimizer, "lr_in_graph": True},
         "batch_plan": {
-            "batch_size": manifest.get("batch_size"),
-            "replay_batch_size": int(manifest["replay_batch_size"]),
-            "train_iterations": int(manifest["train_iterations"]),
+            "batch_size": manifest.get("batch_size"),  # bounded by parse_manifest
+            "replay_batch_size": spec.replay_batch_size,
+            "train_iterations": spec.train_iterations,
         },
-        "trainable": list(manifest["trainable"]),
-        "counters": dict(manifest["counters"]),
+        "trainable": list(spec.trainable),
+        "counters": {"samples_seen": spec.samples_seen, "steps": spec.steps},
         "replay": replay,
         "files": digests,
     }
@@ -326,19 +357,23 @@ def make_web_compatible(folder: str | os.PathLike[str]) -> Path:
     Idempotent. New files are built in a temporary folder and moved in only once all are
     built and the graphs pass :func:`check_strict_shapes`, the manifest last; on any error
     the folder is left as it was. Raises :class:`WebCompatibilityError` for an optimizer,
-    inputs or targets the browser learner cannot train or a graph failing strict shape
-    inference, and :class:`~taste_cl.CheckpointError` for a damaged folder.
+    inputs or targets the browser learner cannot train, a value out of the device's bounds
+    (named in the message) or a graph failing strict shape inference, and
+    :class:`~taste_cl.CheckpointError` for a damaged folder.
     """
     onnx, _ = _imports()
     from taste_cl.adapters.device.artifacts import read_manifest  # verifies every file's SHA-256
 
     target = Path(folder)
     manifest = read_manifest(target)
+    spec = _device_spec(manifest)
     _check_browser_trainable(manifest)
-    lr = float(manifest["optimizer"]["lr"])
+    evaluation = onnx.load(str(target / _EVAL), load_external_data=False)
+    _check_output_width(evaluation, spec)
+    lr = spec.optimizer["lr"]
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.web.", dir=target.absolute().parent))
     try:
-        optimizer = _optimizer_graph(target, manifest["optimizer"])
+        optimizer = _optimizer_graph(target, spec.optimizer)
         if (target / _OPTIMIZER).is_file():
             onnx.save(optimizer, str(staging / _OPTIMIZER))
         onnx.save(_with_constant_lr(optimizer, lr), str(staging / WEB_OPTIMIZER_MODEL))
@@ -348,8 +383,8 @@ def make_web_compatible(folder: str | os.PathLike[str]) -> Path:
         except CheckpointError as error:
             raise WebCompatibilityError(str(error)) from error
         _rewrite_checkpoint(staging, target, lr)
-        replay = _write_replay(staging, target, manifest.get("replay"))
-        web = _web_manifest(target, staging, manifest, replay)
+        replay = _write_replay(staging, target, manifest, spec)
+        web = _web_manifest(target, staging, evaluation, spec, manifest, replay)
         (staging / WEB_MANIFEST).write_text(json.dumps(web, indent=2, sort_keys=True) + "\n")
         files = {path.name for path in target.iterdir()} | {path.name for path in staging.iterdir()}
         files.discard(_MANIFEST)
