@@ -30,6 +30,7 @@ OutputSelector(0)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -191,7 +192,7 @@ def restored_output(saved: Any, live: OutputSelector | None, *, settled: bool, l
     return OutputSelector(saved)
 
 
-def selecting(model: nn.Module, output: OutputSelector | None, example: Any = None) -> nn.Module:
+def selecting(model: nn.Module, output: OutputSelector | None, example: Any = None, call: str = "auto") -> nn.Module:
     """``model`` whose ``forward`` returns ``output``'s pick, for export: traced, its graph
     outputs the selected tensor. With no ``output`` and an ``example`` input (a learner
     exported before its first batch), the selector is inferred from the model's eval-mode
@@ -199,7 +200,8 @@ def selecting(model: nn.Module, output: OutputSelector | None, example: Any = No
 
     The model is changed in place (pass a copy): its class becomes a subclass with that
     ``forward``, so parameter and module names stay the model's own (device artifacts and
-    parameter exchange name parameters as PyTorch does).
+    parameter exchange name parameters as PyTorch does), and its signature is the model's own
+    (``call="auto"`` reads it). ``call`` passes ``example`` to the model as the learner does.
     """
     if output is None and example is not None:
         first = next(model.parameters(), None)
@@ -210,7 +212,7 @@ def selecting(model: nn.Module, output: OutputSelector | None, example: Any = No
         model.eval()
         try:
             with torch.no_grad():
-                output = infer_output(call_model(model, sample), 1)
+                output = infer_output(call_model(model, sample, call=call), 1)
         finally:
             model.train(was_training)
     if output is None:
@@ -218,6 +220,7 @@ def selecting(model: nn.Module, output: OutputSelector | None, example: Any = No
     base = type(model)
     pick = output
 
+    @functools.wraps(base.forward)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return pick(base.forward(self, *args, **kwargs))
 

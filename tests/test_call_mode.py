@@ -153,6 +153,41 @@ def test_positional_reaches_a_model_auto_cannot_read() -> None:
     _learner(Logged(), call="positional").observe(_batch(0))
 
 
+def test_a_forced_positional_mode_reaches_the_tuner_head_growth_and_the_probe_guard(tmp_path: Path) -> None:
+    """Everything that runs the model on a batch passes the dict whole when told to: the batch-size
+    tuner's probes and memory estimate (a probe that called the model wrongly would fail, and every
+    failed probe ends in a TuningWarning), growing the classifier for a new class, ProbeGuard's model."""
+    import warnings
+
+    from taste_cl import BatchSizeTuner
+    from taste_cl.exceptions import TuningWarning
+    from taste_cl.guards.probe import ProbeGuard
+
+    class Logged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = _model()
+
+        def forward(self, batch: dict[str, torch.Tensor], **options: Any) -> torch.Tensor:
+            return self.inner(batch)
+
+    tuner = BatchSizeTuner(max_batch_size=16, n_calls=3, warm_calls=1, min_probe_time=0.005, cache_dir=tmp_path)
+    learner = _learner(Logged(), call="positional", plugins=[tuner], max_classes=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TuningWarning)
+        for seed in range(3):
+            learner.observe(_batch(seed))
+    assert tuner.result_ is not None
+    x, _ = _batch(5)
+    learner.observe((x, torch.full((8,), 3)))  # a class the model never saw: the head grows to 4 outputs
+    assert learner.model.inner.head.out_features == 4
+    guard = ProbeGuard()
+    guarded = _learner(Logged(), call="positional", plugins=[guard])
+    for seed in range(3):
+        guarded.observe(_batch(seed))
+    assert guard.predict(_batch(9)[0]).shape == (8, 2)
+
+
 @pytest.mark.parametrize("value", ["kw", "Positional", None, 1, ["auto"]])
 def test_a_bad_call_mode_is_refused_at_construction(value: Any) -> None:
     with pytest.raises(ValueError, match=r"`call == .*`, must be one of 'auto', 'keywords', 'positional'"):

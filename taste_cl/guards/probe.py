@@ -232,7 +232,7 @@ class ProbeGuard(LearnerPlugin):
         device, dtype = self._learner.device, self._learner.dtype
         inputs, _ = to_inputs(x, spec=self._learner.input_spec, dtype=dtype, device=device)
         with torch.no_grad():
-            return call_model(self.accepted_model, inputs, output=self._learner.output)
+            return call_model(self.accepted_model, inputs, output=self._learner.output, call=self._learner.call)
 
     def _take(self, learner: OnlineLearner) -> dict[str, Any]:
         """Copy what a rollback restores into the accepted model and a snapshot (tensors

@@ -73,7 +73,7 @@ class Head:
     linear: nn.Linear
 
 
-def find_head(model: nn.Module, width: int, x: Inputs | None = None, output: OutputSelector | None = None) -> Head:
+def find_head(model: nn.Module, width: int, x: Inputs | None = None, output: OutputSelector | None = None, call: str = "auto") -> Head:
     """The classifier of ``model``: the last ``nn.Linear`` with ``width`` outputs whose output
     is the model's output on ``x`` (one eval-mode forward; skipped when ``x`` is None).
 
@@ -89,7 +89,7 @@ def find_head(model: nn.Module, width: int, x: Inputs | None = None, output: Out
             "growing needs the classifier to be an nn.Linear producing the model's output"
         )
     if x is not None:
-        candidates = _producing_output(model, candidates, x, output)
+        candidates = _producing_output(model, candidates, x, output, call)
     name, linear = candidates[-1]
     tied = sum(p is linear.weight for _, p in model.named_parameters(remove_duplicate=False))
     if tied > 1:
@@ -98,7 +98,7 @@ def find_head(model: nn.Module, width: int, x: Inputs | None = None, output: Out
 
 
 def _producing_output(
-    model: nn.Module, candidates: list[tuple[str, nn.Linear]], x: Inputs, output: OutputSelector | None
+    model: nn.Module, candidates: list[tuple[str, nn.Linear]], x: Inputs, output: OutputSelector | None, call: str
 ) -> list[tuple[str, nn.Linear]]:
     """The candidates whose output on the first sample of ``x`` is exactly the model's output."""
     seen: dict[str, torch.Tensor] = {}
@@ -107,7 +107,7 @@ def _producing_output(
     try:
         model.eval()
         with torch.no_grad():
-            out = call_model(model, index_batch(x, slice(0, 1)), output=output)
+            out = call_model(model, index_batch(x, slice(0, 1)), output=output, call=call)
     finally:
         model.train(was_training)
         for hook in hooks:
@@ -233,7 +233,7 @@ def plan_growth(
     needed = int(y.max()) + 1 if y.numel() else 0
     if needed <= width and not first:
         return None
-    head = find_head(learner.model, width, x, output)
+    head = find_head(learner.model, width, x, output, learner.call)
     if needed <= width:
         return None
     problem = _refusal(learner)
@@ -328,5 +328,5 @@ def reserved_slots(model: nn.Module, optimizer: torch.optim.Optimizer | None, le
     if width + reserved > MAX_CLASSES:
         raise ValueError(f"`reserved_classes == {reserved}`, must keep the classes within {MAX_CLASSES}; the model has {width}")
     with torch.random.fork_rng(devices=[]):  # the new rows' draw leaves the learner's random stream as it was
-        widen(find_head(model, width, x), width + reserved, optimizer=optimizer)
+        widen(find_head(model, width, x, call=learner.call), width + reserved, optimizer=optimizer)
     return list(range(width))

@@ -34,7 +34,7 @@ Samples = tuple[Any, Any]  # (inputs, targets): tensors or dicts/tuples/lists of
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
-def _trained_targets(model: nn.Module, loss_fn: LossFn, samples: Samples, output: Callable[[Any], Any] | None) -> Any:
+def _trained_targets(model: nn.Module, loss_fn: LossFn, samples: Samples, output: Callable[[Any], Any] | None, call: str = "auto") -> Any:
     """The targets as :class:`~taste_cl.OnlineLearner` trains on them, for a loss whose task
     taste_cl knows (:func:`~taste_cl.tasks.infer_task`): ``(n,)`` regression targets of an
     ``(n, 1)`` output become ``(n, 1)``, and targets the task refuses raise
@@ -45,7 +45,7 @@ def _trained_targets(model: nn.Module, loss_fn: LossFn, samples: Samples, output
     try:
         model.eval()
         with torch.no_grad():
-            out = call_model(model, index_batch(x, slice(0, 1)), output=output)
+            out = call_model(model, index_batch(x, slice(0, 1)), output=output, call=call)
     except Exception:  # noqa: BLE001 - the probes find out what trains
         return y
     task = infer_task(loss_fn, tuple(out.shape[1:])) if isinstance(out, torch.Tensor) else None
@@ -116,12 +116,13 @@ class ProbeRunner:
         *,
         clock: Callable[[], float] = time.perf_counter,
         output: Callable[[Any], Any] | None = None,
+        call: str = "auto",
     ) -> None:
         batch_len(samples[0])
         self.clock = clock
-        self.output = output
+        self.output, self.call = output, call
         self.model, self.loss_fn, self.optimizer = copy.deepcopy((model, loss_fn, optimizer))
-        self.samples = (samples[0], _trained_targets(self.model, self.loss_fn, samples, output))
+        self.samples = (samples[0], _trained_targets(self.model, self.loss_fn, samples, output, call))
         self._params = [p for group in self.optimizer.param_groups for p in group["params"]]
         train_mode(self.model, frozen_norms(self.model, [p for p in self._params if p.requires_grad]).values())
         with torch.no_grad():
@@ -137,7 +138,7 @@ class ProbeRunner:
 
     def _step(self, x: Any, y: Any) -> float:
         start = self.clock()
-        loss = self.loss_fn(call_model(self.model, x, output=self.output), y)
+        loss = self.loss_fn(call_model(self.model, x, output=self.output, call=self.call), y)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -219,7 +220,7 @@ def measure_throughput(
         return ProbeRunner(model, optimizer, loss_fn, samples).measure(batch_size, threads=threads, min_time=min_time)
 
 
-def max_batch_for_memory(model: nn.Module, x: Any, *, budget_bytes: float) -> int:
+def max_batch_for_memory(model: nn.Module, x: Any, *, budget_bytes: float, call: str = "auto") -> int:
     """Largest batch whose estimated training memory fits ``budget_bytes``.
 
     Estimate: parameters x4 (weights, gradients, two optimizer moments) plus, per sample,
@@ -236,7 +237,7 @@ def max_batch_for_memory(model: nn.Module, x: Any, *, budget_bytes: float) -> in
     try:
         model.eval()  # one sample: BatchNorm cannot run it in training mode
         with torch.no_grad(), preserved_rng():
-            call_model(model, index_batch(x, torch.arange(1)))
+            call_model(model, index_batch(x, torch.arange(1)), call=call)
     finally:
         for module, mode in modes:
             module.training = mode

@@ -282,6 +282,7 @@ class BatchSizeTuner(LearnerPlugin):
         foreign_load: float | None = None,
         anchor: int | None = None,
         output: Callable[[Any], Any] | None = None,
+        call: str = "auto",
     ) -> TuningResult:
         """Measure and return the best batch size (and threads) for this model on this machine now.
 
@@ -293,14 +294,15 @@ class BatchSizeTuner(LearnerPlugin):
         regression targets of an ``(n, 1)`` output are reshaped; targets that would only
         broadcast raise :class:`~taste_cl.exceptions.InvalidBatchError`). ``output`` picks
         the trained tensor from the model's output (the learner's ``output``, see
-        :mod:`taste_cl.outputs`). Raises :class:`TuningError` when no size trains.
+        :mod:`taste_cl.outputs`), ``call`` how a structured input reaches it (the learner's ``call``).
+        Raises :class:`TuningError` when no size trains.
         """
         start = self.clock()
         x, y = samples
         if batch_len(x) != batch_len(y):
             raise ValueError(f"samples: x has {batch_len(x)} rows, y has {batch_len(y)}")
         with preserved_rng():
-            runner = ProbeRunner(model, optimizer, loss_fn, samples, clock=self.clock, output=output)
+            runner = ProbeRunner(model, optimizer, loss_fn, samples, clock=self.clock, output=output, call=call)
             bucket = load_bucket(self._load_meter.read() if foreign_load is None else foreign_load)
             with num_threads(self._base_threads if self.tune_threads else None):  # key independent of the count it set
                 key = _cache_key(model, optimizer, loss_fn, x, hardware_fingerprint(load=bucket), tune_threads=self.tune_threads)
@@ -311,7 +313,7 @@ class BatchSizeTuner(LearnerPlugin):
                 budget = psutil.virtual_memory().available / 4
             limit = min(self.max_batch_size, anchor or self.max_batch_size)
             try:
-                limit = min(limit, max_batch_for_memory(runner.model, x, budget_bytes=budget))
+                limit = min(limit, max_batch_for_memory(runner.model, x, budget_bytes=budget, call=call))
             except Exception as error:  # noqa: BLE001 - the probes find out what trains
                 logger.info("no memory estimate (%s); searching up to max_batch_size", error)
             threads = thread_options() if self.tune_threads else [torch.get_num_threads()]
@@ -395,7 +397,13 @@ class BatchSizeTuner(LearnerPlugin):
         try:
             effective = self.effective_batch_size or self.reference_
             result = self.tune(
-                learner.model, learner.optimizer, learner.loss_fn, self._probe_samples(learner), anchor=effective, output=learner.output
+                learner.model,
+                learner.optimizer,
+                learner.loss_fn,
+                self._probe_samples(learner),
+                anchor=effective,
+                output=learner.output,
+                call=learner.call,
             )
             plan = self.plan_for(result, learner.optimizer, learner.replay_rows)
             micro, accumulation, lr_scale = plan if plan is not None else (None, 1, 1.0)

@@ -451,7 +451,7 @@ def export(
         base, parity_rows = _learner_example(learner, example)
         call = call_style(model, base[0], learner.call)  # decided on the model itself: the selecting subclass hides its signature
         # the program outputs the tensor the learner trains on (the model's output picked by learner.output)
-        model = selecting(model, learner.output, base[0] if learner.output_shape is None else None)
+        model = selecting(model, learner.output, base[0] if learner.output_shape is None else None, call)
         active_classes = reserved_slots(model, optimizer, learner, reserved_classes, base[0])
         extra = {
             "batch_plan": None

@@ -146,7 +146,7 @@ def export(
         for name, module in model.named_modules():
             if name in frozen_norms:
                 module.__class__ = FrozenBatchNorm
-    model = selecting(model, output, example[0] if unsettled else None)  # the graph outputs the tensor the learner trains on
+    model = selecting(model, output, example[0] if unsettled else None, call)  # the graph outputs the tensor the learner trains on
     active_classes = reserved_slots(model, torch_optimizer, learner, reserved_classes, example[0])
 
     def publish(batchnorm: str, why: str) -> Path:
