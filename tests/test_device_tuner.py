@@ -251,6 +251,7 @@ def test_tuned_threads_rebuild_the_session_and_survive_a_reload(
         device.observe(batch)
         plain.observe(batch)
     assert device.tuner.threads_ == device.tuner.result_.threads == 1 and device.session is not original
+    assert device.session.guard is device.guard is not None  # the rebuilt session still guards every step
     assert close(device.parameters(), plain.parameters())  # rebuilt from a copy of its state, momentum included
     resumed = OrtOnlineLearner.from_artifacts(device.save(tmp_path / "saved"), tuner=tuner(clock, tmp_path, tune_threads=True))
     assert resumed.tuner.threads_ == 1 and resumed.tuner._runtime.threads == 1

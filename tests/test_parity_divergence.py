@@ -272,8 +272,11 @@ def test_efficientnet_b0_learner_with_frozen_batchnorm_is_refused_as_diverging(t
     for batch in _image_batches(10):
         learner.observe(batch)
     with pytest.raises(TrainingDivergesError) as caught:
-        learner.export(tmp_path / "art", backend="onnxruntime")
+        learner.export(tmp_path / "art", backend="onnxruntime", batchnorm="frozen")
     message = str(caught.value)
     assert "the training itself diverges, not the runtime" in message and "onnxruntime diverged too" in message
     assert "batchnorm='batch' trains without diverging: export with batchnorm='batch'" in message
     assert not (tmp_path / "art").exists()
+    # the learner's export follows its batch statistics by default, which the gate then passes
+    folder = learner.export(tmp_path / "auto", backend="onnxruntime")
+    assert json.loads((folder / "manifest.json").read_text())["batchnorm"] == "batch"

@@ -189,7 +189,9 @@ class _OrtRuntime:
         return session
 
     def set_threads(self, threads: int) -> None:
-        self.learner.session = self.copy_session(threads)
+        session = self.copy_session(threads)
+        session.guard = self.learner.session.guard  # the live session keeps the learner's guard
+        self.learner.session = session
         self.threads = threads
 
     def probe_step(self, threads: int | None) -> Callable[[list[Rows]], object]:
@@ -222,7 +224,7 @@ class _EtRuntime:
         self.name = f"executorch {version('executorch')}"
         self.min_batch, self.max_batch = MIN_BATCH, learner.trainer.max_batch
         self._lib = executorch_runtime()
-        self._saved: tuple[dict[str, np.ndarray], int, Any] | None = None  # parameters, threads and SGD before the probes
+        self._saved: tuple[dict[str, np.ndarray], int, Any, Any] | None = None  # parameters, threads, SGD and guard before the probes
 
     def artifact_key(self) -> str:
         from taste_cl.adapters.executorch.runtime import PROGRAM
@@ -247,9 +249,10 @@ class _EtRuntime:
 
     def probe_step(self, threads: int | None) -> Callable[[list[Rows]], object]:
         trainer = self.learner.trainer
-        if self._saved is None:  # probes step a fresh SGD of the same settings: the live one's momentum is untouched
-            self._saved = trainer.parameters(), self.current_threads(), trainer.optimizer
-            trainer.optimizer = trainer._new_optimizer()
+        if self._saved is None:  # probes step a fresh SGD of the same settings, unguarded (as ONNX Runtime's
+            # probes step an unguarded copy): the live momentum and the guard's history are untouched
+            self._saved = trainer.parameters(), self.current_threads(), trainer.optimizer, trainer.guard
+            trainer.optimizer, trainer.guard = trainer.new_optimizer(), None
         default = self._saved[1]
 
         def step(parts: list[Rows]) -> None:
@@ -260,10 +263,10 @@ class _EtRuntime:
 
     def close_probes(self) -> None:
         if self._saved is not None:
-            params, threads, optimizer = self._saved
+            params, threads, optimizer, guard = self._saved
             self._saved = None
             trainer = self.learner.trainer
-            trainer.optimizer = optimizer
+            trainer.optimizer, trainer.guard = optimizer, guard
             trainer.load_parameters(params)
             self.set_threads(threads)
 

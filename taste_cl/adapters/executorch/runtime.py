@@ -284,15 +284,19 @@ class EtTrainer:
         ]  # parameters are reachable only after one forward_backward
         self.module.forward_backward("forward", (*warm, spec.zero_targets(MIN_BATCH)))
         self.params = {name.removeprefix(PARAM_PREFIX): p for name, p in self.module.named_parameters().items()}
+        self.optimizer = self.new_optimizer()
+        self.guard: DeviceUpdateGuard | None = None
+
+    def new_optimizer(self) -> torch.optim.SGD:
+        """A fresh PyTorch SGD with this program's settings over its parameters (no momentum yet)."""
         s = self.sgd
         try:
-            self.optimizer = torch.optim.SGD(
+            return torch.optim.SGD(
                 list(self.params.values()), lr=s["lr"], momentum=s["momentum"], dampening=s["dampening"],
                 weight_decay=s["weight_decay"], nesterov=s["nesterov"], foreach=False,
             )  # fmt: skip
         except ValueError as error:  # e.g. Nesterov without momentum
             raise ArtifactError(f"the SGD settings {s} cannot train: {error}") from None
-        self.guard: DeviceUpdateGuard | None = None
 
     def set_lr(self, lr: float) -> None:
         """Change the learning rate; momentum is kept."""
