@@ -99,7 +99,9 @@ class EtOnlineLearner:
     parameters are not finite is refused at load.
     """
 
-    def __init__(self, *, directory: Path, manifest: dict[str, Any], trainer: EtTrainer, replay: ReservoirReplay | None, plan: _Plan) -> None:
+    def __init__(
+        self, *, directory: Path, manifest: dict[str, Any], trainer: EtTrainer, replay: ReservoirReplay | None, plan: _Plan, guard: DeviceUpdateGuard
+    ) -> None:
         self.directory = directory
         self.manifest = manifest
         self.trainer = trainer
@@ -112,8 +114,7 @@ class EtOnlineLearner:
         # reserved classifier slots activate on their first label (see taste_cl/adapters/device/class_slots.py)
         self.classes = ClassSlots(plan.active_classes, self.spec.num_classes)
         self.tuner: Any = None  # a DeviceBatchTuner (taste_cl/adapters/device/tuning.py) once attached
-        self.guard = trainer.guard if trainer.guard is not None else DeviceUpdateGuard()
-        trainer.guard = self.guard
+        self.guard = trainer.guard = guard
         self._lock = threading.RLock()
 
     @classmethod
@@ -158,8 +159,7 @@ class EtOnlineLearner:
                 f"{str(folder)!r}: the parameters {damaged[:5]} hold NaN or infinite values: the model is damaged; load an earlier folder"
             )
         replay = None if plan.replay is None else load_replay(_read(folder, manifest, REPLAY), spec, plan.replay)
-        trainer.guard = guard_from_manifest(manifest)
-        learner = cls(directory=folder, manifest=manifest, trainer=trainer, replay=replay, plan=plan)
+        learner = cls(directory=folder, manifest=manifest, trainer=trainer, replay=replay, plan=plan, guard=guard_from_manifest(manifest))
         if tuner is not None:
             tuner.attach(learner, manifest.get("tuner"))
         return learner

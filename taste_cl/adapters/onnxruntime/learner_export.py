@@ -178,7 +178,7 @@ def export(
     if asked != "auto":
         return publish(mode, "asked for")
     if mode == "frozen":
-        return publish(mode, "the learner trains no BatchNorm with batch statistics" if not batch_trained else "")
+        return publish(mode, "the learner trains no BatchNorm with batch statistics")
     try:
         return publish("batch", f"as the learner trains {_names(batch_trained)}: with batch statistics")
     except (TrainingDivergesError, UnstableTrainingError) as error:
