@@ -1,0 +1,281 @@
+"""Test-time adaptation on unlabelled batches: one method, its anchor and its guard.
+
+:class:`TestTimeAdapter` is what ``OnlineLearner.adapt(x)`` runs. On each unlabelled batch
+it runs the model with its BatchNorm layers on the batch's statistics (their running
+statistics follow, so ``predict`` afterwards sees the adaptation too), takes the method's
+step on the normalisation layers' affine parameters (TENT, EATA), and returns the
+predictions. With a :class:`~taste_cl.adaptation.guard.CollapseGuard` (the default) it
+resets to the anchor when the guard says the adaptation collapses; the predictions returned
+for that batch are then the source model's (the anchor's values swapped in for one forward:
+no copy of the model is kept).
+
+This is the one place where normalisation statistics move on purpose: the learner's
+``frozen_norm="eval"`` keeps a frozen backbone's statistics fixed while it *trains* on
+labels, but adapting a model to unlabelled data is done through exactly those statistics.
+
+Small batches: batch statistics need at least ``min_batch`` rows (and BatchNorm1d on
+``(batch, features)`` needs 2). Below that no method adapts: BatchNorm keeps its running
+statistics and TENT and EATA take no step (an entropy step through one row's prediction made
+the continual benchmark worse than never adapting: 0.904 error against the source's 0.791 at
+batch size 1), so the batch gets the current model's predictions. The first such batch warns
+(:class:`~taste_cl.exceptions.AdaptationWarning`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from taste_cl._batch import Inputs, batch_len, call_model
+from taste_cl._checks import check_int
+from taste_cl.adaptation.anchor import NormAnchor, model_bytes
+from taste_cl.adaptation.guard import CollapseGuard, GuardVerdict
+from taste_cl.adaptation.methods import AdaptationMethod, Eata, affine_parameters, batch_norms, resolve_method
+from taste_cl.exceptions import AdaptationWarning
+
+__all__ = ["AdaptStats", "TestTimeAdapter"]
+
+
+@dataclass(frozen=True)
+class AdaptStats:
+    """What one ``adapt`` did: the predictions it returns, and the guard's reading."""
+
+    outputs: torch.Tensor
+    """The batch's predictions: the adapted model's, or the source's on a batch that reset."""
+    rows_used: int
+    """Rows the method's loss used (all for TENT, the reliable ones for EATA, 0 for BN-adapt)."""
+    batch_statistics: bool
+    """Whether BatchNorm normalised with this batch's statistics (False below ``min_batch``)."""
+    reset: bool
+    reason: str | None
+    verdict: GuardVerdict | None
+
+
+class TestTimeAdapter:
+    """Adapt a model to unlabelled batches with ``method``, guarded against collapse.
+
+    Parameters
+    ----------
+    method:
+        ``"tent"`` (default), ``"eata"``, ``"bn"``, or an
+        :class:`~taste_cl.adaptation.methods.AdaptationMethod`.
+    guard:
+        A :class:`~taste_cl.adaptation.guard.CollapseGuard` (default: one with its default
+        settings), or None for the unguarded method.
+    optimizer:
+        ``"adam"`` (default, as TENT's CIFAR setting) or ``"sgd"`` for the affine-parameter steps.
+    momentum:
+        Adam's first-moment decay, or SGD's momentum.
+    min_batch:
+        Fewest rows for batch statistics (see the module).
+    backoff:
+        Factor on the learning rate after each reset by the guard: a stream that collapsed the
+        adaptation once is adapted more gently from then on (0: BN-adapt only after a reset).
+    """
+
+    __test__ = False  # not a pytest class
+
+    def __init__(
+        self,
+        method: AdaptationMethod | str = "tent",
+        *,
+        guard: CollapseGuard | str | None = "default",
+        optimizer: str = "adam",
+        momentum: float = 0.9,
+        min_batch: int = 2,
+        backoff: float = 0.5,
+    ) -> None:
+        self.method = resolve_method(method)
+        if isinstance(guard, str):
+            if guard != "default":
+                raise ValueError(f"`guard == {guard!r}`, must be a CollapseGuard, None or 'default'")
+            guard = CollapseGuard()
+        self.guard = guard
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+            raise ValueError(f"`momentum == {momentum!r}`, must be a number in [0, 1)")
+        self.momentum = float(momentum)
+        if optimizer not in ("adam", "sgd"):
+            raise ValueError(f"`optimizer == {optimizer!r}`, must be 'adam' or 'sgd'")
+        self.optimizer = optimizer
+        self._second: dict[str, torch.Tensor] = {}
+        self._updates = 0
+        self.min_batch = check_int("min_batch", min_batch, 2)
+        if isinstance(backoff, bool) or not isinstance(backoff, (int, float)) or not 0 <= backoff <= 1:
+            raise ValueError(f"`backoff == {backoff!r}`, must be a number in [0, 1]")
+        self.backoff = float(backoff)
+        self.lr_scale = 1.0
+        self.batches = 0
+        self.resets = 0
+        self._model: nn.Module | None = None
+        self._anchor: NormAnchor | None = None
+        self._params: dict[str, nn.Parameter] = {}
+        self._velocity: dict[str, torch.Tensor] = {}
+        self._warned_small = False
+        self._stale_anchor = False
+
+    # ------------------------------------------------------------------ wiring
+    def bind(self, model: nn.Module, *, fisher: dict[str, torch.Tensor] | None = None) -> None:
+        """Adapt ``model`` from now on, anchored at its current normalisation tensors."""
+        self._model = model
+        self._params = affine_parameters(model)
+        if self.method.steps and not self._params:
+            raise ValueError(f"{self.method.name!r} adapts normalisation layers' affine parameters, and the model has none; use method='bn' or none")
+        if not self.method.steps and not batch_norms(model):
+            raise ValueError("'bn' adapts BatchNorm statistics, and the model has no BatchNorm that tracks them")
+        self._anchor = NormAnchor(model)
+        self._anchor_method(fisher)
+        self._clear_steps()
+
+    def _anchor_method(self, fisher: dict[str, torch.Tensor] | None = None) -> None:
+        if isinstance(self.method, Eata):
+            self.method.set_anchor(self._params, fisher)
+
+    @property
+    def bound(self) -> bool:
+        return self._model is not None
+
+    def labelled_update(self) -> None:
+        """The model trained on labels: the anchor moves to it before the next unlabelled batch."""
+        self._stale_anchor = True
+
+    @property
+    def anchor_bytes(self) -> int:
+        """Memory of the anchor (the normalisation tensors), against :attr:`model_copy_bytes` for a frozen model copy."""
+        return 0 if self._anchor is None else self._anchor.nbytes
+
+    @property
+    def model_copy_bytes(self) -> int:
+        return 0 if self._model is None else model_bytes(self._model)
+
+    def reset(self) -> None:
+        """Back to the anchor: normalisation tensors, step momentum and the method's memory."""
+        if self._anchor is not None:
+            self._anchor.restore()
+        self._clear_steps()
+        self.method.reset()
+        if self.guard is not None:
+            self.guard.clear()
+
+    # ------------------------------------------------------------------ one batch
+    def adapt(self, x: Inputs, *, call: str = "auto", output: Callable[[Any], Any] | None = None) -> AdaptStats:
+        """Adapt on the validated batch ``x`` and return its predictions (see the class)."""
+        model, anchor = self._model, self._anchor
+        if model is None or anchor is None:
+            raise RuntimeError("TestTimeAdapter is not bound to a model: OnlineLearner.adapt binds it")
+        if self._stale_anchor:
+            anchor.capture()
+            self._anchor_method()
+            self._clear_steps()
+            self.method.reset()
+            if self.guard is not None:
+                self.guard.clear()
+            self._stale_anchor = False
+        rows = batch_len(x)
+        batch_stats = rows >= self.min_batch
+        if not batch_stats and not self._warned_small:
+            self._warned_small = True
+            warnings.warn(
+                f"adapt: a batch of {rows} row(s) is below min_batch={self.min_batch}: BatchNorm keeps its running statistics"
+                + f" and {self.method.name} takes no step on it: its predictions are the current model's",
+                AdaptationWarning,
+                stacklevel=3,
+            )
+        was_training = model.training
+        adapted, used = self._forward_and_step(model, x, batch_stats, call, output)
+        verdict, outputs, reason = None, adapted, None
+        source = self._source_forward(model, anchor, x, call, output) if self.guard is not None and self.guard.needs_source else None
+        if not self._finite():
+            reason = "non-finite normalisation parameters after the step"
+        elif self.guard is not None:
+            verdict = self.guard.update(adapted, source)
+            reason = verdict.reason
+        if reason is not None:
+            outputs = source if source is not None else self._source_forward(model, anchor, x, call, output)
+            self.reset()
+            self.resets += 1
+            self.lr_scale *= self.backoff
+        model.train(was_training)
+        self.batches += 1
+        return AdaptStats(outputs.detach(), used, batch_stats, reason is not None, reason, verdict)
+
+    def _forward_and_step(
+        self, model: nn.Module, x: Inputs, batch_stats: bool, call: str, output: Callable[[Any], Any] | None
+    ) -> tuple[torch.Tensor, int]:
+        """The adapted forward (BatchNorm on batch statistics when ``batch_stats``) and the method's step."""
+        model.eval()
+        if batch_stats:
+            for bn in batch_norms(model):
+                bn.train()
+        params = list(self._params.values())
+        if not self.method.steps or not batch_stats:
+            with torch.no_grad():
+                return call_model(model, x, output=output, call=call).detach(), 0
+        flags = [p.requires_grad for p in params]
+        for p in params:
+            p.requires_grad_(True)
+        try:
+            with torch.enable_grad():
+                logits = call_model(model, x, output=output, call=call)
+                loss, used = self.method.loss(logits, self._params)
+                if loss is not None and math.isfinite(float(loss.detach())):
+                    grads = torch.autograd.grad(loss, params, allow_unused=True)
+                    self._step(grads)
+                else:
+                    used = 0
+        finally:
+            for p, flag in zip(params, flags):
+                p.requires_grad_(flag)
+        return logits.detach(), used
+
+    def _clear_steps(self) -> None:
+        self._velocity, self._second, self._updates = {}, {}, 0
+
+    @staticmethod
+    def _source_forward(model: nn.Module, anchor: NormAnchor, x: Inputs, call: str, output: Callable[[Any], Any] | None) -> torch.Tensor:
+        """The source model's predictions: the anchor swapped in, eval mode, no gradient."""
+        with anchor.swapped(), torch.no_grad():
+            model.eval()
+            return call_model(model, x, output=output, call=call).detach()
+
+    def _step(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """Adam (beta1 = ``momentum``, beta2 0.999) or SGD with momentum on the affine parameters, on
+        buffers of its own (the learner's optimizer and any gradient it is accumulating are left alone)."""
+        self._updates += 1
+        with torch.no_grad():
+            for (name, p), g in zip(self._params.items(), grads):
+                if g is None:
+                    continue
+                v = self._velocity.get(name)
+                if self.optimizer == "sgd":
+                    v = g.clone() if v is None else v.mul_(self.momentum).add_(g)
+                    self._velocity[name] = v
+                    p.sub_(self.method.lr * self.lr_scale * v)
+                    continue
+                v = (1 - self.momentum) * g if v is None else v.mul_(self.momentum).add_((1 - self.momentum) * g)
+                s = self._second.get(name)
+                s = 0.001 * g * g if s is None else s.mul_(0.999).addcmul_(g, g, value=0.001)
+                self._velocity[name], self._second[name] = v, s
+                v_hat = v / (1 - self.momentum**self._updates)
+                s_hat = s / (1 - 0.999**self._updates)
+                p.sub_(self.method.lr * self.lr_scale * v_hat / (s_hat.sqrt() + 1e-8))
+
+    def _finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self._params.values())
+
+    def report(self) -> dict[str, Any]:
+        """Plain values for logs and benchmarks."""
+        return {
+            "method": self.method.name,
+            "guarded": self.guard is not None,
+            "batches": self.batches,
+            "resets": self.resets,
+            "lr_scale": self.lr_scale,
+            "anchor_bytes": self.anchor_bytes,
+            "model_copy_bytes": self.model_copy_bytes,
+        }
