@@ -1,0 +1,249 @@
+"""OnnxEngine: forward, vector-Jacobian product and optimizer step on plain ``onnxruntime`` (numpy only, no torch).
+
+The folder written by :func:`~taste_cl.adapters.onnx_engine.export.export_engine` holds three
+standard ONNX graphs and the state:
+
+- ``forward.onnx``: inputs and trainable tensors -> ``output`` and the saved activations;
+- ``backward.onnx``: saved activations (plus the inputs and weights they need) and ``grad_output``
+  -> ``grad.<name>`` of each trainable tensor; the activations are computed once, in the forward;
+- ``optimizer.onnx``: one SGD or AdamW step; ``parameters.npz`` and ``optimizer_state.npz``;
+- ``engine.json``: names, shapes and dtypes, all checked on load.
+
+The graphs have a fixed batch size (the export example's). A batch of another size runs as chunks
+of that size, the last padded by repeating its first row; padded rows get zero ``grad_output``,
+so the gradients are exact (eval-mode models treat rows independently).
+
+Nothing here imports torch or the export side: the engine runs on ``onnxruntime`` >= 1.19 (the
+deprecated training build's plain ``InferenceSession`` included) with numpy.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from taste_cl.exceptions import ArtifactError, CheckpointError, InvalidBatchError, MissingDependencyError
+from taste_cl.state.files import atomic_write_bytes, read_regular_file
+
+__all__ = ["FORMAT", "MANIFEST", "OnnxEngine"]
+
+FORMAT = "taste_cl.onnx_engine/1"
+MANIFEST = "engine.json"
+GRAPHS = ("forward.onnx", "backward.onnx", "optimizer.onnx")
+_MAX_MANIFEST = 1 << 20
+_MAX_STATE = 1 << 34
+
+
+def _ort() -> Any:
+    try:
+        import onnxruntime
+    except ImportError as error:
+        raise MissingDependencyError("onnxruntime", command="pip install onnxruntime") from error
+    return onnxruntime
+
+
+def _load_npz(path: Path) -> dict[str, np.ndarray]:
+    try:
+        with np.load(io.BytesIO(read_regular_file(path, _MAX_STATE)), allow_pickle=False) as data:
+            return {name: np.asarray(data[name]) for name in data.files}
+    except (OSError, ValueError) as error:
+        raise ArtifactError(f"{path.name} in {path.parent} is unreadable: {error}") from error
+
+
+def _npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)  # type: ignore[arg-type]
+    return buffer.getvalue()
+
+
+def _check_arrays(what: str, values: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """``values`` as float32 arrays with exactly ``expected``'s names and shapes, all finite; else CheckpointError."""
+    if set(values) != set(expected):
+        missing, extra = sorted(set(expected) - set(values)), sorted(set(values) - set(expected))
+        raise CheckpointError(f"{what}: names differ from the engine's (missing {missing}, unexpected {extra})")
+    checked = {}
+    for name, shape in expected.items():
+        array = np.asarray(values[name])
+        if array.shape != tuple(shape) or array.dtype.kind != "f":
+            raise CheckpointError(f"{what}: {name!r} must be a float array of shape {tuple(shape)}; got {array.dtype} {array.shape}")
+        if not np.all(np.isfinite(array)):
+            raise CheckpointError(f"{what}: {name!r} holds NaN or infinite values")
+        checked[name] = np.array(array, dtype=np.float32, order="C")  # a copy (ascontiguousarray makes 0-d arrays 1-d)
+    return checked
+
+
+class OnnxEngine:
+    """The ONNX engine over an exported folder: the engine interface of the learning loop.
+
+    ``threads``: ONNX Runtime's intra-op threads. Graph optimizations are all on
+    (``ORT_ENABLE_ALL``). ``forward(x, train=True)`` keeps what ``backward`` needs, once;
+    ``backward(grad_outputs)`` returns the gradients of :attr:`trainable` for that forward;
+    ``step(gradients, lr)`` runs the optimizer graph.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], *, threads: int = 1) -> None:
+        ort = _ort()
+        self.folder = Path(folder)
+        try:
+            manifest = json.loads(read_regular_file(self.folder / MANIFEST, _MAX_MANIFEST))
+        except (OSError, ValueError) as error:
+            raise ArtifactError(f"{self.folder} has no readable {MANIFEST}: {error}") from error
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise ArtifactError(f"{self.folder / MANIFEST} is not an ONNX engine manifest (format {FORMAT!r} expected)")
+        self._manifest = manifest
+        self.trainable: tuple[str, ...] = tuple(manifest["trainable"])
+        self._shapes = {name: tuple(int(d) for d in shape) for name, shape in manifest["trainable"].items()}
+        self._inputs = {name: (np.dtype(spec["dtype"]), tuple(spec["shape"][1:])) for name, spec in manifest["inputs"].items()}
+        self.batch_size = int(manifest["batch_size"])
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        sessions = {}
+        for graph in GRAPHS:
+            path = self.folder / graph
+            if not path.is_file() or path.is_symlink():
+                raise ArtifactError(f"{self.folder} lacks {graph} (or it is not a regular file)")
+            sessions[graph] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self._forward, self._backward, self._optimizer = (sessions[g] for g in GRAPHS)
+        self._check_signatures(manifest)
+        self._parameters = _check_arrays("parameters.npz", _load_npz(self.folder / "parameters.npz"), self._shapes)
+        self._state_shapes = self._optimizer_state_shapes()
+        self._state = _check_arrays("optimizer_state.npz", _load_npz(self.folder / "optimizer_state.npz"), self._state_shapes)
+        self._saved: list[tuple[dict[str, np.ndarray], int]] | None = None
+        self._output_shape: tuple[int, ...] | None = None
+
+    # ------------------------------------------------------------------ loading
+    def _check_signatures(self, manifest: Mapping[str, Any]) -> None:
+        for session, key in ((self._forward, "forward"), (self._backward, "backward")):
+            names = [i.name for i in session.get_inputs()]
+            outputs = [o.name for o in session.get_outputs()]
+            if set(names) - set(manifest[key]["inputs"]) or outputs != list(manifest[key]["outputs"]):
+                raise ArtifactError(f"{key}.onnx's inputs/outputs {names} -> {outputs} differ from {MANIFEST}'s")
+        self._forward_inputs = [i.name for i in self._forward.get_inputs()]
+        self._backward_inputs = [i.name for i in self._backward.get_inputs()]
+        self._fed = {name for name in self._backward_inputs if name != "grad_output" and not name.startswith("saved_")}
+        unknown = self._fed - set(self._shapes) - set(self._inputs) - {"output"}
+        if unknown:
+            raise ArtifactError(f"backward.onnx takes inputs the engine cannot feed: {sorted(unknown)}")
+        expected = [f"grad.{name}" for name in self.trainable]
+        if [o.name for o in self._backward.get_outputs()] != expected:
+            raise ArtifactError("backward.onnx does not return the gradients of the trainable tensors in order")
+
+    def _optimizer_state_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes: dict[str, tuple[int, ...]] = {"step": ()}
+        for item in self._optimizer.get_inputs():
+            if item.name not in ("lr", "step") and not item.name.startswith(("param.", "grad.")):
+                shapes[item.name] = self._shapes[item.name.split(".", 1)[1]]
+        return shapes
+
+    # ------------------------------------------------------------------ the engine interface
+    def _as_inputs(self, x: np.ndarray | Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+        given = dict(x) if isinstance(x, Mapping) else {next(iter(self._inputs)): x} if len(self._inputs) == 1 else None
+        if given is None or set(given) != set(self._inputs):
+            raise InvalidBatchError(f"the engine's inputs are {sorted(self._inputs)}; got {sorted(given) if given else type(x).__name__}")
+        arrays, rows = {}, -1
+        for name, (dtype, shape) in self._inputs.items():
+            array = np.asarray(given[name])
+            if array.shape[1:] != shape or array.shape[0] < 1 or (rows >= 0 and array.shape[0] != rows):
+                raise InvalidBatchError(
+                    f"input {name!r} must be shaped (n, {', '.join(map(str, shape))}) with n >= 1 rows like the other inputs; got {array.shape}"
+                )
+            if array.dtype.kind != dtype.kind:
+                raise InvalidBatchError(f"input {name!r} must be of kind {dtype} ; got {array.dtype}")
+            arrays[name], rows = np.ascontiguousarray(array, dtype=dtype), array.shape[0]
+        return arrays, rows
+
+    def _chunks(self, arrays: Mapping[str, np.ndarray], rows: int) -> list[tuple[dict[str, np.ndarray], int]]:
+        size = self.batch_size
+        if rows == size:
+            return [(dict(arrays), rows)]
+        chunks = []
+        for start in range(0, rows, size):
+            taken = min(size, rows - start)
+            index = np.concatenate([np.arange(start, start + taken), np.full(size - taken, start)])
+            chunks.append(({name: a[index] for name, a in arrays.items()}, taken))
+        return chunks
+
+    def forward(self, x: np.ndarray | Mapping[str, np.ndarray], *, train: bool) -> np.ndarray:
+        """The model's output for ``x``; with ``train=True`` the activations for one :meth:`backward` are kept."""
+        arrays, rows = self._as_inputs(x)
+        outputs, saved = [], []
+        names = [o.name for o in self._forward.get_outputs()]
+        for chunk, taken in self._chunks(arrays, rows):
+            feed = {name: chunk[name] if name in chunk else self._parameters[name] for name in self._forward_inputs}
+            result = self._forward.run(names if train else names[:1], feed)
+            outputs.append(result[0][:taken])
+            if train:
+                kept = dict(zip(names, result))
+                kept.update({name: chunk[name] for name in self._fed if name in chunk})
+                saved.append((kept, taken))
+        output = outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
+        self._saved = saved if train else None
+        self._output_shape = output.shape
+        return output
+
+    def backward(self, grad_outputs: np.ndarray) -> dict[str, np.ndarray]:
+        """Gradients of the trainable tensors for the last ``forward(..., train=True)``, given dLoss/dOutput."""
+        if self._saved is None:
+            raise RuntimeError("backward needs a forward(x, train=True) first (each forward's activations serve one backward)")
+        grad = np.asarray(grad_outputs, dtype=np.float32)
+        if grad.shape != self._output_shape:
+            raise InvalidBatchError(f"grad_outputs must be shaped like the outputs {self._output_shape}; got {grad.shape}")
+        saved, self._saved = self._saved, None
+        total: dict[str, np.ndarray] = {}
+        start = 0
+        for kept, taken in saved:
+            part = grad[start : start + taken]
+            if taken < self.batch_size:
+                part = np.concatenate([part, np.zeros((self.batch_size - taken, *grad.shape[1:]), np.float32)])
+            start += taken
+            feed = {name: part if name == "grad_output" else kept[name] if name in kept else self._parameters[name] for name in self._backward_inputs}
+            for name, value in zip(self.trainable, self._backward.run(None, feed)):
+                total[name] = value if name not in total else total[name] + value
+        return total
+
+    def step(self, gradients: Mapping[str, np.ndarray], lr: float) -> None:
+        """One optimizer step with ``gradients`` (one per trainable tensor) at learning rate ``lr``."""
+        checked = _check_arrays("gradients", gradients, self._shapes)
+        if not np.isfinite(lr) or lr < 0:
+            raise InvalidBatchError(f"`lr == {lr}`, must be finite and >= 0")
+        feed = {"lr": np.asarray(lr, np.float32), **self._state}
+        for name in self.trainable:
+            feed[f"param.{name}"], feed[f"grad.{name}"] = self._parameters[name], checked[name]
+        outputs = self._optimizer.get_outputs()
+        for item, value in zip(outputs, self._optimizer.run(None, feed)):
+            key = item.name[len("new.") :]
+            if key.startswith("param."):
+                self._parameters[key[len("param.") :]] = value
+            else:
+                self._state[key] = value.reshape(self._state_shapes[key])
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {name: value.copy() for name, value in self._parameters.items()}
+
+    def load_parameters(self, values: Mapping[str, np.ndarray]) -> None:
+        self._parameters = _check_arrays("parameters", values, self._shapes)
+
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        return {name: value.copy() for name, value in self._state.items()}
+
+    def load_optimizer_state(self, state: Mapping[str, np.ndarray]) -> None:
+        self._state = _check_arrays("optimizer state", state, self._state_shapes)
+
+    def save(self, folder: str | os.PathLike[str]) -> None:
+        """Write the graphs, the manifest, the weights and the optimizer state to ``folder``."""
+        target = Path(folder)
+        target.mkdir(parents=True, exist_ok=True)
+        if target.resolve() != self.folder.resolve():
+            for name in (*GRAPHS, MANIFEST):
+                atomic_write_bytes(target / name, (self.folder / name).read_bytes())
+        atomic_write_bytes(target / "parameters.npz", _npz_bytes(self._parameters))
+        atomic_write_bytes(target / "optimizer_state.npz", _npz_bytes(self._state))
