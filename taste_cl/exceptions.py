@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from taste_cl.adapters.device.parity import ParityReport
 
 __all__ = [
+    "AdaptationWarning",
     "ArtifactError",
     "BatchNormModeWarning",
     "CheckpointError",
@@ -43,6 +44,7 @@ __all__ = [
     "UnstableTrainingError",
     "UnsupportedModelError",
     "UnsupportedOperatorError",
+    "UntranslatableOperatorError",
     "WebCompatibilityError",
 ]
 
@@ -119,6 +121,10 @@ class ArtifactError(CheckpointError):
     """An artifact folder is missing, incomplete, tampered with, or lists a file it must not."""
 
 
+class AdaptationWarning(TasteCLWarning):
+    """Test-time adaptation falls back (a batch too small for batch statistics) or cannot work as asked."""
+
+
 class BatchNormModeWarning(TasteCLWarning):
     """An export trains BatchNorm on the device in another mode than the learner does (the message says why)."""
 
@@ -136,6 +142,17 @@ class UnsupportedOperatorError(ExportError):
             "replace that layer or keep it out of the trainable part"
         )
         self.op, self.module = op, module
+
+
+class UntranslatableOperatorError(ExportError):
+    """The ONNX engine's export cannot write an operator of the forward or backward graph in standard ONNX; ``.op`` names it."""
+
+    def __init__(self, op: str, detail: str = "") -> None:
+        super().__init__(
+            f"the ONNX engine cannot translate operator {op!r} to standard ONNX{': ' + detail if detail else ''}; "
+            "replace that layer, keep it out of the trainable part, or use another backend"
+        )
+        self.op = op
 
 
 class UnsupportedModelError(ExportError):

@@ -337,7 +337,7 @@ def _parse_generator(state: Any) -> torch.Generator:
     return generator
 
 
-class _SeededStrategy(ReplayStrategy):
+class SeededStrategy(ReplayStrategy):
     """Shared plumbing of the built-in strategies: storage, seed and uniform sampling."""
 
     def __init__(self, capacity: int, seed: int) -> None:
@@ -348,6 +348,11 @@ class _SeededStrategy(ReplayStrategy):
 
     def __len__(self) -> int:
         return len(self._storage)
+
+    @property
+    def storage(self) -> BufferStorage:
+        """Where the samples and their extra fields are kept (read what it holds with ``contents``)."""
+        return self._storage
 
     def add(self, x: Any, y: torch.Tensor, **fields: torch.Tensor) -> None:
         """Offer a batch; ``fields`` are extra per-sample tensors stored with it (the same
@@ -426,7 +431,7 @@ class _SeededStrategy(ReplayStrategy):
         self._storage, self._generator = self._parse_base_state(state)
 
 
-class ReservoirReplay(_SeededStrategy):
+class ReservoirReplay(SeededStrategy):
     """Reservoir sampling (Vitter's algorithm R): every sample seen so far is retained
     with the same probability ``capacity / seen``, whatever its position in the stream.
     """
@@ -468,7 +473,7 @@ class ReservoirReplay(_SeededStrategy):
         self._storage, self._generator, self.seen = storage, generator, seen
 
 
-class ClassBalancedReplay(_SeededStrategy):
+class ClassBalancedReplay(SeededStrategy):
     """Capacity split evenly across the classes seen so far (quotas differ by at most one).
 
     Within a class, samples are kept by reservoir sampling, so every seen sample of a
@@ -498,8 +503,7 @@ class ClassBalancedReplay(_SeededStrategy):
         return self._quotas[label]
 
     def _set_quotas(self) -> None:
-        k = len(self._classes)
-        self._quotas = {label: self.capacity // k + (rank < self.capacity % k) for rank, label in enumerate(self._classes)}
+        self._quotas = _quotas(self.capacity, self._classes)
 
     def class_counts(self) -> dict[int, int]:
         """Stored samples per class."""
@@ -603,20 +607,25 @@ class ClassBalancedReplay(_SeededStrategy):
         if len(storage) and (storage.labels.dtype != torch.long or storage.labels.dim() != 1):
             raise ValueError(f"class-balanced labels must be int64 of shape (n,); got {storage.labels.dtype} {tuple(storage.labels.shape)}")
         labels = storage.labels.tolist()
-        staged = ClassBalancedReplay(self.capacity, seed=self.seed)
-        staged._classes = [int(c) for c in classes]
-        staged._set_quotas()
-        for label, count, class_slots in zip(staged._classes, seen, slot_lists):
+        staged_classes = [int(c) for c in classes]
+        quotas = _quotas(self.capacity, staged_classes)
+        for label, count, class_slots in zip(staged_classes, seen, slot_lists):
             held = len(class_slots)
             if isinstance(count, bool) or not isinstance(count, int) or not held <= count <= INT_LIMIT:
                 raise ValueError(f"class {label} has seen {count!r} samples, must be an int in [{held}, {INT_LIMIT}] (at least the {held} it holds)")
-            if len(class_slots) > staged._quotas[label] or any(labels[i] != label for i in class_slots):
+            if len(class_slots) > quotas[label] or any(labels[i] != label for i in class_slots):
                 raise ValueError(f"class {label}'s slots exceed its quota or hold other labels")
         self._storage, self._generator = storage, generator
-        self._classes = staged._classes
+        self._classes = staged_classes
         self._seen = {c: int(s) for c, s in zip(self._classes, seen)}
         self._slots = dict(zip(self._classes, slot_lists))
         self._set_quotas()
+
+
+def _quotas(capacity: int, classes: list[int]) -> dict[int, int]:
+    """Each class's share of ``capacity`` slots, the first ``capacity % k`` classes one more."""
+    k = len(classes)
+    return {label: capacity // k + (rank < capacity % k) for rank, label in enumerate(classes)}
 
 
 def _on(index: torch.Tensor, store: torch.Tensor) -> torch.Tensor:

@@ -12,11 +12,12 @@ from typing import Any
 import torch
 
 from taste_cl._batch import batch_len, describe, index_batch, leaves, map_leaves
+from taste_cl.engine.check import check_engine
 from taste_cl.exceptions import InvalidBatchError
 from taste_cl.replay import ReplayStrategy
 from taste_cl.state.checkpoint import decode_state, encode_state
 
-__all__ = ["check_replay_strategy", "states_equal"]
+__all__ = ["check_engine", "check_replay_strategy", "states_equal"]
 
 
 def states_equal(a: Any, b: Any) -> bool:

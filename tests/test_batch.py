@@ -177,12 +177,12 @@ def test_structured_samples_waiting_for_a_micro_batch_survive_a_checkpoint(tmp_p
         learner.set_batch_plan(8)  # 5 stream samples and 3 replayed: batches of 3 leave samples waiting
         for seed in range(3):
             learner.observe(_dict_batch(seed))
-    assert resumed._pending is not None and set(resumed._pending[0]) == {"ids", "feats"}
+    assert resumed.batcher.pending is not None and set(resumed.batcher.pending[0]) == {"ids", "feats"}
     resumed.save(tmp_path)
     torch.manual_seed(123)  # load restores the RNG
     model = _DictModel()
     resumed = OnlineLearner.load(tmp_path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    assert resumed._pending[0]["ids"].dtype == torch.int64
+    assert resumed.batcher.pending[0]["ids"].dtype == torch.int64
     for seed in range(3, 6):
         straight.observe(_dict_batch(seed))
         resumed.observe(_dict_batch(seed))

@@ -18,8 +18,8 @@ from helpers import batch, snapshot, tiny_learner
 from torch import nn
 
 from taste_cl import CheckpointError, ClassBalancedReplay, OnlineLearner
-from taste_cl.state import checkpoint
 from taste_cl.exceptions import CheckpointNotFoundError
+from taste_cl.state import checkpoint, files
 from taste_cl.state.checkpoint import CHECKPOINT_FILE, write_checkpoint
 
 TESTS = Path(__file__).parent
@@ -233,7 +233,7 @@ def test_a_save_removes_temp_files_of_dead_writers_only(tmp_path):
     learner.observe(batch())
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        host = checkpoint._host_tag()
+        host = files.host_tag()
         stale = tmp_path / f".{CHECKPOINT_FILE}.{host}.{_dead_pid()}.abc123.tmp"
         in_flight = tmp_path / f".{CHECKPOINT_FILE}.{host}.{live.pid}.def456.tmp"
         other_host = tmp_path / f".{CHECKPOINT_FILE}.elsewhere.{_dead_pid()}.0a0a0a.tmp"

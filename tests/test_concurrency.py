@@ -59,7 +59,7 @@ def test_concurrent_observe_predict_and_save(tmp_path, micro_batch):
     total = OBSERVERS * OBSERVES_EACH * BATCH
     assert learner.samples_seen - start_seen == total
     assert len(predictions) == PREDICTORS * PREDICTS_EACH
-    pending = 0 if learner._pending is None else learner._pending[0].shape[0]
+    pending = 0 if learner.batcher.pending is None else learner.batcher.pending[0].shape[0]
     assert learner.replay.seen + pending == start_seen + total  # every sample reached the buffer or waits for it
     assert learner.monitor.samples_seen + pending == learner.samples_seen
     labels = learner.replay.labels

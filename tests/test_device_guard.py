@@ -123,7 +123,7 @@ def test_a_folder_with_damaged_weights_is_refused_at_load(folder: Path, tmp_path
     name = next(iter(device.session.spec.trainable))
     value = device.session.state.get_parameter(name).data.numpy().copy()
     value.flat[0] = np.nan
-    device.session._write(name, value)  # what a corrupted write leaves (load_parameters refuses NaN)
+    device.session.write_parameter(name, value)  # what a corrupted write leaves (load_parameters refuses NaN)
     saved = device.save(tmp_path / "damaged", web=False)
     with pytest.raises(ArtifactError, match=r"hold NaN or infinite values: the model is damaged"):
         OrtOnlineLearner.from_artifacts(saved)

@@ -15,7 +15,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before flwr is first imp
 pytest.importorskip("flwr")
 pytest.importorskip("onnxruntime.training")
 
-from taste_cl.adapters.flower.app import FleetConfig, _fleet
+from taste_cl.adapters.flower.app import FleetConfig, cached_fleet
 from taste_cl.adapters.flower.deployment import LoopbackDeployment, _app_module, _client_module, _pyproject
 from taste_cl.adapters.flower.device_client import refit_head_on_device
 from taste_cl.adapters.flower.device_server import export_fleet
@@ -30,7 +30,7 @@ def fleet_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[FleetConfig,
     """The server's export for a 2-device FedPer fleet: train and fine-tune artifacts, each device's data."""
     cfg = FleetConfig(devices=2, rounds=2, device="artifacts")
     folder = tmp_path_factory.mktemp("fleet")
-    return cfg, folder, export_fleet(cfg, _fleet(cfg.devices, cfg.rounds, cfg.seed), folder)
+    return cfg, folder, export_fleet(cfg, cached_fleet(cfg.devices, cfg.rounds, cfg.seed), folder)
 
 
 def test_server_exports_the_shared_part_and_an_empty_buffer_of_the_learners_capacity(fleet_export) -> None:
@@ -147,7 +147,7 @@ def test_device_runtime_supernodes_equal_the_simulation_and_stay_small() -> None
         for name, array in server.items():
             np.testing.assert_array_equal(state[name], array)
     simulated = _simulate(config)
-    fleet = _fleet(config.devices, config.rounds, config.seed)
+    fleet = cached_fleet(config.devices, config.rounds, config.seed)
     for d, metrics in result["evaluations"]["2"].items():
         twin = simulated["evaluations"]["2"][d]
         for name, (_, y) in fleet.eval_sets(int(d)).items():  # at most one held-out sample apart (aggregation order)
@@ -160,13 +160,13 @@ def test_the_aggregate_reaches_devices_in_the_dtype_the_server_sent() -> None:
     round 2 (``0.bias must be float32``) and the run ended with no evaluation."""
     from flwr.app import Array, ArrayRecord
 
-    from taste_cl.adapters.flower.fleet import _in_sent_dtypes, _record_to_numpy
-    from taste_cl.benchmarks.federated.deployment import _simulate
+    from taste_cl.adapters.flower.fleet import _in_sent_dtypes, record_to_numpy
     from taste_cl.adapters.flower.tables import last_evaluation
+    from taste_cl.benchmarks.federated.deployment import _simulate
 
     spec = {"w": ((2,), np.dtype(np.float32)), "b": ((1,), np.dtype(np.float32))}
     wide = ArrayRecord({"w": Array(np.array([0.1, 0.2])), "b": Array(np.array([1.0]))})
-    cast = _record_to_numpy(_in_sent_dtypes(wide, spec))
+    cast = record_to_numpy(_in_sent_dtypes(wide, spec))
     assert {k: v.dtype for k, v in cast.items()} == {"w": np.float32, "b": np.float32} and np.allclose(cast["w"], [0.1, 0.2])
     same = ArrayRecord({"w": Array(np.zeros(2, np.float32)), "b": Array(np.zeros(1, np.float32))})
     assert _in_sent_dtypes(same, spec) is same
@@ -236,9 +236,9 @@ def test_the_seed_sweep_judges_each_variant_on_its_mean_over_seeds(capsys: pytes
     """``bench federated --deployment --seeds K``: every variant per seed in the simulation engine, beside local only
     on the same runtime; the verdict compares the means."""
     from taste_cl.adapters.flower.digits_fleet import make_fleet
+    from taste_cl.adapters.flower.tables import last_evaluation
     from taste_cl.benchmarks.federated import run_local
     from taste_cl.benchmarks.federated.deployment import JUDGED, _means, _seed_sweep, _simulate
-    from taste_cl.adapters.flower.tables import last_evaluation
 
     config = FleetConfig(devices=2, rounds=1, device="artifacts", evaluate_every_round=False)
     dp = FleetConfig(**{**config.__dict__, "privacy": "central", "noise": 0.2})

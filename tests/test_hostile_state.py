@@ -45,7 +45,7 @@ def _trained(replay: str = "reservoir") -> OnlineLearner:
         learner.observe(batch(seed=seed))
     learner.set_batch_plan(10, accumulation_steps=2)  # 7 stream + 3 replayed per micro-batch
     learner.observe(batch(seed=6))  # 1 sample left pending, 1 micro-batch accumulated
-    assert learner._pending is not None and learner._accumulated == 1
+    assert learner.batcher.pending is not None and learner.batcher.accumulated == 1
     return learner
 
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from helpers import public_modules
 
 import taste_cl
@@ -54,7 +55,11 @@ def test_the_benchmark_contract_covers_every_part_of_the_library_but_the_benchma
 def _benchmark_strings(path: Path) -> list[str]:
     """String constants in ``path`` that name a module under taste_cl.benchmarks."""
     tree = ast.parse(path.read_text())
-    return [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("taste_cl.benchmarks")]
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("taste_cl.benchmarks")
+    ]
 
 
 def test_only_the_bench_dispatcher_names_a_benchmark_module_by_string() -> None:
@@ -92,7 +97,9 @@ def test_every_public_exception_is_a_taste_cl_error_and_every_warning_a_taste_cl
 def test_every_exception_class_is_defined_in_exceptions_py() -> None:
     import taste_cl.exceptions as exceptions
 
-    defined_elsewhere = {n: c.__module__ for n, c in _exported_classes().items() if issubclass(c, BaseException) and c.__module__ != exceptions.__name__}
+    defined_elsewhere = {
+        n: c.__module__ for n, c in _exported_classes().items() if issubclass(c, BaseException) and c.__module__ != exceptions.__name__
+    }
     assert defined_elsewhere == {}
     hierarchy = {c for c in vars(exceptions).values() if isinstance(c, type) and issubclass(c, BaseException) and c.__module__ == exceptions.__name__}
     assert {c.__name__ for c in hierarchy} == set(exceptions.__all__)
@@ -121,3 +128,28 @@ def test_each_error_still_subclasses_the_builtin_callers_catch(name: str, builti
 
 def test_the_root_exports_export_error_and_the_warning_base() -> None:
     assert {"ExportError", "TasteCLError", "TasteCLWarning"} <= set(taste_cl.__all__)
+
+
+def test_the_cycle_contract_covers_the_whole_package_and_catches_a_cycle(tmp_path: Path) -> None:
+    """The no-cycles contract starts at the package root, and its contract type refuses a cycle made of
+    an import inside a function (a package ``cyclic`` whose ``a`` and ``b`` import each other)."""
+    (contract,) = [c for c in CONTRACTS if c["id"] == "no-cycles"]
+    assert contract["ancestors"] == ["taste_cl"] and "depth" not in contract  # every depth (import-linter's default: 10)
+    files = {
+        "cyclic/__init__.py": "",
+        "cyclic/a/__init__.py": "",
+        "cyclic/a/one.py": "def late():\n    from cyclic.b import two  # noqa: F401\n",
+        "cyclic/b/__init__.py": "",
+        "cyclic/b/two.py": "from cyclic.a import one  # noqa: F401\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.importlinter]\nroot_package = "cyclic"\n\n[[tool.importlinter.contracts]]\n'
+        f'name = "no cycles"\ntype = "{contract["type"]}"\nancestors = ["cyclic"]\n'
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([_lint_imports(), "--no-cache", "--no-logo"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "No cycles are allowed in cyclic" in result.stdout

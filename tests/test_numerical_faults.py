@@ -258,7 +258,8 @@ def test_bad_guard_settings_are_rejected(kwargs, match):
 
 @pytest.mark.parametrize("count", [3, 40])  # read one by one, and stacked (more than _FEW_TENSORS)
 def test_gradient_norm_is_the_norm_of_all_tensors_and_flags_nan_and_inf(count):
-    from taste_cl.learner.learner import _FEW_TENSORS, _total_norm
+    from taste_cl.learner.batching import _FEW_TENSORS
+    from taste_cl.learner.batching import total_norm as _total_norm
 
     assert (count <= _FEW_TENSORS) == (count == 3)
     tensors = [torch.randn(4, i + 1, generator=torch.Generator().manual_seed(i)) for i in range(count)]

@@ -38,7 +38,7 @@ from taste_cl.experiment import StreamResult
 from taste_cl.learner import OnlineLearner
 from taste_cl.monitor.evaluation import accuracy, average_forgetting, backward_transfer
 from taste_cl.monitor.monitor import MonitorEvent, StabilityPlasticityMonitor
-from taste_cl.replay import State, _SeededStrategy
+from taste_cl.replay import SeededStrategy, State
 from taste_cl.tuning.tuner import BatchSizeTuner, TuningResult
 
 __all__ = [
@@ -106,7 +106,7 @@ def benchmark_from_tasks(tasks: Iterable[Task]) -> Any:
 
 
 # ------------------------------------------------------- direction 1: replay
-class AvalancheReplay(_SeededStrategy):
+class AvalancheReplay(SeededStrategy):
     """Use an Avalanche storage policy (``ExemplarsBuffer``) as a taste_cl replay strategy.
 
     Every ``add`` hands the batch to ``policy.post_adapt`` as a one-batch experience (an
@@ -174,7 +174,7 @@ class AvalancheReplay(_SeededStrategy):
         with self._private_rng():
             self.policy.post_adapt(self._agent_state(experience, x.device), experience)
         old_x, old_y = self._stored()
-        self._keep(self._ids_in(self.policy.buffer), torch.cat([self._ids, ids]), torch.cat([old_x, x]), torch.cat([old_y, y]))
+        self._keep(_ids_in(self.policy.buffer), torch.cat([self._ids, ids]), torch.cat([old_x, x]), torch.cat([old_y, y]))
         self.seen += x.shape[0]
         self._adds += 1
 
@@ -190,12 +190,6 @@ class AvalancheReplay(_SeededStrategy):
         positions = _positions(pool_ids, keep)
         self._storage.load_state_dict({"capacity": self.capacity, "size": len(keep), "x": pool_x[positions], "y": pool_y[positions]})
         self._ids = keep
-
-    @staticmethod
-    def _ids_in(dataset: Any) -> torch.Tensor:
-        if len(dataset) == 0:
-            return torch.empty(0, dtype=torch.long)
-        return torch.as_tensor(list(getattr(dataset, _ID_ATTRIBUTE)), dtype=torch.long)
 
     @contextlib.contextmanager
     def _private_rng(self) -> Iterator[None]:
@@ -254,11 +248,18 @@ def _positions(pool_ids: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
 
 # The policy's data-bearing attributes are saved structurally: datasets as the ids of
 # their samples, nested buffers (per-class/per-group) by class name, containers as lists.
+def _ids_in(dataset: Any) -> torch.Tensor:
+    """The sample ids an Avalanche dataset built by :class:`AvalancheReplay` carries."""
+    if len(dataset) == 0:
+        return torch.empty(0, dtype=torch.long)
+    return torch.as_tensor(list(getattr(dataset, _ID_ATTRIBUTE)), dtype=torch.long)
+
+
 def _encode(value: Any) -> Any:
     data = _avalanche("benchmarks.utils")
     storage_policy = _avalanche("training.storage_policy")
     if isinstance(value, data.AvalancheDataset):
-        return {"kind": "dataset", "ids": AvalancheReplay._ids_in(value)}
+        return {"kind": "dataset", "ids": _ids_in(value)}
     if isinstance(value, storage_policy.ExemplarsBuffer):
         fields = {name: _encode(item) for name, item in vars(value).items()}
         return {

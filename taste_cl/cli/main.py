@@ -18,6 +18,7 @@ __all__ = ["BENCHMARKS", "COMMANDS", "build_parser", "main"]
 
 # benchmark name -> (module with a ``main(argv) -> int``, one-line summary)
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "adapt": ("taste_cl.benchmarks.recorded.adapt", "test-time adaptation on corrupted digits: source, BN-adapt, TENT, EATA, guarded"),
     "batch-size": ("taste_cl.benchmarks.batch_size", "throughput-aware batch size: tuned vs grid oracle vs fixed sizes"),
     "device": ("taste_cl.benchmarks.device_runtimes", "ONNX Runtime and ExecuTorch training steps vs torch eager (extras [onnx], [executorch])"),
     "elastic": ("taste_cl.benchmarks.elastic", "elastic trainable-tensor selection vs full and last-layer training"),
@@ -26,6 +27,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "onnx": ("taste_cl.benchmarks.onnx_training", "ONNX Runtime training step vs torch eager step (extra [onnx])"),
     "overhead": ("taste_cl.benchmarks.overhead", "per-observe overhead: observe variants vs the raw torch loop, phases, FLOP/s"),
     "personalize": ("taste_cl.benchmarks.personalize", "personalize a pretrained CNN: last layer, bias-only, LoRA, ElasticTrainer, full fine-tuning"),
+    "real": ("taste_cl.benchmarks.recorded.real", "UEA/UCR streams vs Avalanche, offline bound, enrolment (extras [real], [avalanche], [onnx])"),
     "report": ("taste_cl.benchmarks.report", "the README performance table from the benchmarks' JSON results"),
     "soak": ("taste_cl.benchmarks.soak", "long stream: resident memory and history sizes stay bounded"),
     "strategies": ("taste_cl.benchmarks.strategies", "ER, ER-ACE, DER++, LwF and Avalanche's ER_ACE/DER on split digits and a drifting stream"),

@@ -249,6 +249,11 @@ class SelectionCycle:
         self._switched_off = {}
 
     # ------------------------------------------------------------ the cycle
+    @property
+    def attached_model(self) -> nn.Module:
+        """The model of the learner this is attached to (``RuntimeError`` when not attached)."""
+        return self._attached().model
+
     def _attached(self) -> OnlineLearner:
         if self._learner is None:
             raise RuntimeError("ElasticTrainer is not attached: pass it in OnlineLearner(plugins=[...])")

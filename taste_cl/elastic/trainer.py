@@ -314,7 +314,7 @@ def _parse_state(trainer: ElasticTrainer, state: Any) -> _ParsedState:
         raise CheckpointError("elastic state `example` must be a tensor or a structure of tensors")
     _check_frozen(trainer, state.get("frozen"))  # None: a checkpoint from before the frozen set was kept
     if profile is not None:
-        model, trainable = trainer._attached().model, trainer.candidates()
+        model, trainable = trainer.attached_model, trainer.candidates()
         try:
             unit_parameters(model, selected, profile.granularity, trainable)
         except KeyError as error:

@@ -255,8 +255,7 @@ class ProbeGuard(LearnerPlugin):
         learner.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
         if snapshot["replay"] is not None and learner.replay is not None:
             learner.replay.load_state_dict(copy.deepcopy(snapshot["replay"]))
-        learner.optimizer.zero_grad(set_to_none=True)
-        learner._accumulated, learner._window_finite = 0, True  # the window's pending gradients are dropped too
+        learner.discard_window()  # the window's pending gradients are dropped too
         for group, new_lr, saved in zip(learner.optimizer.param_groups, lrs, snapshot["optimizer"]["param_groups"]):
             group["lr"] = saved["lr"] = new_lr  # later rollbacks keep the lowered rate
         self._pending = []

@@ -171,6 +171,10 @@ class UpdateGuard:
         """Whether a good snapshot is held for rollback."""
         return self._snapshot is not None
 
+    def drop_snapshot(self) -> None:
+        """Forget the snapshot (the model changed shape: its classifier grew); the next applied step takes one."""
+        self._snapshot, self._since_snapshot = None, self.config.snapshot_every
+
     # ------------------------------------------------------------- checks
     def check_hyperparameters(self, param_groups: Sequence[dict[str, Any]]) -> str | None:
         """Why the optimizer must not step with these groups, or None when they are sane.
@@ -342,13 +346,9 @@ class UpdateGuard:
             "windows": self._windows,
             "diverging": self._diverging,
             "window_losses": list(self._window_losses),
-            **self._size_state(),
+            **self._sizes.state_dict(),  # the update-size history (absent from checkpoints written before it existed)
             "settings_unchanged": self._settings_unchanged(param_groups),
         }
-
-    def _size_state(self) -> dict[str, Any]:
-        """The update-size history (absent from checkpoints written before it existed)."""
-        return self._sizes.state_dict()
 
     def _settings_unchanged(self, param_groups: Sequence[dict[str, Any]] | None) -> bool:
         """Whether the next :meth:`check_hyperparameters` keeps the settings of the last applied step."""
@@ -360,11 +360,11 @@ class UpdateGuard:
     @classmethod
     def parse_state(cls, state: Any) -> tuple[UpdateGuard, dict[str, Any]]:
         """Validate ``state`` into a new guard plus its counters; raises ValueError/TypeError naming the field."""
-        fresh = cls()
-        keys, optional = set(fresh.state_dict()), {*fresh._size_state(), "settings_unchanged"}
+        fresh, sizes = cls(), StepSizeHistory().state_dict()
+        keys, optional = set(fresh.state_dict()), {*sizes, "settings_unchanged"}
         if not isinstance(state, dict) or not keys - optional <= set(state) <= keys:
             raise ValueError(f"guard state must be a dict with keys {sorted(keys)} ({', '.join(sorted(optional))} optional)")
-        state = {**fresh._size_state(), "settings_unchanged": False, **state}
+        state = {**sizes, "settings_unchanged": False, **state}
         config = state["config"]
         fields = set(_GuardConfig.__dataclass_fields__)
         if not isinstance(config, dict) or not fields - {"update_jump"} <= set(config) <= fields:

@@ -5,7 +5,9 @@
 - :mod:`.checks`: the argument checks and what the first batch settles (task, input spec, output shape);
 - :mod:`.frozen`: which normalisation modules sit in frozen parts, kept in eval mode while the learner trains;
 - :mod:`.heads`: growing the classifier for a class the model never saw (``max_classes``);
-- :mod:`.stats`: :class:`ObserveStats`, what ``observe`` returns here and on devices (no torch).
+- :mod:`.stats`: :class:`ObserveStats`, what ``observe`` returns here and on devices (no torch);
+- :mod:`.learner_state`, :mod:`.sections`, :mod:`.restore`: what a learner's state holds, how each section is
+  checked against the live learner, and how all of them are restored or none.
 
 Importing this package imports nothing heavy (the torch-free device runtime imports
 :mod:`.stats`): its names are listed once, in ``__init__.pyi``, and each loads its module on

@@ -13,17 +13,30 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, overload
+from typing import Any
 
 import torch
 
-from taste_cl._batch import Inputs, cat_batches, index_batch, leaves
+from taste_cl._batch import Inputs, Spec, cat_batches, index_batch, leaves, unflatten
 from taste_cl._checks import check_int
+from taste_cl.state.restore import check_int as state_int
+from taste_cl.state.restore import check_keys, check_number
 
-__all__ = ["BatchPlan", "Chunk", "MicroBatcher", "OnBatcher", "plan_from", "replaying_micro_batch", "rescale_lr"]
+__all__ = [
+    "BatchPlan",
+    "BatcherState",
+    "Chunk",
+    "MicroBatcher",
+    "Replayed",
+    "plan_from",
+    "replay_slice",
+    "replaying_micro_batch",
+    "rescale_lr",
+    "total_norm",
+]
 
-T = TypeVar("T")
 Chunk = tuple[Inputs, torch.Tensor, int]  # stream inputs, targets, replayed samples to add
 
 
@@ -96,6 +109,24 @@ def replaying_micro_batch(stream_batch_size: int, replay_batch_size: int) -> int
     while replay_part(micro, share) < 1:
         micro += 1
     return micro
+
+
+_PLAN_KEYS = {"micro_batch_size", "accumulation_steps", "lr_scale", "max_wait_samples", "max_wait_s"}
+TRAINING_KEYS = {"batch_plan", "stream_batch_size", "pending", "accumulated", "window_finite"}
+"""The checkpoint's ``training`` entries a :class:`MicroBatcher` owns."""
+
+Samples = tuple[Inputs, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class BatcherState:
+    """A checked :meth:`MicroBatcher.state_dict`, ready for :meth:`MicroBatcher.load_state`."""
+
+    plan: BatchPlan | None
+    stream_batch_size: int | None
+    pending: Samples | None
+    accumulated: int
+    window_finite: bool
 
 
 class MicroBatcher:
@@ -271,24 +302,88 @@ class MicroBatcher:
             "window_finite": self.window_finite,
         }
 
+    @staticmethod
+    def parse_state(state: dict[str, Any], spec: Spec | None, check_samples: Callable[[str, Inputs, Any], None]) -> BatcherState:
+        """Check the ``training`` entries of :meth:`state_dict` (``state`` may hold others); changes nothing.
 
-class OnBatcher(Generic[T]):
-    """A learner attribute that lives on its :class:`MicroBatcher` (``learner._batcher``).
+        ``spec`` is the input structure the pending samples must have, ``check_samples(where, x, y)``
+        checks them as a stream batch is checked. Raises ``ValueError`` naming the entry."""
+        plan = state["batch_plan"]
+        if plan is not None:
+            if not isinstance(plan, dict):
+                raise ValueError("`training.batch_plan` must be a dict or None")
+            check_keys("training.batch_plan", plan, _PLAN_KEYS)
+            where = "training.batch_plan."
+            plan = BatchPlan(
+                micro_batch_size=state_int(where + "micro_batch_size", plan["micro_batch_size"], 1, 2**31),
+                accumulation_steps=state_int(where + "accumulation_steps", plan["accumulation_steps"], 1, 2**20),
+                lr_scale=check_number(where + "lr_scale", plan["lr_scale"], positive=True),
+                max_wait_samples=None
+                if plan["max_wait_samples"] is None
+                else state_int(where + "max_wait_samples", plan["max_wait_samples"], 1, 2**31),
+                max_wait_s=None if plan["max_wait_s"] is None else check_number(where + "max_wait_s", plan["max_wait_s"], positive=True),
+            )
+        stream = state["stream_batch_size"]
+        if stream is not None:
+            state_int("training.stream_batch_size", stream, 1, 2**31)
+        pending = state["pending"]
+        if pending is not None:
+            if not isinstance(pending, list) or plan is None or spec is None or len(pending) != spec.leaf_count + 1:
+                raise ValueError("`training.pending` must be None or [*input leaves, targets], and only with a batch plan")
+            try:
+                pending = (unflatten(spec, pending[:-1]), pending[-1])
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"`training.pending`: {error}") from error
+            if not isinstance(pending[1], torch.Tensor) or pending[1].dim() == 0 or pending[1].shape[0] == 0:
+                raise ValueError("`training.pending` must hold at least one sample")
+            check_samples("training.pending", *pending)
+        steps = 1 if plan is None else plan.accumulation_steps
+        accumulated = state_int("training.accumulated", state["accumulated"], 0, steps - 1)
+        if not isinstance(state["window_finite"], bool):
+            raise ValueError("`training.window_finite` must be a bool")  # noqa: TRY004 (a bad state is a ValueError)
+        return BatcherState(plan, stream, pending, accumulated, state["window_finite"])
 
-    :mod:`taste_cl.state.restore` and the probe guard's rollback set the learner's
-    ``_pending``, ``_accumulated``, ... by these names; the learner itself reads its
-    batcher directly.
-    """
+    def load_state(self, state: BatcherState, place: Callable[[Samples], Samples]) -> None:
+        """Take a state :meth:`parse_state` checked (``place`` moves its pending samples to the model); cannot fail.
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+        Arrival times do not survive a process: pending samples count as arrived now."""
+        self.plan = state.plan
+        self.stream_batch_size = state.stream_batch_size
+        self.pending = None if state.pending is None else place(state.pending)
+        self.arrivals.clear()
+        self.window_stream = 0
+        if state.plan is not None and state.pending is not None:
+            self.arrivals.append([time.monotonic(), state.pending[1].shape[0]])
+        self.accumulated, self.window_finite = state.accumulated, state.window_finite
 
-    @overload
-    def __get__(self, learner: None, owner: type) -> OnBatcher[T]: ...
-    @overload
-    def __get__(self, learner: object, owner: type | None = None) -> T: ...
-    def __get__(self, learner: Any, owner: type | None = None) -> OnBatcher[T] | T:
-        return self if learner is None else getattr(learner._batcher, self.name)
 
-    def __set__(self, learner: Any, value: T) -> None:
-        setattr(learner._batcher, self.name, value)
+_FEW_TENSORS = 16  # gradient tensors up to which total_norm reads each norm
+
+
+Replayed = tuple[Inputs, torch.Tensor, dict[str, torch.Tensor]]  # replayed inputs, targets and stored fields
+
+
+def replay_slice(drawn: Replayed, start: int, n: int) -> Replayed | None:
+    """Rows ``start:start + n`` of replayed samples; None for none."""
+    if not n:
+        return None
+    x, y, fields = drawn
+    rows = slice(start, start + n)
+    return index_batch(x, rows), y[rows], {name: value[rows] for name, value in fields.items()}
+
+
+def total_norm(tensors: list[torch.Tensor]) -> float:
+    """L2 norm of all ``tensors`` together (NaN or inf if any entry is)."""
+    if not tensors:
+        return 0.0
+    first = tensors[0]
+    if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
+        # The fused kernel torch's own get_total_norm ends in, without its per-call
+        # regrouping by device and dtype (half the cost of a small model's step). For a
+        # few tensors, reading each norm costs less than stacking them for one more
+        # reduction (math.hypot gives inf for an inf entry and NaN for a NaN one).
+        norms = torch._foreach_norm(tensors)
+        if len(norms) <= _FEW_TENSORS:
+            return math.hypot(*[norm.item() for norm in norms])
+        return float(torch.linalg.vector_norm(torch.stack(norms)))
+    return float(torch.nn.utils.get_total_norm(tensors))

@@ -59,16 +59,16 @@ def settle_first_batch(learner: OnlineLearner, x: Inputs, spec: Spec, raw_y: Any
     model, task or loss cannot take, ``ValueError`` for a learner set up against them
     (``num_classes``, replay buffer, strategy, the monitor's task).
     """
-    device, dtype = learner._placement()
+    device, dtype = learner.device, learner.dtype
     n = batch_len(x)
     try:
-        raw = learner._eval_forward(index_batch(x, slice(0, 1)), None)
+        raw = learner.eval_outputs(index_batch(x, slice(0, 1)))
     except Exception as error:
         raise InvalidBatchError(f"model cannot take x of {_shapes(x)}: {error}{_integer_hint(x)}{_call_hint(learner, x, error)}") from error
     # the model is checked on the first sample only: a cheap forward, whatever the batch size
     output, out = select_checked(raw, learner.output, 1, where="the first sample of the first batch")
     output_shape = tuple(out.shape[1:])
-    task = learner.task if learner._task_given else infer_task(learner.loss_fn, output_shape)
+    task = learner.task if learner.task_given else infer_task(learner.loss_fn, output_shape)
     if task is None:
         task = _task_from_targets(raw_y, learner.loss_fn)
     task.check_outputs(output_shape)

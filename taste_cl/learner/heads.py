@@ -249,6 +249,7 @@ def plan_growth(
 
 def _grow(learner: OnlineLearner, head: Head, width: int) -> None:
     """Widen ``learner``'s classifier to ``width`` outputs and everything that follows it (see the module doc)."""
+    from taste_cl.replay import SeededStrategy
     from taste_cl.strategies import DERPlusPlus, LwF
 
     old = head.linear.out_features
@@ -259,13 +260,12 @@ def _grow(learner: OnlineLearner, head: Head, width: int) -> None:
     if isinstance(strategy, LwF) and strategy.teacher is not None:
         teacher_head = Head(head.name, strategy.teacher.get_submodule(head.name))  # type: ignore[arg-type]
         widen(teacher_head, width, rows=rows)
-    storage = getattr(learner.replay, "_storage", None)  # a built-in buffer (_refusal checked it for DER++)
+    storage = learner.replay.storage if isinstance(learner.replay, SeededStrategy) else None  # _refusal checked it for DER++
     if isinstance(strategy, DERPlusPlus) and storage is not None and "logits" in storage.field_names:
         x = storage.contents()[0] if len(storage) else None
-        columns = [learner._logits(learner._place(index_batch(x, slice(s, s + _CHUNK))))[:, old:] for s in range(0, len(storage), _CHUNK)]
+        columns = [learner.stored_logits(index_batch(x, slice(s, s + _CHUNK)))[:, old:] for s in range(0, len(storage), _CHUNK)]
         storage.widen_field("logits", torch.cat(columns) if columns else torch.empty(0, width - old))
-    guard = learner.guard
-    guard._snapshot, guard._since_snapshot = None, guard.config.snapshot_every  # the next applied step snapshots
+    learner.guard.drop_snapshot()  # of the old width: the next applied step snapshots
     learner.monitor.emit("classes_added", classes=list(range(old, width)), width=width)
 
 

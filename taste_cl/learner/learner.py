@@ -17,7 +17,7 @@
 :class:`OnlineLearner` orchestrates validate -> plan -> step -> store; its parts live
 beside it: :mod:`.batching` plans the micro-batches and counts the accumulation window,
 :mod:`.checks` checks the arguments and settles the task and shapes on the first batch,
-:mod:`.stats` holds what ``observe`` returns, and :mod:`taste_cl.state.learner_state`
+:mod:`.stats` holds what ``observe`` returns, and :mod:`.learner_state`
 gathers and rebuilds its checkpoint state. The class runs past 350 lines only through
 the documentation of its public methods (about 130 lines); its code is about 250.
 """
@@ -27,12 +27,9 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,25 +42,23 @@ from taste_cl._batch import (
     batch_len,
     call_model,
     cat_batches,
-    index_batch,
     map_leaves,
     split_batch,
     to_inputs,
     to_like,
 )  # fmt: skip
+from taste_cl.adaptation.adapter import AdaptStats, TestTimeAdapter
 from taste_cl.guards.update import UpdateGuard
-from taste_cl.learner.batching import BatchPlan, Chunk, MicroBatcher, OnBatcher, plan_from, rescale_lr
+from taste_cl.learner.batching import BatchPlan, Chunk, MicroBatcher, Replayed, plan_from, replay_slice, rescale_lr, total_norm
 from taste_cl.learner.checks import check_arguments, check_optimizer_covers, check_replay_fits, settle_first_batch
 from taste_cl.learner.frozen import frozen_norms, train_mode
 from taste_cl.learner.heads import plan_growth
+from taste_cl.learner.persistence import LearnerPersistence
 from taste_cl.learner.stats import ObserveStats, Totals
 from taste_cl.monitor.monitor import StabilityPlasticityMonitor
 from taste_cl.outputs import OutputLike, OutputSelector, resolve_output, select_checked
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.replay import ReplayStrategy
-from taste_cl.state.checkpoint import CheckpointLimits, write_checkpoint
-from taste_cl.state.learner_state import learner_state, load_learner
-from taste_cl.state.restore import restore_state
 from taste_cl.strategies import Strategy, resolve_strategy
 from taste_cl.tasks import Task, infer_task, resolve_task
 
@@ -71,22 +66,8 @@ __all__ = ["OnlineLearner"]
 
 logger = logging.getLogger(__name__)
 
-_FEW_TENSORS = 16  # gradient tensors up to which _total_norm reads each norm
 
-
-Replayed = tuple[Inputs, torch.Tensor, dict[str, torch.Tensor]]  # replayed inputs, targets and stored fields
-
-
-def _rows(drawn: Replayed, start: int, n: int) -> Replayed | None:
-    """Rows ``start:start + n`` of replayed samples; None for none."""
-    if not n:
-        return None
-    x, y, fields = drawn
-    rows = slice(start, start + n)
-    return index_batch(x, rows), y[rows], {name: value[rows] for name, value in fields.items()}
-
-
-class OnlineLearner:
+class OnlineLearner(LearnerPersistence):
     """Wrap a model so it keeps adapting to a stream of labelled batches.
 
     Inputs ``x`` are a tensor or a dict / tuple / list of tensors, passed as ``model(x)``,
@@ -135,20 +116,11 @@ class OnlineLearner:
         shifted data needs it: its first gradients can be large enough to wreck the
         features (see docs/personalize.md). Default None: no clipping. Saved in checkpoints.
     frozen_norm:
-        What training does to the normalisation modules (those tracking running statistics:
-        ``BatchNorm*d``, ``SyncBatchNorm``, ``InstanceNorm*d(track_running_stats=True)``) in the
-        parts of the model that do not train. ``"eval"`` (default) runs them in eval mode while
-        the learner trains, as Keras does for ``trainable=False``: a frozen backbone normalises
-        as at inference and its running statistics never move (in train mode they drift
-        towards the user's data, and last-layer personalization forgot the base task more than
-        full fine-tuning did). ``"train"`` lets them follow the data, as before this option.
-        A parameter is frozen when it does not require gradients or the optimizer does not
-        hold it, decided once, here: a plugin freezing units for a step (ElasticTrainer) never
-        changes a module's mode. A normalisation module is in a frozen part when its own
-        parameters are all frozen or, having none (``affine=False``), when the nearest module
-        above it that holds parameters holds only frozen ones (see
-        :mod:`taste_cl.learner.frozen`); :attr:`frozen_norms` names them. Saved in checkpoints
-        (one written before this option loads as ``"train"``, the way it trained).
+        ``"eval"`` (default) runs the normalisation modules of the parts that do not train (frozen, or
+        held by no optimizer group; decided once, here) in eval mode while the learner trains, as Keras
+        does for ``trainable=False``: a frozen backbone's running statistics never move.
+        ``"train"`` lets them follow the data. See :mod:`taste_cl.learner.frozen`;
+        :attr:`frozen_norms` names them. Saved in checkpoints (older ones load as ``"train"``).
     replay:
         A :class:`~taste_cl.replay.ReplayStrategy`, or None to train on the stream only.
     replay_batch_size:
@@ -176,15 +148,16 @@ class OnlineLearner:
         ``"never"`` none. Pass ``UpdateGuard(rollback=True, ...)`` to roll back to the
         last good snapshot when updates get stuck.
     call:
-        How a dict / tuple / list ``x`` is passed to the model, everywhere the model runs on a
-        batch (training, ``predict``, the monitor's probe, strategies' teachers, plugins' probes,
-        exports): ``"keywords"`` spreads it (``model(**x)``, ``model(*x)``), ``"positional"``
-        passes it whole (``model(x)``, for a ``forward(self, batch)`` that reads ``batch["user"]``).
-        ``"auto"`` (default) passes it whole when ``model.forward`` takes one required argument
-        and the dict's keys are not all its parameter names (a tuple or list: longer than its
-        positional parameters), else spreads it; a ``forward(*args, **kwargs)``, whose signature
-        says nothing, is spread: pass ``"positional"`` there. Saved in checkpoints (one written
-        before this option loads as ``"keywords"``). A tensor ``x`` is always ``model(x)``.
+        How a dict / tuple / list ``x`` is passed to the model wherever it runs on a batch:
+        ``"keywords"`` spreads it (``model(**x)``, ``model(*x)``), ``"positional"`` passes it whole
+        (``model(x)``, for a ``forward(self, batch)``), ``"auto"`` (default) decides from
+        ``model.forward``'s signature (:func:`taste_cl._batch.call_style`). Saved in checkpoints
+        (older ones load as ``"keywords"``). A tensor ``x`` is always ``model(x)``.
+    adaptation:
+        What :meth:`adapt` runs on unlabelled batches: a
+        :class:`~taste_cl.adaptation.adapter.TestTimeAdapter`, or a method name (``"tent"``,
+        ``"eata"``, ``"bn"``) guarded by the default collapse guard. None (default): guarded
+        TENT, made on the first :meth:`adapt`.
     """
 
     def __init__(
@@ -208,6 +181,7 @@ class OnlineLearner:
         max_grad_norm: float | None = None,
         frozen_norm: str = "eval",
         call: str = "auto",
+        adaptation: TestTimeAdapter | str | None = None,
     ) -> None:
         check_arguments(model, replay, replay_batch_size, train_iterations, num_classes, plugins, max_classes, max_grad_norm, call, frozen_norm)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -241,6 +215,7 @@ class OnlineLearner:
         self.steps = 0
         self._batcher = MicroBatcher()  # the batch plan, waiting stream samples, the accumulation window
         self._lock = threading.RLock()
+        self.adapter = adaptation if isinstance(adaptation, TestTimeAdapter) or adaptation is None else TestTimeAdapter(adaptation)
         self.strategy.attach(self)
         for plugin in self.plugins:
             plugin.on_attach(self)
@@ -249,13 +224,22 @@ class OnlineLearner:
         # checkpoint, which load then refuses (gradients with no micro-batch accumulated).
         model.zero_grad(set_to_none=True)
 
-    # The batcher's state under the names the checkpoint restore and the probe guard set.
-    _stream_batch_size: OnBatcher[int | None] = OnBatcher("stream_batch_size")
-    _pending: OnBatcher[tuple[Inputs, torch.Tensor] | None] = OnBatcher("pending")
-    _arrivals: OnBatcher[deque[list[float]]] = OnBatcher("arrivals")
-    _window_stream: OnBatcher[int] = OnBatcher("window_stream")
-    _accumulated: OnBatcher[int] = OnBatcher("accumulated")
-    _window_finite: OnBatcher[bool] = OnBatcher("window_finite")
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock ``observe``, ``predict`` and ``save`` hold; hold it to act on the learner between two calls
+        (an exporter's consistent snapshot of the model and optimizer)."""
+        return self._lock
+
+    @property
+    def batcher(self) -> MicroBatcher:
+        """The :class:`~taste_cl.learner.batching.MicroBatcher`: the batch plan, the stream samples waiting
+        for a micro-batch and the accumulation window; its state is saved as the checkpoint's ``training``."""
+        return self._batcher
+
+    @property
+    def task_given(self) -> bool:
+        """Whether ``task=`` was given (else the task is inferred, on the first batch at the latest)."""
+        return self._task_given
 
     @property
     def batch_plan(self) -> BatchPlan | None:
@@ -358,6 +342,32 @@ class OnlineLearner:
             stats = totals.stats(self.task, samples=n, step_time_s=elapsed, pending=batcher.pending_count())
             for plugin in self.plugins:
                 plugin.after_observe(self, stats, batch=(x, y))
+            if self.adapter is not None:
+                self.adapter.labelled_update()
+            self.monitor.dispatch()
+            return stats
+
+    def adapt(self, x: Any) -> AdaptStats:
+        """Adapt to one unlabelled batch ``x`` and return its predictions (test-time adaptation).
+
+        Runs :attr:`adapter` (a :class:`~taste_cl.adaptation.adapter.TestTimeAdapter`; the
+        guarded TENT default when the learner was built without ``adaptation=``). Nothing
+        enters the replay buffer or the monitor's labelled metrics; a reset by the collapse
+        guard emits ``adaptation_reset``. A labelled :meth:`observe` moves the adapter's anchor
+        to the model it trained. ``x`` is validated like :meth:`observe`'s, before anything changes.
+        """
+        with self._lock:
+            device, dtype = self._placement()
+            inputs, spec = to_inputs(x, spec=self.input_spec, dtype=dtype, device=device)
+            if self.input_spec is None:  # before the first labelled batch: later batches must look like this one
+                self.input_spec = spec
+            if self.adapter is None:
+                self.adapter = TestTimeAdapter()
+            if not self.adapter.bound:
+                self.adapter.bind(self.model)
+            stats = self.adapter.adapt(inputs, call=self.call, output=self.output)
+            if stats.reset:
+                self.monitor.emit("adaptation_reset", reason=stats.reason, batches=self.adapter.batches)
             self.monitor.dispatch()
             return stats
 
@@ -401,7 +411,7 @@ class OnlineLearner:
             offset = 0
             for i, (x, y, n_replay) in enumerate(chunks):
                 n = y.shape[0]
-                drawn = self._draw_replay(n_replay) if shared is None else _rows(shared, offset, n_replay)
+                drawn = self._draw_replay(n_replay) if shared is None else replay_slice(shared, offset, n_replay)
                 offset += n_replay
                 train_x, train_y, fields = self._with_replay(x, y, drawn)
                 outputs, loss = self._micro_step(train_x, train_y, n, fields, weights[i])
@@ -418,7 +428,7 @@ class OnlineLearner:
             if self.replay is not None and ok:
                 self.replay.add_validated(x, y, **self.strategy.fields(x, y, trained))
             if self.monitor.due():
-                self.monitor.evaluate(lambda probe_x: self._logits(self._place(probe_x)))
+                self.monitor.evaluate(self.stored_logits)
             self.strategy.after_chunk(self)
 
     def _draw_replay(self, n: int) -> Replayed | None:
@@ -485,7 +495,7 @@ class OnlineLearner:
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         grads = [p.grad for p in params]
         batcher.release_arrivals()
-        norm = _total_norm(grads)
+        norm = total_norm(grads)
         if self.max_grad_norm is not None and norm > self.max_grad_norm:  # False for NaN: the guard skips it
             torch._foreach_mul_(grads, self.max_grad_norm / (norm + 1e-6))  # clip_grad_norm_'s scale
             norm = self.max_grad_norm
@@ -520,14 +530,25 @@ class OnlineLearner:
             inputs, _ = to_inputs(x, spec=self.input_spec, dtype=dtype, device=device)
             if self.output_shape is not None:  # settled: the first batch checked the selection
                 return self._logits(inputs)
-            return select_checked(self._eval_forward(inputs, None), self.output, batch_len(inputs), where="the batch given to predict")[1]
+            return select_checked(self.eval_outputs(inputs, None), self.output, batch_len(inputs), where="the batch given to predict")[1]
 
     def _logits(self, x: Inputs) -> torch.Tensor:
         """The selected outputs for ``x`` in eval mode without gradients."""
-        return self._eval_forward(x, self.output)
+        return self.eval_outputs(x, self.output)
 
-    def _eval_forward(self, x: Inputs, output: OutputSelector | None) -> Any:
-        """The model's eval-mode output for ``x`` without gradients, picked by ``output`` (None: as returned)."""
+    def stored_logits(self, x: Inputs) -> torch.Tensor:
+        """The selected outputs for stored samples ``x`` (a buffer's, the probe's): moved to the model's device
+        and dtype, run in eval mode without gradients."""
+        return self._logits(self._place(x))
+
+    def discard_window(self) -> None:
+        """Drop the accumulation window in progress: its gradients and its count (a rolled-back model)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._batcher.reset_window()
+
+    def eval_outputs(self, x: Inputs, output: OutputSelector | None = None) -> Any:
+        """The model's eval-mode output for placed inputs ``x`` without gradients, picked by ``output`` (None: as
+        returned); the model's train/eval modes are put back."""
         was_training = self.model.training
         self.model.eval()
         try:
@@ -575,81 +596,3 @@ class OnlineLearner:
         if grow is not None:
             grow()
         return first.targets
-
-    # ----------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs: model, optimizer, buffer, monitor, plugins, RNG."""
-        with self._lock:
-            return learner_state(self)
-
-    def save(self, directory: str | os.PathLike[str]) -> None:
-        """Atomically write a checkpoint into ``directory`` (created if needed); no pickle, see :mod:`taste_cl.state.checkpoint`."""
-        write_checkpoint(directory, self.state_dict, lock=self._lock)  # a consistent snapshot, written unlocked
-
-    def export(self, directory: str | os.PathLike[str], *, backend: str = "auto", **kwargs: Any) -> Path:
-        """Write parity-checked on-device training artifacts with ``backend`` (``"onnxruntime"``,
-        ``"executorch"`` or ``"auto"``); see :func:`taste_cl.adapters.device.backends.export`."""
-        from taste_cl.adapters.device.backends import export  # lazy: optional extras
-
-        return export(self, directory, backend=backend, **kwargs)
-
-    @classmethod
-    def load(
-        cls,
-        directory: str | os.PathLike[str],
-        *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-        replay: ReplayStrategy | None = None,
-        monitor: StabilityPlasticityMonitor | None = None,
-        plugins: Sequence[LearnerPlugin] = (),
-        max_bytes: int = CheckpointLimits.max_bytes,
-        strategy: Strategy | None = None,
-        output: OutputLike | None = None,
-    ) -> OnlineLearner:
-        """Rebuild a learner from :meth:`save` output around a freshly built ``model``.
-
-        Built-in replay buffers and strategies are rebuilt from the checkpoint; pass
-        ``replay`` / ``strategy`` for a custom one. The task, input structure, output shape
-        and ``output`` selection (a key or an index) come from the checkpoint; a callable
-        ``output=`` cannot be saved, so pass it again (the load is refused without it).
-        Files over ``max_bytes`` are refused before being read. The whole checkpoint is
-        validated before anything is applied: on any error
-        :class:`~taste_cl.exceptions.CheckpointError` is raised (its subclass
-        ``CheckpointNotFoundError`` for a missing file) and ``model``, ``optimizer``,
-        ``replay``, ``monitor`` and ``plugins`` are left exactly as they were.
-        """
-        return load_learner(
-            cls, directory, model=model, optimizer=optimizer, loss_fn=loss_fn, replay=replay,
-            monitor=monitor, plugins=plugins, max_bytes=max_bytes, strategy=strategy, output=output,
-        )  # fmt: skip
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output, all or nothing.
-
-        Every section is validated against this learner first (shapes and dtypes of the
-        model, optimizer groups and state, gradients, batch plan, pending samples,
-        counters, replay and monitor contents, RNG and guard state); only then is
-        anything changed. On any error :class:`~taste_cl.exceptions.CheckpointError` is
-        raised and the learner, its replay, monitor and plugins are exactly as before.
-        """
-        with self._lock:
-            restore_state(self, state)
-
-
-def _total_norm(tensors: list[torch.Tensor]) -> float:
-    """L2 norm of all ``tensors`` together (NaN or inf if any entry is)."""
-    if not tensors:
-        return 0.0
-    first = tensors[0]
-    if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
-        # The fused kernel torch's own get_total_norm ends in, without its per-call
-        # regrouping by device and dtype (half the cost of a small model's step). For a
-        # few tensors, reading each norm costs less than stacking them for one more
-        # reduction (math.hypot gives inf for an inf entry and NaN for a NaN one).
-        norms = torch._foreach_norm(tensors)
-        if len(norms) <= _FEW_TENSORS:
-            return math.hypot(*[norm.item() for norm in norms])
-        return float(torch.linalg.vector_norm(torch.stack(norms)))
-    return float(torch.nn.utils.get_total_norm(tensors))

@@ -51,6 +51,8 @@ from taste_cl.tasks import Classification, MultiLabel, Task, TokenClassification
 __all__ = ["MonitorEvent", "StabilityPlasticityMonitor", "sample_correct"]
 
 PREQUENTIAL_MODES = ("auto", "train", "eval")
+SETTINGS = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed", "prequential", "regression_threshold")
+"""The constructor arguments a learner's checkpoint keeps (its ``config.monitor``), see :meth:`StabilityPlasticityMonitor.settings`."""
 EVENT_NAMES = (
     "drift_detected",
     "forgetting_rising",
@@ -62,6 +64,7 @@ EVENT_NAMES = (
     "update_regressed",
     "update_rolled_back",
     "classes_added",
+    "adaptation_reset",
 )
 
 
@@ -399,6 +402,20 @@ class StabilityPlasticityMonitor:
         return MonitorReport(report)
 
     # ------------------------------------------------------------ checkpoints
+    def settings(self) -> dict[str, Any]:
+        """The constructor arguments this monitor was built with (those in :data:`SETTINGS`)."""
+        return {key: getattr(self, key) for key in SETTINGS}
+
+    def twin(self) -> StabilityPlasticityMonitor:
+        """A fresh monitor with these settings and a copy of the drift detector, without this one's subscribers:
+        what a checkpoint's monitor state is tried on."""
+        return StabilityPlasticityMonitor(**self.settings(), drift_detector=copy.deepcopy(self.drift_detector))
+
+    def check_state(self, state: Any) -> dict[str, Any]:
+        """Check :meth:`state_dict` output against this monitor (its settings, task and probe capacity) and return
+        it parsed, its probe and drift detector as new objects; changes nothing. Raises ``ValueError`` naming the field."""
+        return _parse_state(state, self)
+
     def state_dict(self) -> dict[str, Any]:
         self._offer_to_probe()
         return {
@@ -422,7 +439,7 @@ class StabilityPlasticityMonitor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; validated first, so a bad state raises ValueError and changes nothing."""
-        parsed = _parse_state(state, self)
+        parsed = self.check_state(state)
         self._forget_unoffered()  # the probe is replaced
         self._reset_measurements()
         self.task = parsed["task"]

@@ -37,11 +37,7 @@ import torch
 
 from taste_cl._checks import check_int
 from taste_cl.exceptions import CheckpointError, CheckpointNotFoundError
-from taste_cl.state.files import (  # noqa: F401 - _host_tag: the temp-file tests read it here, read_regular_file
-    _host_tag,
-    atomic_write_bytes,
-    read_regular_file,
-)
+from taste_cl.state.files import atomic_write_bytes, read_regular_file
 
 __all__ = [
     "CHECKPOINT_FILE",

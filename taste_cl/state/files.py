@@ -19,18 +19,18 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "read_regular_file"]
+__all__ = ["atomic_write_bytes", "host_tag", "read_regular_file"]
 
 _READ_CHUNK = 1 << 24
 
 
-def _host_tag() -> str:
+def host_tag() -> str:
     """This machine's name reduced to ``[A-Za-z0-9-]`` (PIDs only mean something on their host)."""
     return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:32] or "host"
 
 
 def _temp_name(target: Path) -> Path:
-    return target.with_name(f".{target.name}.{_host_tag()}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    return target.with_name(f".{target.name}.{host_tag()}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -49,7 +49,7 @@ def _sweep_stale(target: Path) -> None:
     A temp file whose writer still runs is in flight and is never touched; files of other
     hosts (a shared folder) and names that do not carry a host and PID are left alone.
     """
-    prefix = f".{target.name}.{_host_tag()}."
+    prefix = f".{target.name}.{host_tag()}."
     for candidate in target.parent.glob(f"{glob.escape(prefix)}*.tmp"):
         pid_text = candidate.name[len(prefix) :].split(".", 1)[0]
         if pid_text.isdigit() and int(pid_text) != os.getpid() and not _pid_alive(int(pid_text)):

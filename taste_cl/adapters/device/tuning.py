@@ -531,7 +531,7 @@ class DeviceBatchTuner:
     def tune(self, *, reason: str = "asked") -> TuningResult:
         """Tune now and apply the plan; raises :class:`~taste_cl.tuning.TuningError` (nothing changed) when no size trains."""
         runtime = self._require()
-        with self._learner._lock:
+        with self._learner.lock:
             if self.reference_ is None:
                 raise TuningError("the learner's step size is known after its first observe; observe a batch first")
             start = self.search.clock()

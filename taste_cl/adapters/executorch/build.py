@@ -441,7 +441,7 @@ def export(
     if not isinstance(learner, OnlineLearner):
         raise TypeError(f"learner must be a taste_cl.OnlineLearner; got {type(learner).__name__}")
     check_device_trains_alike(learner)
-    with learner._lock:
+    with learner.lock:
         model, optimizer = copy.deepcopy((learner.model, learner.optimizer))  # the optimizer tells what trains
         chosen = selected_parameters(learner, trainable)
         selection = selection_record(learner, trainable, chosen)

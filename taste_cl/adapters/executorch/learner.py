@@ -165,6 +165,11 @@ class EtOnlineLearner:
         return learner
 
     @property
+    def lock(self) -> threading.RLock:
+        """The lock every public call holds; hold it to act on the learner between two calls (a tune, a snapshot)."""
+        return self._lock
+
+    @property
     def lr(self) -> float:
         """The SGD learning rate; set it to change it (momentum is kept)."""
         return float(self.trainer.sgd["lr"])

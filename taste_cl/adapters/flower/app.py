@@ -55,17 +55,16 @@ from taste_cl.adapters.flower.fleet import (
     AggregationPolicy,
     DroppedUpdate,
     RoundStats,
-    _persist,
-    _personal_predicate,
-    _record_to_numpy,
-    _reply,
-    _restore,
-    _validating_strategy_class,
     load_shared,
+    persist_to_context,
+    record_to_numpy,
+    reply_to,
     require_flwr,
+    restore_from_context,
     shared_state,
+    validating_strategy_class,
 )
-from taste_cl.adapters.flower.updates import privacy_mod
+from taste_cl.adapters.flower.updates import personal_predicate, privacy_mod
 
 if TYPE_CHECKING:
     from flwr.app import Context, Message
@@ -211,7 +210,8 @@ class FleetConfig:
 
 
 @functools.lru_cache(maxsize=4)
-def _fleet(devices: int, rounds: int, seed: int) -> Fleet:
+def cached_fleet(devices: int, rounds: int, seed: int) -> Fleet:
+    """The digits fleet of ``devices`` devices, built once per process (the ServerApp and every ClientApp share it)."""
     from taste_cl.adapters.flower.digits_fleet import make_fleet
 
     return make_fleet(devices, num_rounds=rounds, seed=seed)
@@ -230,7 +230,7 @@ def _train_only_personal(model: nn.Module, is_personal: Callable[[str], bool]) -
 def refit_head(model: nn.Module, cfg: FleetConfig, x: torch.Tensor, y: torch.Tensor) -> nn.Module:
     """A copy of ``model`` whose personal part (the head) took ``finetune_steps`` SGD steps on ``(x, y)``."""
     tuned = copy.deepcopy(model)
-    _train_only_personal(tuned, _personal_predicate(cfg.prefixes))
+    _train_only_personal(tuned, personal_predicate(cfg.prefixes))
     params = [p for p in tuned.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=cfg.finetune_lr)
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -250,8 +250,8 @@ def _device(cfg: FleetConfig, context: Context, shared: Mapping[str, np.ndarray]
     partition = int(context.node_config["partition-id"])
     if not 0 <= partition < cfg.devices:
         raise ValueError(f"node config `partition-id == {partition}`, must be in [0, devices={cfg.devices})")
-    fleet = _fleet(cfg.devices, cfg.rounds, cfg.seed)
-    learner = _restore(context, fleet.build_learner(partition))
+    fleet = cached_fleet(cfg.devices, cfg.rounds, cfg.seed)
+    learner = restore_from_context(context, fleet.build_learner(partition))
     load_shared(learner.model, shared, personal=cfg.prefixes)
     return partition, learner
 
@@ -269,11 +269,11 @@ def fit_device(
     Both apps (Message API and SecAgg+) train through this function.
     """
     partition, learner = _device(cfg, context, shared)
-    fleet = _fleet(cfg.devices, cfg.rounds, cfg.seed)
+    fleet = cached_fleet(cfg.devices, cfg.rounds, cfg.seed)
     start, samples = time.perf_counter(), 0
     for batch in fleet.train_batches(partition, server_round):
         samples += learner.observe(batch).samples
-    _persist(context, learner)
+    persist_to_context(context, learner)
     metrics = {
         "num-examples": max(samples, 1),
         "train-seconds": time.perf_counter() - start,
@@ -286,8 +286,8 @@ def _train(fixed: FleetConfig | None, msg: Message, context: Context) -> Message
     from flwr.app import Array, ArrayRecord, MetricRecord
 
     cfg = _config(fixed, context)
-    shared, metrics = fit_device(cfg, context, _record_to_numpy(msg.content.array_records["arrays"]), _server_round(msg))
-    return _reply(msg, {"arrays": ArrayRecord({k: Array(v) for k, v in shared.items()}), "metrics": MetricRecord(metrics)})
+    shared, metrics = fit_device(cfg, context, record_to_numpy(msg.content.array_records["arrays"]), _server_round(msg))
+    return reply_to(msg, {"arrays": ArrayRecord({k: Array(v) for k, v in shared.items()}), "metrics": MetricRecord(metrics)})
 
 
 def evaluate_device(cfg: FleetConfig, context: Context, shared: Mapping[str, np.ndarray], server_round: int) -> dict[str, Any]:
@@ -300,7 +300,7 @@ def evaluate_device(cfg: FleetConfig, context: Context, shared: Mapping[str, np.
     if cfg.out_dir and server_round == cfg.rounds:
         state = {k: v.detach().cpu().numpy() for k, v in learner.model.state_dict().items()}
         np.savez(Path(cfg.out_dir) / f"device-{partition}.npz", **state)
-    fleet = _fleet(cfg.devices, cfg.rounds, cfg.seed)
+    fleet = cached_fleet(cfg.devices, cfg.rounds, cfg.seed)
     scores = fleet.scores(learner.model, partition, server_round, cfg if cfg.finetunes_head else None)
     return {"partition-id": partition, **scores, "num-examples": int(fleet.eval_sets(partition)["own"][1].shape[0])}
 
@@ -309,8 +309,8 @@ def _evaluate(fixed: FleetConfig | None, msg: Message, context: Context) -> Mess
     from flwr.app import MetricRecord
 
     cfg = _config(fixed, context)
-    metrics = evaluate_device(cfg, context, _record_to_numpy(msg.content.array_records["arrays"]), _server_round(msg))
-    return _reply(msg, {"metrics": MetricRecord(metrics)})
+    metrics = evaluate_device(cfg, context, record_to_numpy(msg.content.array_records["arrays"]), _server_round(msg))
+    return reply_to(msg, {"metrics": MetricRecord(metrics)})
 
 
 def _privacy_mod(fixed: FleetConfig | None) -> Callable[..., Message]:
@@ -348,7 +348,7 @@ def _strategy(cfg: FleetConfig) -> Any:
         inner = DifferentialPrivacyServerSideFixedClipping(inner, cfg.noise, cfg.clip, n)
     elif cfg.privacy == "client":
         inner = DifferentialPrivacyClientSideFixedClipping(inner, cfg.noise, cfg.clip, n)
-    guard = _validating_strategy_class()(inner, AggregationPolicy())
+    guard = validating_strategy_class()(inner, AggregationPolicy())
     if not cfg.evaluate_every_round:
         configure_evaluate = guard.configure_evaluate
 
@@ -363,7 +363,7 @@ def _server_main(fixed: FleetConfig | None, grid: Grid, context: Context) -> Non
     from flwr.app import Array, ArrayRecord, ConfigRecord
 
     cfg = _config(fixed, context)
-    fleet = _fleet(cfg.devices, cfg.rounds, cfg.seed)
+    fleet = cached_fleet(cfg.devices, cfg.rounds, cfg.seed)
     guard = _strategy(cfg)
     start = time.perf_counter()
     settings: dict[str, Any] = {}
@@ -384,7 +384,7 @@ def _server_main(fixed: FleetConfig | None, grid: Grid, context: Context) -> Non
         if not cfg.out_dir:
             shutil.rmtree(folder, ignore_errors=True)
     if cfg.out_dir:
-        final = _record_to_numpy(result.arrays)
+        final = record_to_numpy(result.arrays)
         write_outputs(cfg, final, time.perf_counter() - start, guard.rounds, guard.dropped, guard.evaluations)
 
 

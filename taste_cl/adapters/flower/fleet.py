@@ -102,11 +102,12 @@ def _numpy_dtype(tensor: torch.Tensor) -> np.dtype:
 
 
 # ------------------------------------------------------------------------ client side
-def _record_to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
+def record_to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """A Flower ArrayRecord as numpy arrays by name."""
     return {name: array.numpy() for name, array in record.items()}
 
 
-def _restore(context: Context, learner: OnlineLearner) -> OnlineLearner:
+def restore_from_context(context: Context, learner: OnlineLearner) -> OnlineLearner:
     """Load the device's learner state (model, optimizer, replay, monitor) from ``context.state``."""
     saved = context.state.config_records.get(_STATE_KEY)
     if saved is not None:
@@ -114,13 +115,15 @@ def _restore(context: Context, learner: OnlineLearner) -> OnlineLearner:
     return learner
 
 
-def _persist(context: Context, learner: OnlineLearner) -> None:
+def persist_to_context(context: Context, learner: OnlineLearner) -> None:
+    """Keep the device's learner state in ``context.state`` for its next round (see :func:`restore_from_context`)."""
     from flwr.app import ConfigRecord
 
     context.state[_STATE_KEY] = ConfigRecord({"learner": encode_state(learner.state_dict())})
 
 
-def _reply(msg: Message, content: dict[str, Any]) -> Message:
+def reply_to(msg: Message, content: dict[str, Any]) -> Message:
+    """The reply to ``msg`` carrying ``content``."""
     from flwr.app import Message, RecordDict
 
     return Message(content=RecordDict(content), reply_to=msg)
@@ -153,8 +156,8 @@ def make_client_app(
     def _learner(msg: Message, context: Context) -> tuple[int, OnlineLearner]:
         torch.set_num_threads(1)  # simulated devices share the host's cores
         partition = int(context.node_config["partition-id"])
-        learner = _restore(context, build_learner(partition))
-        load_shared(learner.model, _record_to_numpy(msg.content.array_records[_ARRAYS_KEY]), personal=personal)
+        learner = restore_from_context(context, build_learner(partition))
+        load_shared(learner.model, record_to_numpy(msg.content.array_records[_ARRAYS_KEY]), personal=personal)
         return partition, learner
 
     @app.train()
@@ -167,7 +170,7 @@ def make_client_app(
             if stats.loss is not None:  # None: nothing trained yet (samples wait for a full micro-batch)
                 losses.append(stats.loss)
         seconds = time.perf_counter() - start
-        _persist(context, learner)
+        persist_to_context(context, learner)
         metrics = {
             "num-examples": max(samples, 1),
             "train-loss": float(np.mean(losses)) if losses else float("nan"),
@@ -176,7 +179,7 @@ def make_client_app(
         }
         shared = shared_state(learner.model, personal=personal)
         record = ArrayRecord({name: Array(array) for name, array in shared.items()})
-        return _reply(msg, {_ARRAYS_KEY: record, _METRICS_KEY: MetricRecord(metrics)})
+        return reply_to(msg, {_ARRAYS_KEY: record, _METRICS_KEY: MetricRecord(metrics)})
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
@@ -185,7 +188,7 @@ def make_client_app(
         for name, (x, y) in eval_sets(partition).items():
             metrics[f"accuracy-{name}"] = accuracy(learner.predict, x, y)
             metrics["num-examples"] = int(x.shape[0])
-        return _reply(msg, {_METRICS_KEY: MetricRecord(metrics)})
+        return reply_to(msg, {_METRICS_KEY: MetricRecord(metrics)})
 
     return app
 
@@ -331,7 +334,7 @@ def _reply_problem(content: RecordDict, expected: ArraySpec, weight_key: str, po
         return f"expected one ArrayRecord and one MetricRecord; got {len(content.array_records)} and {len(content.metric_records)}"
     (record,) = content.array_records.values()
     try:
-        arrays = _record_to_numpy(record)
+        arrays = record_to_numpy(record)
         check_update(arrays, expected)
         if policy is not None and (problem := policy.value_problem(arrays)) is not None:
             return problem
@@ -371,7 +374,7 @@ def _in_sent_dtypes(arrays: ArrayRecord, spec: ArraySpec) -> ArrayRecord:
     """
     from flwr.app import Array, ArrayRecord
 
-    named = _record_to_numpy(arrays)
+    named = record_to_numpy(arrays)
     if all(named[name].dtype == dtype for name, (_, dtype) in spec.items() if name in named):
         return arrays
     return ArrayRecord({name: Array(value.astype(spec[name][1]) if name in spec else value) for name, value in named.items()})
@@ -421,7 +424,7 @@ def _build_validating_strategy() -> type:
 
         def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
             self._started = time.perf_counter()
-            self._expected = _spec(_record_to_numpy(arrays))
+            self._expected = _spec(record_to_numpy(arrays))
             messages = list(self.strategy.configure_train(server_round, arrays, config, grid))
             self._sent = len(messages)
             self._bytes_down = arrays.count_bytes() * len(messages)
@@ -502,7 +505,8 @@ def _build_validating_strategy() -> type:
 _VALIDATING_STRATEGY: list[type] = []
 
 
-def _validating_strategy_class() -> type:
+def validating_strategy_class() -> type:
+    """The validating Flower strategy class, built on first use (Flower is an optional extra)."""
     if not _VALIDATING_STRATEGY:
         _VALIDATING_STRATEGY.append(_build_validating_strategy())
     return _VALIDATING_STRATEGY[0]
@@ -511,7 +515,7 @@ def _validating_strategy_class() -> type:
 def __getattr__(name: str) -> Any:
     """Build :class:`ValidatingStrategy` on first use, so importing this module needs no flwr."""
     if name == "ValidatingStrategy":
-        return _validating_strategy_class()
+        return validating_strategy_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -598,7 +602,7 @@ def run_fleet_simulation(
     client_app = make_client_app(build_learner=build_learner, train_batches=train_batches, eval_sets=eval_sets, personal=personal, mods=client_mods)
     initial = shared_state(build_learner(0).model, personal=personal)
     inner = strategy if strategy is not None else FedAvg(min_train_nodes=num_devices, min_evaluate_nodes=num_devices, min_available_nodes=num_devices)
-    guard = _validating_strategy_class()(inner, policy)
+    guard = validating_strategy_class()(inner, policy)
     outcome: dict[str, Any] = {}
     server_app = ServerApp()
 
@@ -631,5 +635,5 @@ def run_fleet_simulation(
         dropped=guard.dropped,
         evaluations=guard.evaluations,
         adjusted=guard.adjusted,
-        shared=_record_to_numpy(final) if final is not None else {},
+        shared=record_to_numpy(final) if final is not None else {},
     )

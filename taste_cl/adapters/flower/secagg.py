@@ -84,9 +84,9 @@ logger = logging.getLogger(__name__)
 @functools.lru_cache(maxsize=4)
 def _initial(cfg: FleetConfig) -> dict[str, np.ndarray]:
     """The fleet's common initial shared part; its names, order, shapes and dtypes are the wire format."""
-    from taste_cl.adapters.flower.app import _fleet
+    from taste_cl.adapters.flower.app import cached_fleet
 
-    return shared_state(_fleet(cfg.devices, cfg.rounds, cfg.seed).build_learner(0).model, personal=cfg.prefixes)
+    return shared_state(cached_fleet(cfg.devices, cfg.rounds, cfg.seed).build_learner(0).model, personal=cfg.prefixes)
 
 
 def _client_class() -> type:
@@ -273,10 +273,10 @@ def _run_workflow(cfg: FleetConfig, grid: Grid, context: Context, folder: Path) 
     start = time.perf_counter()
     settings = None
     if cfg.device == "artifacts":  # exported once; each device reads it (a real fleet would ship it)
-        from taste_cl.adapters.flower.app import _fleet
+        from taste_cl.adapters.flower.app import cached_fleet
         from taste_cl.adapters.flower.device_server import export_fleet
 
-        initial = export_fleet(cfg, _fleet(cfg.devices, cfg.rounds, cfg.seed), folder)
+        initial = export_fleet(cfg, cached_fleet(cfg.devices, cfg.rounds, cfg.seed), folder)
         settings = {**cfg.to_run_config(), "artifacts": str(folder)}
     else:
         initial = _initial(cfg)

@@ -263,13 +263,7 @@ def _write_adamw_state(folder: Path, spec: DeviceSpec, state: dict[str, dict[str
     from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import Checkpoint
 
     session = OrtSession(folder, spec)
-    session.lr = 0.0
-    session.module.lazy_reset_grad()  # a bare step: no running statistics written back
-    inputs, labels = example
-    session._run(inputs, labels, True)
-    assert session.optimizer is not None  # the session was built from a training folder
-    session.optimizer.optimizer_step()
-    session._C.save_checkpoint(session.state, str(folder / CHECKPOINT), True)
+    session.save_after_zero_step(folder / CHECKPOINT, *example)
     del session
     data = bytearray((folder / CHECKPOINT).read_bytes())
     root = Checkpoint.Checkpoint.GetRootAs(data, 0)
@@ -299,7 +293,7 @@ def _write_adamw_state(folder: Path, spec: DeviceSpec, state: dict[str, dict[str
 
 
 # --------------------------------------------------------------------- graphs
-def _module_path(node_name: str, modules: Sequence[str] = ()) -> str:
+def module_path(node_name: str, modules: Sequence[str] = ()) -> str:
     """The module path in a legacy-exporter node name (``/model/features/features.0/Conv`` -> ``features.0``).
 
     Scopes of containers already carry their parent's name (``features.0``), attributes do not.
@@ -350,7 +344,7 @@ def _trace(graph_module: _Graph, tensors: list[torch.Tensor], names: list[str], 
     model = onnx.load_from_string(buffer.getvalue())
     for node in model.graph.node:
         if node.op_type in NON_DIFFERENTIABLE_OPS:
-            raise UnsupportedOperatorError(node.op_type, _module_path(node.name, modules))
+            raise UnsupportedOperatorError(node.op_type, module_path(node.name, modules))
     _complete_outputs(model)
     return model
 
@@ -394,7 +388,7 @@ def _gradient_failure(error: Exception, graph: Any) -> ExportError:
     message = (str(error).splitlines() or [repr(error)])[0][:300]
     for node in graph.graph.node:
         if (node.name and node.name in str(error)) or f"'{node.op_type}'" in message or f"{node.op_type}Grad" in message:
-            return UnsupportedOperatorError(node.op_type, _module_path(node.name), message)
+            return UnsupportedOperatorError(node.op_type, module_path(node.name), message)
     return ExportError(f"ONNX Runtime could not build the training graph: {message}")
 
 
@@ -407,7 +401,7 @@ def _refuse_crashing_gradients(path: Path, graph: Any, modules: Sequence[str]) -
         if node.op_type in CRASHING_GRADIENTS:
             op, why = CRASHING_GRADIENTS[node.op_type]
             source = producers.get(node.input[0].removesuffix("_grad"))  # the gradient of the forward op's output
-            raise UnsupportedOperatorError(op, _module_path(node.name if source is None else source.name, modules), why)
+            raise UnsupportedOperatorError(op, module_path(node.name if source is None else source.name, modules), why)
 
 
 def _trial_failure(failure: TrialFailure, graph: Any, modules: Sequence[str]) -> ExportError:
@@ -420,7 +414,7 @@ def _trial_failure(failure: TrialFailure, graph: Any, modules: Sequence[str]) ->
     if not matches:
         return failure
     node = max(matches, key=lambda node: len(node.name))
-    return UnsupportedOperatorError(node.op_type, _module_path(node.name, modules), str(failure))
+    return UnsupportedOperatorError(node.op_type, module_path(node.name, modules), str(failure))
 
 
 def _fix_eval_graph(path: Path) -> None:

@@ -97,7 +97,7 @@ def export(
     if optimizer not in (None, "sgd", "adamw"):
         raise ValueError(f"`optimizer == {optimizer!r}`, must be None, 'sgd' or 'adamw'")
     check_device_trains_alike(learner)
-    with learner._lock:  # a consistent snapshot; the export itself runs without the lock
+    with learner.lock:  # a consistent snapshot; the export itself runs without the lock
         model, torch_optimizer = copy.deepcopy((learner.model, learner.optimizer))
         chosen = selected_parameters(learner, trainable)
         selection = selection_record(learner, trainable, chosen)

@@ -149,15 +149,21 @@ class NumpyReplay:
         if problem:
             raise ArtifactError(f"{REPLAY_FILE}: {problem}")
         replay = cls(info["capacity"], spec, seed=info["seed"])
-        for i in range(len(spec.inputs)):
-            replay._x[i][:size] = arrays[f"x{i}"]
-        replay._y[:size] = y
-        replay.size, replay.seen = size, info["seen"]
-        if info.get("rng") is not None:
-            replay._rng.bit_generator.state = {
-                "bit_generator": "PCG64",
-                "state": {"state": int(info["rng"]["state"]), "inc": int(info["rng"]["inc"])},
-                "has_uint32": info["rng"]["has_uint32"],
-                "uinteger": info["rng"]["uinteger"],
-            }
+        replay.load_rows([arrays[f"x{i}"] for i in range(len(spec.inputs))], y, seen=info["seen"], rng=info.get("rng"))
         return replay
+
+    def load_rows(self, x: list[np.ndarray], y: np.ndarray, *, seen: int, rng: dict[str, Any] | None) -> None:
+        """Hold the rows ``x`` (one array per graph input) and ``y``, checked by :meth:`from_bytes`, as an
+        empty buffer that has seen ``seen`` samples; ``rng``: the PCG64 state :meth:`info` wrote (None: kept)."""
+        size = y.shape[0]
+        for store, rows in zip(self._x, x):
+            store[:size] = rows
+        self._y[:size] = y
+        self.size, self.seen = size, seen
+        if rng is not None:
+            self._rng.bit_generator.state = {
+                "bit_generator": "PCG64",
+                "state": {"state": int(rng["state"]), "inc": int(rng["inc"])},
+                "has_uint32": rng["has_uint32"],
+                "uinteger": rng["uinteger"],
+            }

@@ -174,6 +174,11 @@ class OrtOnlineLearner:
         return learner
 
     @property
+    def lock(self) -> threading.RLock:
+        """The lock every public call holds; hold it to act on the learner between two calls (a tune, a snapshot)."""
+        return self._lock
+
+    @property
     def lr(self) -> float:
         """The learning rate; set it to change it."""
         return self.session.lr
@@ -210,7 +215,7 @@ class OrtOnlineLearner:
                 if not np.isfinite(value).all():
                     raise ValueError(f"`{name}` holds NaN or infinite values")
             for name, value in arrays.items():
-                self.session._write(by_torch_name[name], np.asarray(value))
+                self.session.write_parameter(by_torch_name[name], np.asarray(value))
 
     def observe(self, batch: Any) -> ObserveStats:
         """Train on one batch ``(x, y)`` (or ``{"x": x, "y": y}``) mixed with replay, then buffer it."""

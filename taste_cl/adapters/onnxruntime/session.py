@@ -142,6 +142,18 @@ class OrtSession:
         step([*inputs, labels], fetches)
         return [value.numpy() for value in fetches]
 
+    def save_after_zero_step(self, path: Path, inputs: list[np.ndarray], labels: np.ndarray) -> None:
+        """Take one optimizer step with learning rate 0 on ``(inputs, labels)`` (the weights stay as they
+        are; no running statistics are written back), then save the checkpoint to ``path``: it then holds
+        the optimizer state ORT keeps (AdamW's step and moments), whose bytes an exporter overwrites."""
+        if self.optimizer is None:
+            raise ValueError("a zero step needs an optimizer graph (AdamW); this session has none")
+        self.lr = 0.0
+        self.module.lazy_reset_grad()
+        self._run(inputs, labels, True)
+        self.optimizer.optimizer_step()
+        self._C.save_checkpoint(self.state, str(path), True)
+
     def train_step(self, inputs: list[np.ndarray], labels: np.ndarray) -> tuple[np.ndarray, float, bool]:
         """One optimizer step; returns (outputs, loss, skipped). A non-finite loss or gradient skips the
         update; with a guard attached, so does any step the guard refuses (and it is undone)."""
@@ -204,7 +216,7 @@ class OrtSession:
             self._open(self._load_checkpoint_bytes(rest))
             return
         for name, value in trained.items():
-            self._write(name, value)
+            self.write_parameter(name, value)
         self.sgd_state = rest  # a step before which a buffer did not exist leaves none, as in torch
 
     def _checkpoint_bytes(self) -> bytes:
@@ -263,9 +275,10 @@ class OrtSession:
             if stat.stat == "var" and n > 1:
                 kept = (1.0 - stat.momentum) * self.state.get_parameter(stat.parameter).data.numpy()
                 value = kept + (value - kept) * (n / (n - 1))
-            self._write(stat.parameter, value.astype(np.float32))
+            self.write_parameter(stat.parameter, value.astype(np.float32))
 
-    def _write(self, name: str, value: np.ndarray) -> None:
+    def write_parameter(self, name: str, value: np.ndarray) -> None:
+        """Overwrite ORT's parameter ``name`` (its ORT name) with ``value``, already checked."""
         self.state.copy_parameter_from(name, self._C.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self._device))
 
     def _sgd_step(self, grads: dict[str, np.ndarray], weights: list[np.ndarray]) -> None:

@@ -76,7 +76,7 @@ def measure_step_costs(
     """
     import onnxruntime
 
-    from taste_cl.adapters.onnxruntime.build import _module_path
+    from taste_cl.adapters.onnxruntime.build import module_path
     from taste_cl.adapters.onnxruntime.manifest import TRAINING_MODEL
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
@@ -114,7 +114,7 @@ def measure_step_costs(
             gc.collect()
             if key == "all":  # both exports trace the same forward graph: its scopes and the parameters they read
                 owners = _parameter_owners(folder / TRAINING_MODEL, model)
-                module_of = cache(partial(_node_module, owners, partial(_module_path, modules=modules)))  # per node name
+                module_of = cache(partial(_node_module, owners, partial(module_path, modules=modules)))  # per node name
             # one file per session (the eval session's has no runs): the training session's has the most
             files = [_per_step(json.loads(path.read_text()), module_of) for path in root.glob(f"profile-{key}*.json")]
             steps_seen = max(files, key=len, default=[])
