@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -153,3 +155,59 @@ def test_torch_and_onnx_runtime_run_the_same_stream_the_same_way(strategy, onnx_
     for name, value in torch_run.engine.parameters().items():
         np.testing.assert_allclose(device_run.engine.parameters()[name], value, rtol=1e-3, atol=1e-4, err_msg=name)
     assert abs(_accuracy(torch_run, tasks[:3]) - _accuracy(device_run, tasks[:3])) <= 0.01
+
+
+# ------------------------------------------------------------------ save and resume
+def _resumed_equals_uninterrupted(make_engine, tasks, strategy: str) -> None:
+    stream = list(_stream(tasks[:2]))
+    settings = {"lr": 0.1, "num_classes": 10, "strategy": strategy, "replay": "reservoir", "lwf_every": 10, "seed": 7}
+    whole = EngineLearner(make_engine(), **settings)
+    for x, y in stream[:30]:
+        whole.observe(x, y)
+    plain, arrays = whole.state()
+    plain = json.loads(json.dumps(plain))  # plain values only
+    for x, y in stream[30:50]:
+        whole.observe(x, y)
+    resumed = EngineLearner(make_engine(), **settings)
+    resumed.load_state(plain, arrays)
+    for x, y in stream[30:50]:
+        resumed.observe(x, y)
+    assert all(np.array_equal(a, b) for a, b in zip(whole.replay_draws[-20:], resumed.replay_draws[-20:]))
+    for name, value in whole.engine.parameters().items():
+        assert np.array_equal(resumed.engine.parameters()[name], value), name
+
+
+@pytest.mark.parametrize("strategy", ["der++", "lwf"])
+def test_a_resumed_loop_continues_bit_for_bit_on_torch(strategy, tasks):
+    _resumed_equals_uninterrupted(lambda: _engine(seed=1, momentum=0.9), tasks, strategy)
+
+
+def test_a_resumed_loop_continues_bit_for_bit_on_onnx_runtime(onnx_folder, tasks):
+    from taste_cl.adapters.onnx_engine.engine import OnnxEngine
+
+    _resumed_equals_uninterrupted(lambda: OnnxEngine(onnx_folder), tasks, "der++")
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda p, a: a.__setitem__("param.0.weight", np.full_like(a["param.0.weight"], np.nan)), "NaN or infinite"),
+        (lambda p, a: a.__setitem__("replay.y", np.full_like(a["replay.y"], 12)), r"labels in \[0, 10\)"),
+        (lambda p, a: p["replay"].__setitem__("size", 10**6), "size <= capacity"),
+        (lambda p, a: p.__setitem__("rng", {"bit_generator": "MT19937"}), "`rng` is not a PCG64 state"),
+        (lambda p, a: p.__setitem__("observes", -1), r"`observes == -1`"),
+        (lambda p, a: a.pop("param.2.bias"), "this engine's trainable tensors"),
+    ],
+)
+def test_a_damaged_saved_state_is_refused_and_nothing_changes(damage, match, tasks):
+    learner = EngineLearner(_engine(), lr=0.1, num_classes=10, seed=2)
+    for x, y in list(_stream(tasks[:1]))[:5]:
+        learner.observe(x, y)
+    plain, arrays = learner.state()
+    damage(plain, arrays)
+    before = learner.state()
+    with pytest.raises(ValueError, match=match):
+        learner.load_state(plain, arrays)
+    after = learner.state()
+    assert json.dumps(before[0]) == json.dumps(after[0])
+    assert before[1].keys() == after[1].keys() and all(np.array_equal(before[1][k], after[1][k]) for k in before[1])

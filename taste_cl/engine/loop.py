@@ -101,6 +101,41 @@ class LoopReplay:
         """Indices of ``n`` rows drawn without replacement (fewer if the buffer holds fewer)."""
         return np.sort(self.rng.choice(self.size, size=min(n, self.size), replace=False))
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The stored rows (copies), for a saved state."""
+        if self._x is None or self._outputs is None:
+            return {}
+        return {"replay.x": self._x[: self.size].copy(), "replay.y": self._y[: self.size].copy(), "replay.outputs": self._outputs[: self.size].copy()}
+
+    def check_arrays(self, arrays: Mapping[str, np.ndarray], size: int, seen: int, num_classes: int) -> None:
+        """``ValueError`` naming the first of ``arrays`` (from :meth:`arrays`) that cannot be this buffer's ``size`` rows."""
+        if not 0 <= size <= self.capacity or not size <= seen <= 2**53:
+            raise ValueError(f"replay size {size} and seen {seen} must satisfy 0 <= size <= capacity ({self.capacity}) and size <= seen <= 2**53")
+        if size == 0:
+            return
+        missing = {"replay.x", "replay.y", "replay.outputs"} - set(arrays)
+        if missing:
+            raise ValueError(f"the saved state lacks {sorted(missing)}")
+        x, y, outputs = arrays["replay.x"], arrays["replay.y"], arrays["replay.outputs"]
+        if x.shape[0] != size or y.shape != (size,) or outputs.shape[0] != size:
+            raise ValueError(f"replay arrays must hold {size} rows; got {x.shape[0]}, {y.shape}, {outputs.shape[0]}")
+        if y.dtype != np.int64 or (y.size and (y.min() < 0 or y.max() >= num_classes)):
+            raise ValueError(f"replay.y must hold int64 labels in [0, {num_classes})")
+        for name, value in (("replay.x", x), ("replay.outputs", outputs)):
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                raise ValueError(f"{name} holds NaN or infinite values")
+        if self._x is not None and (x.shape[1:] != self._x.shape[1:] or x.dtype != self._x.dtype):
+            raise ValueError(f"replay.x rows must be {self._x.dtype} {self._x.shape[1:]}; got {x.dtype} {x.shape[1:]}")
+
+    def load_arrays(self, arrays: Mapping[str, np.ndarray], size: int, seen: int) -> None:
+        """Apply what :meth:`check_arrays` accepted."""
+        self.size, self.seen = size, seen
+        if size:
+            x, outputs = arrays["replay.x"], arrays["replay.outputs"]
+            self._x = np.empty((self.capacity, *x.shape[1:]), dtype=x.dtype)
+            self._outputs = np.empty((self.capacity, *outputs.shape[1:]), dtype=outputs.dtype)
+            self._x[:size], self._y[:size], self._outputs[:size] = x, arrays["replay.y"], outputs
+
 
 class EngineLearner:
     """Online continual learning on an :class:`~taste_cl.engine.base.Engine` (see the module).
@@ -223,6 +258,75 @@ class EngineLearner:
             return self.engine.forward(x, train=False)
         finally:
             self.engine.load_parameters(current)
+
+    # ---------------------------------------------------------------- resume
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """Everything a resumed run needs, as plain values and named arrays: the engine's parameters and
+        optimizer state, the replay rows, the generator, the teacher, the guard's history and the counters."""
+        arrays = {f"param.{k}": v for k, v in self.engine.parameters().items()}
+        arrays |= {f"optim.{k}": np.asarray(v) for k, v in self.engine.optimizer_state().items()}
+        arrays |= {f"teacher.{k}": v.copy() for k, v in (self.teacher or {}).items()}
+        replay = None
+        if self.replay is not None:
+            arrays |= self.replay.arrays()
+            replay = {"size": len(self.replay), "seen": self.replay.seen}
+        plain = {
+            "format": 1,
+            "observes": self.observes,
+            "rng": self.rng.bit_generator.state,
+            "replay": replay,
+            "teacher": self.teacher is not None,
+            "guard": self.guard.state_dict(),
+        }
+        return plain, arrays
+
+    def load_state(self, plain: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
+        """Restore :meth:`state` of a learner built with the same settings on the same engine: every value is
+        checked first (``ValueError`` naming it), and nothing changes unless all of it loads."""
+        if not isinstance(plain, Mapping) or plain.get("format") != 1:
+            raise ValueError("the saved loop state must be an object with format 1")
+        observes = plain.get("observes")
+        if isinstance(observes, bool) or not isinstance(observes, int) or not 0 <= observes <= 2**53:
+            raise ValueError(f"`observes == {observes!r}`, must be an int in [0, 2**53]")
+        rng = np.random.default_rng()
+        saved_rng: Any = plain.get("rng")
+        try:
+            rng.bit_generator.state = saved_rng
+        except (TypeError, ValueError, KeyError) as error:
+            raise ValueError(f"`rng` is not a {type(self.rng.bit_generator).__name__} state: {error}") from None
+        params = {k.removeprefix("param."): v for k, v in arrays.items() if k.startswith("param.")}
+        current = self.engine.parameters()
+        if params.keys() != current.keys() or any(params[k].shape != current[k].shape or params[k].dtype != current[k].dtype for k in params):
+            raise ValueError("the saved parameters must be this engine's trainable tensors, with their shapes and dtypes")
+        if not all(np.isfinite(v).all() for v in params.values()):
+            raise ValueError("the saved parameters hold NaN or infinite values")
+        teacher = {k.removeprefix("teacher."): v for k, v in arrays.items() if k.startswith("teacher.")}
+        if bool(plain.get("teacher")) != bool(teacher) or (teacher and teacher.keys() != current.keys()):
+            raise ValueError("the saved teacher must be absent or hold every trainable tensor")
+        replay: Any = plain.get("replay")
+        if (replay is None) != (self.replay is None):
+            raise ValueError("the saved state and this learner disagree on having a replay buffer")
+        if self.replay is not None:
+            counts = [replay.get(k) for k in ("size", "seen")] if isinstance(replay, Mapping) else [None]
+            if not all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
+                raise ValueError("`replay` must be an object with int `size` and `seen`")
+            self.replay.check_arrays(arrays, replay["size"], replay["seen"], self.num_classes)
+        probe = DeviceUpdateGuard()
+        probe.load_state_dict(plain.get("guard"))
+        snapshot = self.engine.parameters(), self.engine.optimizer_state()
+        try:
+            self.engine.load_parameters(params)
+            self.engine.load_optimizer_state({k.removeprefix("optim."): v for k, v in arrays.items() if k.startswith("optim.")})
+        except (ValueError, KeyError, RuntimeError) as error:
+            self.engine.load_parameters(snapshot[0])
+            self.engine.load_optimizer_state(snapshot[1])
+            raise ValueError(f"the engine refused the saved optimizer state: {error}") from None
+        self.guard.load_state_dict(plain["guard"])
+        if self.replay is not None:
+            self.replay.load_arrays(arrays, replay["size"], replay["seen"])
+        self.rng.bit_generator.state = rng.bit_generator.state  # the replay buffer shares this generator
+        self.teacher = {k: v.copy() for k, v in teacher.items()} or None
+        self.observes = observes
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Outputs for ``x``; :class:`~taste_cl.exceptions.NonFiniteOutputError` rather than NaN."""
