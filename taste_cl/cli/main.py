@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "batch-size": ("taste_cl.benchmarks.batch_size", "throughput-aware batch size: tuned vs grid oracle vs fixed sizes"),
     "device": ("taste_cl.benchmarks.device_runtimes", "ONNX Runtime and ExecuTorch training steps vs torch eager (extras [onnx], [executorch])"),
     "elastic": ("taste_cl.benchmarks.elastic", "elastic trainable-tensor selection vs full and last-layer training"),
+    "engines": ("taste_cl.benchmarks.parity.engines", "one loop on torch eager and the standard-ONNX engine: accuracy, replay draws, guard refusals"),
     "federated": ("taste_cl.benchmarks.federated", "simulated Flower fleet vs local-only learning (extra [federated])"),
     "online-digits": ("taste_cl.benchmarks.online_digits", "split-digits stream: reservoir replay vs no replay"),
     "onnx": ("taste_cl.benchmarks.onnx_training", "ONNX Runtime training step vs torch eager step (extra [onnx])"),

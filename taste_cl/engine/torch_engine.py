@@ -27,7 +27,9 @@ __all__ = ["TorchEngine"]
 
 class TorchEngine:
     """``model`` trained by ``optimizer``; ``trainable`` names the parameters that get gradients
-    (default: those the optimizer holds that require gradients)."""
+    (default: those the optimizer holds that require gradients). ``train_mode=False`` runs the
+    training forward in eval mode too (BatchNorm on its running statistics, no dropout), as the
+    standard-ONNX engine's graphs are captured."""
 
     def __init__(
         self,
@@ -37,8 +39,10 @@ class TorchEngine:
         trainable: Sequence[str] | None = None,
         call: str = "auto",
         output: Callable[[Any], Any] | None = None,
+        train_mode: bool = True,
     ) -> None:
         self.model = model
+        self.train_mode = train_mode
         self.optimizer = optimizer
         self.call = call
         self.output = output
@@ -67,7 +71,7 @@ class TorchEngine:
 
     def forward(self, x: Inputs, *, train: bool) -> np.ndarray:
         inputs = self._tensors(x)
-        self.model.train(train)
+        self.model.train(train and self.train_mode)
         if train:
             outputs = call_model(self.model, inputs, output=self.output, call=self.call)
             self._outputs = outputs

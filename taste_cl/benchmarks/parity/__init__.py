@@ -1,0 +1,1 @@
+"""Benchmarks that check two engines or runtimes train alike (``engines``)."""
