@@ -19,13 +19,18 @@ statistics and TENT and EATA take no step (an entropy step through one row's pre
 the continual benchmark worse than never adapting: 0.904 error against the source's 0.791 at
 batch size 1), so the batch gets the current model's predictions. The first such batch warns
 (:class:`~taste_cl.exceptions.AdaptationWarning`).
+
+Checkpoints: :meth:`TestTimeAdapter.state_dict` holds the method's state, the adapter's settings
+and counters, the anchor's tensors, the step moments and the guard's state (each part gives its
+own); :meth:`TestTimeAdapter.parse_state` checks one against a model, changing nothing, and
+returns what applies it, so a resumed learner adapts on exactly as the uninterrupted one.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +41,16 @@ from taste_cl._batch import Inputs, batch_len, call_model
 from taste_cl._checks import check_int
 from taste_cl.adaptation.anchor import NormAnchor, model_bytes
 from taste_cl.adaptation.guard import CollapseGuard, GuardVerdict
-from taste_cl.adaptation.methods import AdaptationMethod, Eata, affine_parameters, batch_norms, resolve_method
+from taste_cl.adaptation.methods import METHODS, AdaptationMethod, Eata, affine_parameters, batch_norms, resolve_method
 from taste_cl.exceptions import AdaptationWarning
+from taste_cl.state.restore import Apply, check_keys, check_number, check_tensor, refusing, short
+from taste_cl.state.restore import check_int as check_int_in
 
 __all__ = ["AdaptStats", "TestTimeAdapter"]
+
+_SETTINGS = ("optimizer", "momentum", "min_batch", "backoff")
+_FLAGS = ("bound", "stale_anchor", "warned_small")
+_KEYS = {"method", "settings", "lr_scale", "batches", "resets", *_FLAGS, "anchor", "steps", "guard"}
 
 
 @dataclass(frozen=True)
@@ -162,6 +173,114 @@ class TestTimeAdapter:
         if self.guard is not None:
             self.guard.clear()
 
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed adapter needs (copies): the method's state, the settings, the counters and flags,
+        the anchor's tensors (None while unbound), the step moments and the guard's state (None unguarded)."""
+        return {
+            "method": self.method.state_dict(),
+            "settings": {"optimizer": self.optimizer, "momentum": self.momentum, "min_batch": self.min_batch, "backoff": self.backoff},
+            "lr_scale": self.lr_scale,
+            "batches": self.batches,
+            "resets": self.resets,
+            "bound": self.bound,
+            "stale_anchor": self._stale_anchor,
+            "warned_small": self._warned_small,
+            "anchor": None if self._anchor is None else self._anchor.values(),
+            "steps": {
+                "velocity": {name: t.clone() for name, t in self._velocity.items()},
+                "second": {name: t.clone() for name, t in self._second.items()},
+                "updates": self._updates,
+            },
+            "guard": None if self.guard is None else self.guard.state_dict(),
+        }
+
+    @classmethod
+    def from_state(cls, state: Any, model: nn.Module, *, where: str = "adaptation") -> tuple[TestTimeAdapter, Apply]:
+        """A new adapter of the built-in method ``state`` names, and what applies ``state`` to it (see
+        :meth:`parse_state`); :class:`~taste_cl.exceptions.CheckpointError` naming the field, nothing built, otherwise."""
+        with refusing():
+            if not isinstance(state, dict):
+                raise ValueError(f"`{where}` must be a dict or None; got {type(state).__name__}")  # noqa: TRY004 (a bad state is a ValueError)
+            method = state.get("method")
+            name = method.get("name") if isinstance(method, dict) else None
+            if not isinstance(name, str) or name not in METHODS:
+                raise ValueError(
+                    f"`{where}.method.name == {short(name)}` is not a built-in method {sorted(METHODS)}:"
+                    " build the learner with adaptation=TestTimeAdapter(your method) and load_state_dict"
+                )
+            adapter = cls(METHODS[name](), guard=None)
+        return adapter, adapter.parse_state(state, model, where=where)
+
+    def parse_state(self, state: Any, model: nn.Module, *, where: str = "adaptation") -> Apply:
+        """Check a :meth:`state_dict` against this adapter (the same method) and ``model`` (bound to it when the state
+        is), changing nothing, and return what applies it. Raises :class:`~taste_cl.exceptions.CheckpointError`
+        naming the field: settings a constructor refuses, ``lr_scale`` outside (0, 1] (0 only once a backoff
+        below 1 has reset it), negative counters, an anchor that is not this model's normalisation tensors,
+        moments of other names, shapes or dtypes than its affine parameters, NaN anywhere, or a guard state
+        its :meth:`~taste_cl.adaptation.guard.CollapseGuard.parse_state` refuses."""
+        with refusing():
+            if not isinstance(state, dict):
+                raise ValueError(f"`{where}` must be a dict or None; got {type(state).__name__}")  # noqa: TRY004 (a bad state is a ValueError)
+            check_keys(where, state, _KEYS, " from what a TestTimeAdapter keeps")
+            params = affine_parameters(model)
+            apply_method = self.method.parse_state(state["method"], params, where=f"{where}.method")
+            settings = _parse_settings(state["settings"], f"{where}.settings")
+            batches = check_int_in(f"{where}.batches", state["batches"])
+            resets = check_int_in(f"{where}.resets", state["resets"], 0, batches)
+            lr_scale = check_number(f"{where}.lr_scale", state["lr_scale"], low=0.0)
+            if lr_scale > 1 or (lr_scale == 0 and not (resets and settings["backoff"] < 1)):
+                raise ValueError(f"`{where}.lr_scale == {lr_scale}`, must be in (0, 1] (0 only once a backoff below 1 has reset it)")
+            flags = {}
+            for flag in _FLAGS:
+                if not isinstance(state[flag], bool):
+                    raise ValueError(f"`{where}.{flag} == {short(state[flag])}`, must be a bool")  # noqa: TRY004 (a bad state is a ValueError)
+                flags[flag] = state[flag]
+            anchor = self._parse_anchor(state["anchor"], model, params, flags["bound"], where)
+            velocity, second, updates = _parse_steps(state["steps"], params if flags["bound"] else {}, settings["optimizer"], f"{where}.steps")
+            guard, apply_guard = self._parse_guard(state["guard"], model, where)
+
+        def apply() -> None:
+            apply_method()
+            self.optimizer, self.momentum, self.min_batch, self.backoff = (settings[key] for key in _SETTINGS)
+            self.lr_scale, self.batches, self.resets = lr_scale, batches, resets
+            self._stale_anchor, self._warned_small = flags["stale_anchor"], flags["warned_small"]
+            self._model, self._params, self._anchor = (model, params, anchor) if anchor is not None else (None, {}, None)
+            self._velocity, self._second, self._updates = velocity, second, updates
+            self.guard = guard
+            apply_guard()
+
+        return apply
+
+    def _parse_anchor(self, value: Any, model: nn.Module, params: dict[str, nn.Parameter], bound: bool, where: str) -> NormAnchor | None:
+        """The anchor a bound state holds, loaded into a new :class:`NormAnchor` of ``model`` (None when unbound)."""
+        if not bound:
+            if value is not None:
+                raise ValueError(f"`{where}.anchor` must be None while `{where}.bound` is False")
+            return None
+        if self.method.steps and not params:
+            raise ValueError(f"`{where}.bound`: {self.method.name!r} adapts normalisation layers' affine parameters, and this model has none")
+        if not self.method.steps and not batch_norms(model):
+            raise ValueError(f"`{where}.bound`: 'bn' adapts BatchNorm statistics, and this model has no BatchNorm that tracks them")
+        if not isinstance(value, dict):
+            raise ValueError(f"`{where}.anchor` must be a dict of tensors while `{where}.bound` is True")  # noqa: TRY004 (a bad state is a ValueError)
+        anchor = NormAnchor(model)  # a copy of the model's tensors: nothing of the model changes
+        live = anchor.values()
+        placed = {name: t.to(device=live[name].device) if isinstance(t, torch.Tensor) and name in live else t for name, t in value.items()}
+        try:
+            anchor.load_values(placed)
+        except ValueError as error:
+            raise ValueError(f"`{where}.anchor`: {error}") from error
+        return anchor
+
+    def _parse_guard(self, value: Any, model: nn.Module, where: str) -> tuple[CollapseGuard | None, Apply]:
+        """The guard the state has (this adapter's, else a new one its settings apply to) and what applies its state."""
+        if value is None:
+            return None, lambda: None
+        guard = self.guard if self.guard is not None else CollapseGuard()
+        device = next((p.device for p in model.parameters()), None)
+        return guard, guard.parse_state(value, where=f"{where}.guard", device=device)
+
     # ------------------------------------------------------------------ one batch
     def adapt(self, x: Inputs, *, call: str = "auto", output: Callable[[Any], Any] | None = None) -> AdaptStats:
         """Adapt on the validated batch ``x`` and return its predictions (see the class)."""
@@ -265,6 +384,10 @@ class TestTimeAdapter:
                 s_hat = s / (1 - 0.999**self._updates)
                 p.sub_(self.method.lr * self.lr_scale * v_hat / (s_hat.sqrt() + 1e-8))
 
+    def load_state_dict(self, state: dict[str, Any], model: nn.Module) -> None:
+        """Apply a :meth:`state_dict` checked against ``model`` (see :meth:`parse_state`); all or nothing."""
+        self.parse_state(state, model)()
+
     def _finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self._params.values())
 
@@ -279,3 +402,61 @@ class TestTimeAdapter:
             "anchor_bytes": self.anchor_bytes,
             "model_copy_bytes": self.model_copy_bytes,
         }
+
+
+def _parse_settings(value: Any, where: str) -> dict[str, Any]:
+    """The adapter's settings, each as its constructor takes it."""
+    if not isinstance(value, dict):
+        raise ValueError(f"`{where}` must be a dict; got {type(value).__name__}")  # noqa: TRY004 (a bad state is a ValueError)
+    check_keys(where, value, set(_SETTINGS))
+    if value["optimizer"] not in ("adam", "sgd"):
+        raise ValueError(f"`{where}.optimizer == {short(value['optimizer'])}`, must be 'adam' or 'sgd'")
+    momentum = check_number(f"{where}.momentum", value["momentum"], low=0.0)
+    if momentum >= 1:
+        raise ValueError(f"`{where}.momentum == {momentum}`, must be in [0, 1)")
+    backoff = check_number(f"{where}.backoff", value["backoff"], low=0.0)
+    if backoff > 1:
+        raise ValueError(f"`{where}.backoff == {backoff}`, must be in [0, 1]")
+    return {
+        "optimizer": value["optimizer"],
+        "momentum": momentum,
+        "min_batch": check_int_in(f"{where}.min_batch", value["min_batch"], 2),
+        "backoff": backoff,
+    }
+
+
+def _parse_steps(
+    value: Any, params: Mapping[str, torch.Tensor], optimizer: str, where: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    """The step moments, copied onto their parameters' devices: per affine parameter (``params``, empty while
+    unbound) a first moment and, for Adam, a second one (>= 0) of its shape and dtype; the step count."""
+    if not isinstance(value, dict):
+        raise ValueError(f"`{where}` must be a dict; got {type(value).__name__}")  # noqa: TRY004 (a bad state is a ValueError)
+    check_keys(where, value, {"velocity", "second", "updates"})
+    updates = check_int_in(f"{where}.updates", value["updates"])
+    moments = {}
+    for key in ("velocity", "second"):
+        tensors = value[key]
+        if not isinstance(tensors, dict):
+            raise ValueError(f"`{where}.{key}` must be a dict of tensors by parameter name")  # noqa: TRY004 (a bad state is a ValueError)
+        unknown = sorted(map(str, set(tensors) - set(params)))
+        if unknown:
+            raise ValueError(f"`{where}.{key}` names {unknown[:4]}, which are not the bound model's normalisation parameters")
+        moments[key] = {
+            name: check_tensor(f"{where}.{key}.{name}", t, shape=tuple(params[name].shape), dtype=params[name].dtype) for name, t in tensors.items()
+        }
+    velocity, second = moments["velocity"], moments["second"]
+    if optimizer == "sgd" and second:
+        raise ValueError(f"`{where}.second` must be empty: SGD keeps no second moment")
+    if optimizer == "adam" and set(second) != set(velocity):
+        raise ValueError(f"`{where}.second` must name the parameters `{where}.velocity` names: Adam keeps both moments")
+    for name, t in second.items():
+        if bool((t < 0).any()):
+            raise ValueError(f"`{where}.second.{name}` holds negative values (a moving mean of squares)")
+    if velocity and updates == 0:
+        raise ValueError(f"`{where}.updates == 0` with moments held: a moment follows at least one step")
+
+    def placed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: t.detach().to(device=params[name].device).clone() for name, t in tensors.items()}
+
+    return placed(velocity), placed(second), updates

@@ -21,6 +21,10 @@ When the window holds at least ``min_rows`` rows and the marginal ratio falls be
 ``min_marginal_ratio`` (or the confident agreement below ``min_agreement``, when set), the
 verdict is a reset to the anchor (the source's normalisation tensors) and the window starts
 over.
+
+Checkpoints: :meth:`CollapseGuard.state_dict` holds the settings, the class prior, the reset
+count and the window itself (each batch's adapted probabilities, and the source's or None);
+:meth:`CollapseGuard.parse_state` checks one, changing nothing, and returns what applies it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from typing import Any
 
 import torch
 
-from taste_cl._checks import check_int, check_positive
+from taste_cl._checks import INT_LIMIT, check_int, check_positive
+from taste_cl.state.restore import Apply, check_keys, check_tensor, refusing
+from taste_cl.state.restore import check_int as check_int_in
 
 __all__ = ["CollapseGuard", "GuardVerdict"]
 
@@ -53,6 +59,17 @@ class GuardVerdict:
 def _marginal_entropy(probs: torch.Tensor) -> float:
     mean = probs.mean(dim=0).clamp_min(1e-12)
     return float(-(mean * mean.log()).sum())
+
+
+def _probabilities(where: str, value: Any, shape: tuple[int, ...] | None) -> torch.Tensor:
+    """One batch of the window: float32 rows of probabilities, ``(rows >= 1, classes >= 2)`` or ``shape``."""
+    tensor = check_tensor(where, value, dtype=torch.float32)
+    if tensor.dim() != 2 or tensor.shape[0] < 1 or tensor.shape[1] < 2 or (shape is not None and tuple(tensor.shape) != shape):
+        rule = f"shape {shape}" if shape is not None else "shape (rows >= 1, classes >= 2)"
+        raise ValueError(f"`{where}` must be a float32 tensor of {rule}; got {tuple(tensor.shape)}")
+    if bool(((tensor < 0) | (tensor > 1)).any()):
+        raise ValueError(f"`{where}` must hold probabilities in [0, 1]")
+    return tensor
 
 
 class CollapseGuard:
@@ -133,6 +150,74 @@ class CollapseGuard:
             self.resets += 1
             self.clear()
         return verdict
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Settings, class prior (a tensor: restored bit for bit), resets and the window: one ``[adapted, source or None]``
+        pair of probability tensors per batch, oldest first (copies)."""
+        return {
+            "settings": {key: value for key, value in self.settings().items() if key != "class_prior"},
+            "class_prior": None if self.class_prior is None else self.class_prior.clone(),
+            "resets": self.resets,
+            "window": [[adapted.clone(), None if source is None else source.clone()] for adapted, source in self._batches],
+        }
+
+    def parse_state(self, state: Any, *, where: str = "adaptation.guard", device: torch.device | None = None) -> Apply:
+        """Check a :meth:`state_dict`, changing nothing, and return what applies it to this guard (its settings too;
+        the window's tensors go to ``device`` when given). Raises :class:`~taste_cl.exceptions.CheckpointError`
+        naming the field: settings a guard refuses, a class prior that is not a distribution, a negative reset
+        count, window rows that are not probabilities of one class count, or more rows after the oldest batch
+        than the window keeps (:meth:`update` drops the oldest batch once the others fill the window)."""
+        with refusing():
+            if not isinstance(state, dict):
+                raise ValueError(f"`{where}` must be a dict or None; got {type(state).__name__}")  # noqa: TRY004 (a bad state is a ValueError)
+            check_keys(where, state, set(self.state_dict()), " from what a CollapseGuard keeps")
+            settings = state["settings"]
+            if not isinstance(settings, dict):
+                raise ValueError(f"`{where}.settings` must be a dict; got {type(settings).__name__}")  # noqa: TRY004 (a bad state is a ValueError)
+            check_keys(f"{where}.settings", settings, set(self.settings()) - {"class_prior"})
+            try:
+                fresh = CollapseGuard(**settings)
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"`{where}.settings`: {error}") from error
+            prior = state["class_prior"]
+            if prior is not None:
+                prior = check_tensor(f"{where}.class_prior", prior, dtype=torch.float32)
+                if prior.dim() != 1 or prior.numel() < 2 or bool((prior < 0).any()) or float(prior.sum()) <= 0:
+                    raise ValueError(f"`{where}.class_prior` must be None or at least 2 non-negative frequencies with a positive sum")
+            resets = check_int_in(f"{where}.resets", state["resets"], 0, INT_LIMIT)
+            batches = self._parse_window(state["window"], f"{where}.window", fresh.window)
+        placed = [(a.to(device=device).clone(), None if s is None else s.to(device=device).clone()) for a, s in batches]
+        placed_prior = None if prior is None else prior.clone()
+
+        def apply() -> None:
+            self.window, self.min_rows, self.confident = fresh.window, fresh.min_rows, fresh.confident
+            self.min_marginal_ratio, self.min_agreement = fresh.min_marginal_ratio, fresh.min_agreement
+            self.class_prior, self.resets = placed_prior, resets
+            self._batches = deque(placed)
+            self._rows = sum(a.shape[0] for a, _ in placed)
+
+        return apply
+
+    @staticmethod
+    def _parse_window(value: Any, where: str, window: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"`{where}` must be a list of [adapted, source or None] pairs; got {type(value).__name__}")  # noqa: TRY004 (a bad state is a ValueError)
+        batches: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        classes = None
+        for i, pair in enumerate(value):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ValueError(f"`{where}[{i}]` must be an [adapted, source or None] pair")
+            adapted = _probabilities(f"{where}[{i}][0]", pair[0], None)
+            classes = adapted.shape[1] if classes is None else classes
+            if adapted.shape[1] != classes:
+                raise ValueError(f"`{where}[{i}][0]` has {adapted.shape[1]} classes; the window's first batch has {classes}")
+            source = None if pair[1] is None else _probabilities(f"{where}[{i}][1]", pair[1], tuple(adapted.shape))
+            batches.append((adapted, source))
+        rows = sum(a.shape[0] for a, _ in batches)
+        if batches and rows - batches[0][0].shape[0] >= window:
+            raise ValueError(f"`{where}` holds {rows - batches[0][0].shape[0]} rows after its oldest batch; a window of {window} rows keeps fewer")
+        return batches
 
     def settings(self) -> dict[str, Any]:
         return {

@@ -19,17 +19,24 @@ adaptation cheap and its undo small:
 
 A method works on a :class:`~taste_cl.adaptation.anchor.NormState`: the normalisation
 layers' affine parameters and running statistics, found by :func:`norm_layers`.
+
+Checkpoints: :meth:`AdaptationMethod.state_dict` gives the method's name and settings (and
+EATA's anchor, Fisher weights and moving mean of probabilities);
+:meth:`AdaptationMethod.parse_state` checks one against the parameters it adapts, changing
+nothing, and returns what applies it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from taste_cl._checks import check_finite_positive, check_positive
+from taste_cl.state.restore import Apply, check_keys, check_number, check_tensor, refusing, short
 
 __all__ = ["METHODS", "AdaptationMethod", "BNAdapt", "Eata", "Tent", "affine_parameters", "batch_norms", "entropy", "norm_layers", "resolve_method"]
 
@@ -81,6 +88,40 @@ class AdaptationMethod:
     def reset(self) -> None:
         """Forget what was learned about the stream (after a reset to the anchor)."""
 
+    # ------------------------------------------------------------------ checkpoints
+    def config(self) -> dict[str, Any]:
+        """The method's settings, by attribute name (what :meth:`parse_config` checks)."""
+        return {"lr": self.lr}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The method's name and settings, and what it keeps of the stream (copies), for checkpoints."""
+        return {"name": self.name, "config": self.config()}
+
+    def parse_config(self, config: Any, where: str) -> dict[str, Any]:
+        """Checked values of a :meth:`config` (``where``: its place in the state, for messages); ``ValueError`` naming the field."""
+        if not isinstance(config, dict):
+            raise ValueError(f"`{where}` must be a dict; got {type(config).__name__}")  # noqa: TRY004 (a bad state is a ValueError)
+        check_keys(where, config, set(self.config()), f" from {type(self).__name__}'s settings")
+        return {"lr": check_number(f"{where}.lr", config["lr"], positive=True)}
+
+    def parse_state(self, state: Any, params: Mapping[str, torch.Tensor], *, where: str = "adaptation.method") -> Apply:
+        """Check a :meth:`state_dict` of this kind of method against ``params`` (the affine parameters it
+        adapts, by name); change nothing, return what applies it. Raises
+        :class:`~taste_cl.exceptions.CheckpointError` naming the field."""
+        with refusing():
+            if not isinstance(state, dict):
+                raise ValueError(f"`{where}` must be a dict; got {type(state).__name__}")  # noqa: TRY004 (a bad state is a ValueError)
+            check_keys(where, state, set(self.state_dict()), f" from what {self.name!r} keeps")
+            if state["name"] != self.name:
+                raise ValueError(f"`{where}.name == {short(state['name'])}`; this adapter's method is {self.name!r}")
+            values = self.parse_config(state["config"], f"{where}.config")
+
+        def apply() -> None:
+            for name, value in values.items():
+                setattr(self, name, value)
+
+        return apply
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(lr={self.lr})"
 
@@ -130,6 +171,54 @@ class Eata(AdaptationMethod):
     def reset(self) -> None:
         self._mean_probs = None
 
+    def config(self) -> dict[str, Any]:
+        return {"lr": self.lr, "e_margin": self.e_margin, "d_margin": self.d_margin, "anchor_weight": self.anchor_weight}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Name and settings, the anchor (source values and Fisher weights, by parameter name) and the moving mean of probabilities."""
+        return {
+            **super().state_dict(),
+            "source": {name: t.clone() for name, t in self._source.items()},
+            "fisher": {name: t.clone() for name, t in self._fisher.items()},
+            "mean_probs": None if self._mean_probs is None else self._mean_probs.clone(),
+        }
+
+    def parse_config(self, config: Any, where: str) -> dict[str, Any]:
+        values = super().parse_config(config, where)
+        values["e_margin"] = check_positive(f"{where}.e_margin", config["e_margin"], upper=1.0)
+        values["d_margin"] = check_positive(f"{where}.d_margin", config["d_margin"], upper=2.0)
+        values["anchor_weight"] = check_number(f"{where}.anchor_weight", config["anchor_weight"], low=0.0)
+        return values
+
+    def parse_state(self, state: Any, params: Mapping[str, torch.Tensor], *, where: str = "adaptation.method") -> Apply:
+        """As :meth:`AdaptationMethod.parse_state`, and the anchor: source values and Fisher weights of some of
+        ``params`` (the same names; their shapes and dtypes; finite; Fisher weights >= 0), and the moving mean of
+        probabilities (None, or one finite probability per class)."""
+        apply_config = super().parse_state(state, params, where=where)
+        with refusing():
+            source = _parse_tensors(f"{where}.source", state["source"], params)
+            fisher = _parse_tensors(f"{where}.fisher", state["fisher"], params)
+            if set(fisher) != set(source):
+                raise ValueError(f"`{where}.fisher` must weight exactly the parameters of `{where}.source`: {sorted(set(fisher) ^ set(source))[:4]}")
+            for name, weight in fisher.items():
+                if bool((weight < 0).any()):
+                    raise ValueError(f"`{where}.fisher.{name}` holds negative weights")
+            mean = state["mean_probs"]
+            if mean is not None:
+                mean = check_tensor(f"{where}.mean_probs", mean)
+                if mean.dim() != 1 or mean.numel() < 1 or not mean.is_floating_point() or bool(((mean < 0) | (mean > 1)).any()):
+                    raise ValueError(
+                        f"`{where}.mean_probs` must be None or a floating vector of probabilities in [0, 1]; got {mean.dtype} {tuple(mean.shape)}"
+                    )
+        device = next(iter(params.values())).device if params else None
+        placed_mean = None if mean is None else mean.detach().to(device=device).clone()
+
+        def apply() -> None:
+            apply_config()
+            self._source, self._fisher, self._mean_probs = _placed(source, params), _placed(fisher, params), placed_mean
+
+        return apply
+
     def loss(self, logits: torch.Tensor, params: dict[str, nn.Parameter]) -> tuple[torch.Tensor | None, int]:
         ent = entropy(logits)
         margin = self.e_margin * math.log(logits.shape[1])
@@ -154,6 +243,23 @@ class Eata(AdaptationMethod):
 
     def __repr__(self) -> str:
         return f"Eata(lr={self.lr}, e_margin={self.e_margin}, d_margin={self.d_margin}, anchor_weight={self.anchor_weight})"
+
+
+def _parse_tensors(where: str, value: Any, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A dict of finite tensors named and shaped as some of ``params``."""
+    if not isinstance(value, dict):
+        raise ValueError(f"`{where}` must be a dict of tensors by parameter name; got {type(value).__name__}")  # noqa: TRY004 (a bad state is a ValueError)
+    unknown = sorted(map(str, set(value) - set(params)))
+    if unknown:
+        raise ValueError(f"`{where}` names {unknown[:4]}, which are not this model's normalisation parameters")
+    return {
+        name: check_tensor(f"{where}.{name}", tensor, shape=tuple(params[name].shape), dtype=params[name].dtype) for name, tensor in value.items()
+    }
+
+
+def _placed(tensors: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of checked tensors on their parameters' devices."""
+    return {name: t.detach().to(device=params[name].device).clone() for name, t in tensors.items()}
 
 
 METHODS: dict[str, Callable[..., AdaptationMethod]] = {"bn": BNAdapt, "tent": Tent, "eata": Eata}

@@ -361,6 +361,7 @@ class OnlineLearner(LearnerPersistence):
             inputs, spec = to_inputs(x, spec=self.input_spec, dtype=dtype, device=device)
             if self.input_spec is None:  # before the first labelled batch: later batches must look like this one
                 self.input_spec = spec
+                self.input_shape = spec.shape if spec.is_tensor else None
             if self.adapter is None:
                 self.adapter = TestTimeAdapter()
             if not self.adapter.bound:

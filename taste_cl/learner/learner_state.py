@@ -49,7 +49,7 @@ L = TypeVar("L", bound="OnlineLearner")
 
 
 def learner_state(learner: OnlineLearner) -> dict[str, Any]:
-    """Everything a resumed run needs: model, optimizer, buffer, monitor, plugins, RNG (call under the learner's lock)."""
+    """Everything a resumed run needs: model, optimizer, buffer, monitor, test-time adapter, plugins, RNG (call under the learner's lock)."""
     return {
         "format": CHECKPOINT_FORMAT,
         "config": {
@@ -84,6 +84,7 @@ def learner_state(learner: OnlineLearner) -> dict[str, Any]:
         "plugins": {plugin.name: plugin.state_dict() for plugin in learner.plugins},
         "rng": {"torch": torch.get_rng_state()},
         "guard": learner.guard.state_dict(learner.optimizer.param_groups),
+        "adaptation": None if learner.adapter is None else learner.adapter.state_dict(),
     }
 
 

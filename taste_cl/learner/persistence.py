@@ -83,7 +83,7 @@ class LearnerPersistence:
         self._score_eval = score_eval
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs: model, optimizer, buffer, monitor, plugins, RNG."""
+        """Everything a resumed run needs: model, optimizer, buffer, monitor, test-time adapter, plugins, RNG."""
         with self._lock:
             return learner_state(self._as_learner)
 
@@ -135,7 +135,7 @@ class LearnerPersistence:
 
         Every section is validated against this learner first (shapes and dtypes of the
         model, optimizer groups and state, gradients, batch plan, pending samples,
-        counters, replay and monitor contents, RNG and guard state); only then is
+        counters, replay and monitor contents, test-time adapter, RNG and guard state); only then is
         anything changed. On any error :class:`~taste_cl.exceptions.CheckpointError` is
         raised and the learner, its replay, monitor and plugins are exactly as before.
         """

@@ -4,7 +4,8 @@ The learner's sections live in :mod:`.sections`; the parts' are here, each askin
 owns the state to check it without changing anything: the replay buffer (a trial buffer loads
 it), the strategy (a copy loads a custom one's), the monitor
 (:meth:`~taste_cl.monitor.monitor.StabilityPlasticityMonitor.check_state`) and the update guard
-(:meth:`~taste_cl.guards.update.UpdateGuard.parse_state`); samples they hold must pass the checks
+(:meth:`~taste_cl.guards.update.UpdateGuard.parse_state`) and the test-time adapter
+(:meth:`~taste_cl.adaptation.adapter.TestTimeAdapter.parse_state`); samples they hold must pass the checks
 a stream batch passes. :mod:`taste_cl.state.restore` runs every parser, loads the plugins' states
 (each put back if one fails) and only then applies every section; on any error the learner and
 every part are exactly as they were and :class:`~taste_cl.exceptions.CheckpointError` names the section.
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from taste_cl.adaptation.adapter import TestTimeAdapter
 from taste_cl.guards.update import UpdateGuard
 from taste_cl.learner.heads import grow_for_state
 from taste_cl.learner.sections import LEARNER_SECTIONS, Context
@@ -180,6 +182,26 @@ def _guard(ctx: Context) -> Apply:
     return lambda: guard.load_state_dict(state, optimizer.param_groups)  # after the optimizer's section
 
 
+def _adaptation(ctx: Context) -> Apply:
+    """The test-time adapter's state, checked by the adapter: absent (a checkpoint from before adapters were saved),
+    the learner's adapter is kept as it is; None (the saved learner had none), the learner's is dropped; else it is
+    applied to the learner's adapter (of the same method), or to a new one of the built-in method it names."""
+    if "adaptation" not in ctx.state:
+        return lambda: None
+    learner, saved = ctx.learner, ctx.state["adaptation"]
+    if saved is None:
+        return lambda: setattr(learner, "adapter", None)
+    if learner.adapter is not None:
+        return learner.adapter.parse_state(saved, learner.model)
+    adapter, apply = TestTimeAdapter.from_state(saved, learner.model)
+
+    def install() -> None:
+        apply()
+        learner.adapter = adapter
+
+    return install
+
+
 def _plugins(ctx: Context) -> Apply:
     plugins = ctx.get("plugins")
     if not all(isinstance(k, str) and isinstance(v, dict) for k, v in plugins.items()):
@@ -187,10 +209,12 @@ def _plugins(ctx: Context) -> Apply:
     return lambda: None  # loaded before the other sections apply (taste_cl.state.restore.load_plugins)
 
 
-_PARTS: dict[str, Callable[[Context], Apply]] = {"guard": _guard, "replay": _replay, "strategy": _strategy, "monitor": _monitor, "plugins": _plugins}
+_PARTS: dict[str, Callable[[Context], Apply]] = {
+    "guard": _guard, "replay": _replay, "strategy": _strategy, "monitor": _monitor, "adaptation": _adaptation, "plugins": _plugins,
+}  # fmt: skip
 SECTIONS: dict[str, Callable[[Context], Apply]] = {
     name: {**LEARNER_SECTIONS, **_PARTS}[name]
-    for name in ("config", "counters", "model", "optimizer", "guard", "training", "replay", "strategy", "monitor", "rng", "plugins")
+    for name in ("config", "counters", "model", "optimizer", "guard", "training", "replay", "strategy", "monitor", "adaptation", "rng", "plugins")
 }
 """Every section's parser in parsing order: later parsers read what earlier ones settled (``config``: the task and shapes)."""
 

@@ -144,13 +144,14 @@ def _config(ctx: Context) -> Apply:
         raise ValueError("`config.score_eval` must be a bool")  # noqa: TRY004 (a bad state is a ValueError)
     ctx.task = parse_task(config["task"])
     raw_spec, output_shape = config["input_spec"], config["output_shape"]
-    if (raw_spec is None) != (output_shape is None):
-        raise ValueError("`config.input_spec` and `config.output_shape` are set together (from the first batch)")
-    if raw_spec is not None:
+    if raw_spec is None and output_shape is not None:
+        raise ValueError("`config.output_shape` is set only with `config.input_spec` (from the first batch)")
+    if raw_spec is not None:  # without an output shape: from input_shape= or an adapt() before the first labelled batch
         try:
             ctx.input_spec = Spec.from_json(raw_spec)
         except ValueError as error:
             raise ValueError(f"`config.input_spec`: {error}") from error
+    if output_shape is not None:
         ctx.output_shape = _shape("config.output_shape", output_shape)
         if ctx.task is None:
             raise ValueError("`config.task` must be set once the first batch settled the input spec")

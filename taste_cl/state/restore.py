@@ -12,7 +12,8 @@ This module knows no part: it orchestrates, and offers the value checks every pa
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -31,6 +32,7 @@ __all__ = [
     "check_number",
     "check_tensor",
     "parse_sections",
+    "refusing",
     "restore_sections",
     "same",
     "short",
@@ -117,6 +119,18 @@ def check_generator_state(where: str, value: Any) -> torch.Tensor:
     except RuntimeError as error:
         raise ValueError(f"`{where}` is not a valid generator state: {error}") from error
     return value
+
+
+@contextmanager
+def refusing() -> Iterator[None]:
+    """A part's ``parse_state``: what its checks raise (``ValueError`` and kin, naming the field) raised as
+    :class:`~taste_cl.exceptions.CheckpointError` with the same message."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError) as error:
+        raise CheckpointError(str(error)) from error
 
 
 # -------------------------------------------------------------------- orchestration
