@@ -18,9 +18,9 @@ from torch import nn
 pytest.importorskip("onnxruntime.training")
 
 from taste_cl import OnlineLearner, ReservoirReplay
-from taste_cl.adapters.device.guard import DeviceUpdateGuard
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.exceptions import ArtifactError, ExportError, GeneratedRowsWarning, NonFiniteOutputError
+from taste_cl.guards.device import DeviceUpdateGuard
 
 POISON_LR = 1e4  # under any max_lr: only the size of the step it makes can refuse it
 

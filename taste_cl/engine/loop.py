@@ -5,7 +5,7 @@
 draw replayed rows from one seeded ``numpy`` stream, form the strategy's loss and its
 gradient with respect to the outputs (:mod:`taste_cl.engine.losses`), turn that into
 parameter gradients with the engine, clip them to ``max_grad_norm`` as torch does, and let
-the :class:`~taste_cl.adapters.device.guard.DeviceUpdateGuard` take, refuse or undo the
+the :class:`~taste_cl.guards.device.DeviceUpdateGuard` take, refuse or undo the
 step. The same seeds give the same replay draws on every engine, so two engines that agree
 on the model's numbers agree on the whole run.
 
@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 
 from taste_cl._checks import check_finite_positive, check_int
-from taste_cl.adapters.device.guard import DeviceUpdateGuard, StepMeasure, check_finite_outputs
 from taste_cl.engine import losses
 from taste_cl.engine.base import Engine
 from taste_cl.exceptions import InvalidBatchError
+from taste_cl.guards.device import DeviceUpdateGuard, StepMeasure, check_finite_outputs
 
 __all__ = ["BUFFERS", "STRATEGIES", "EngineLearner", "EngineStats", "LoopReplay"]
 

@@ -2,9 +2,10 @@
 
 - :mod:`.update`: :class:`UpdateGuard`, per optimizer step: no step that can poison the model;
 - :mod:`.probe`: :class:`ProbeGuard`, per update window: roll back a window that made the model worse for its user;
-- :mod:`.size_rule`: the update-size rule, in plain floats, that the device learners' guard applies too.
+- :mod:`.device`: :class:`DeviceUpdateGuard`, the same per-step rule on any runtime's step (torch-free);
+- :mod:`.size_rule`: the update-size rule, in plain floats, that both apply.
 
-The torch-free device runtimes import :mod:`.size_rule`, so this package loads its names on
+The torch-free device runtimes import :mod:`.device` and :mod:`.size_rule`, so this package loads its names on
 first use: they are listed once, in ``__init__.pyi`` (``lazy_loader``).
 """
 

@@ -48,7 +48,7 @@ from taste_cl.adapters.device.parity import TrainingDivergesError, UnstableTrain
 
 __all__ = ["AUTO_ORDER", "BACKENDS", "export"]
 
-BACKENDS = ("onnxruntime", "executorch")
+BACKENDS = ("onnxruntime", "executorch", "onnx_engine")
 # ONNX Runtime first, measured (`taste-cl bench device --models mlp cnn`, 1 thread, batch 32, see
 # docs/executorch.md): on the models both runtimes train, its SGD step ran 2.4x (MLP) and
 # 1.4x (stride-2 CNN) eager PyTorch's samples/s, ExecuTorch's (the Python runtime's
@@ -61,6 +61,10 @@ AUTO_ORDER = ("onnxruntime", "executorch")
 
 
 def _exporter(backend: str) -> Callable[..., Path]:
+    if backend == "onnx_engine":
+        from taste_cl.adapters.onnx_engine.learner_export import export as engine_export
+
+        return engine_export
     if backend == "executorch":
         from taste_cl.adapters.executorch.build import export as et_export
 
@@ -70,7 +74,7 @@ def _exporter(backend: str) -> Callable[..., Path]:
     return ort_export
 
 
-_PACKAGES = {"onnxruntime": ("onnx", "onnxruntime"), "executorch": ("executorch",)}
+_PACKAGES = {"onnxruntime": ("onnx", "onnxruntime"), "executorch": ("executorch",), "onnx_engine": ("onnx", "onnxscript", "onnxruntime")}
 # what ``taste_cl.adapters.onnxruntime.learner_export.export`` passes on to its ``export_model`` through ``**options``
 _ORT_PASSTHROUGH = frozenset({"trainable", "batchnorm", "lr", "verify", "parity_steps", "tolerance", "opset"})
 
@@ -94,8 +98,10 @@ def export(
 ) -> Path:
     """Write on-device training artifacts for ``learner`` with ``backend``; return the folder.
 
-    ``backend`` is ``"onnxruntime"``, ``"executorch"`` or ``"auto"`` (try the backends in
-    ``order``). A single backend's refusal propagates unchanged; under ``"auto"`` an
+    ``backend`` is ``"onnxruntime"``, ``"executorch"``, ``"onnx_engine"`` (standard-ONNX graphs on
+    plain onnxruntime, driven by the engine loop: :mod:`taste_cl.adapters.onnx_engine.learner_export`;
+    it has no parity gate, so ``"auto"`` tries it only when ``order`` names it) or ``"auto"`` (try the
+    backends in ``order``). A single backend's refusal propagates unchanged; under ``"auto"`` an
     :class:`ExportError` lists every backend's refusal when none passes. ``directory`` is
     written only on success.
     """
@@ -118,7 +124,7 @@ def export(
         for name in order:
             function = exporters[name]
             if function is None:
-                refused[name] = f"not installed (pip install 'taste-cl[{'onnx' if name == 'onnxruntime' else name}]')"
+                refused[name] = f"not installed (pip install 'taste-cl[{name if name == 'executorch' else 'onnx'}]')"
                 continue
             trial = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=stage.parent))
             try:

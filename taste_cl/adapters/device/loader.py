@@ -1,10 +1,11 @@
 """Open any exported artifact folder with the device learner its manifest names.
 
 ``learner.export(folder, backend="auto")`` may publish ONNX Runtime or ExecuTorch
-artifacts; :func:`load_learner` reads the (hash-checked) manifest and returns an
-:class:`~taste_cl.adapters.onnxruntime.runtime.OrtOnlineLearner` or an
-:class:`~taste_cl.adapters.executorch.EtOnlineLearner`, so the app need not know which.
-The ONNX Runtime path imports no torch.
+artifacts, ``backend="onnx_engine"`` ONNX engine ones; :func:`load_learner` reads the (hash-checked)
+manifest and returns an :class:`~taste_cl.adapters.onnxruntime.runtime.OrtOnlineLearner`, an
+:class:`~taste_cl.adapters.executorch.EtOnlineLearner` or an
+:class:`~taste_cl.adapters.onnx_engine.learner.OnnxEngineLearner`, so the app need not know which.
+The ONNX Runtime and ONNX engine paths import no torch.
 
 >>> from taste_cl.adapters.device import load_learner
 >>> device = load_learner("artifacts")  # doctest: +SKIP
@@ -34,8 +35,14 @@ def load_learner(directory: str | os.PathLike[str], **options: Any) -> Any:
         from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
         return OrtOnlineLearner.from_artifacts(directory, **options)
+    if backend == "onnx_engine":
+        from taste_cl.adapters.onnx_engine.learner import OnnxEngineLearner  # numpy and onnxruntime only
+
+        return OnnxEngineLearner.from_artifacts(directory, **options)
     if backend == "executorch":
         from taste_cl.adapters.executorch.learner import EtOnlineLearner  # its runtime imports torch
 
         return EtOnlineLearner.from_artifacts(directory, **options)
-    raise ArtifactError(f"{os.fspath(directory)!r} holds artifacts of backend {backend!r}; this taste_cl reads 'onnxruntime' and 'executorch'")
+    raise ArtifactError(
+        f"{os.fspath(directory)!r} holds artifacts of backend {backend!r}; this taste_cl reads 'onnxruntime', 'executorch' and 'onnx_engine'"
+    )

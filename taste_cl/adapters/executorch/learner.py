@@ -28,7 +28,7 @@ import torch
 from taste_cl._batch import split_batch
 from taste_cl.adapters.device.artifacts import ArtifactError, read_manifest, read_verified, staged_folder, write_manifest
 from taste_cl.adapters.device.class_slots import ClassSlots, parse_active_classes
-from taste_cl.adapters.device.guard import DeviceUpdateGuard, check_finite_outputs, guard_from_manifest
+from taste_cl.adapters.device.guard import guard_from_manifest
 from taste_cl.adapters.executorch.replay import load_replay, save_replay
 from taste_cl.adapters.executorch.runtime import (
     BACKEND,
@@ -45,6 +45,7 @@ from taste_cl.adapters.executorch.runtime import (
 )
 from taste_cl.adapters.onnxruntime.manifest import MAX_ITERATIONS, MAX_REPLAY_BATCH, manifest_error, manifest_int, replay_size
 from taste_cl.adapters.onnxruntime.replay import npz_headers
+from taste_cl.guards.device import DeviceUpdateGuard, check_finite_outputs
 from taste_cl.learner import ObserveStats
 from taste_cl.replay import ReservoirReplay
 

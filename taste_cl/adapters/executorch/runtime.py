@@ -39,7 +39,7 @@ from taste_cl.adapters.onnxruntime.replay import MAX_REPLAY_BYTES
 from taste_cl.exceptions import InvalidBatchError, MissingDependencyError
 
 if TYPE_CHECKING:
-    from taste_cl.adapters.device.guard import DeviceUpdateGuard
+    from taste_cl.guards.device import DeviceUpdateGuard
 
 __all__ = ["BACKEND", "FORMAT", "MAX_FILE_BYTES", "PARAM_PREFIX", "EtTrainer", "IOSpec", "LeafSpec", "check_program", "executorch_runtime"]
 

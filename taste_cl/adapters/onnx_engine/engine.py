@@ -120,6 +120,16 @@ class OnnxEngine:
         self._saved: list[tuple[dict[str, np.ndarray], int]] | None = None
         self._output_shape: tuple[int, ...] | None = None
 
+    @property
+    def inputs(self) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """Each input's dtype and shape without the batch axis, by name."""
+        return dict(self._inputs)
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        """The output's shape at the graphs' batch size (rows first)."""
+        return tuple(int(d) for d in self._manifest["output_shape"])
+
     # ------------------------------------------------------------------ loading
     def _check_signatures(self, manifest: Mapping[str, Any]) -> None:
         for session, key in ((self._forward, "forward"), (self._backward, "backward")):

@@ -42,7 +42,7 @@ from taste_cl.adapters.device.artifacts import (
     write_manifest,
 )
 from taste_cl.adapters.device.class_slots import ClassSlots
-from taste_cl.adapters.device.guard import DeviceUpdateGuard, check_finite_outputs, guard_from_manifest
+from taste_cl.adapters.device.guard import guard_from_manifest
 from taste_cl.adapters.onnxruntime.batches import features, split_batch, targets
 from taste_cl.adapters.onnxruntime.cross_checks import ADAMW_OP, TRAINING_OPS, check_agreement
 from taste_cl.adapters.onnxruntime.manifest import (
@@ -63,6 +63,7 @@ from taste_cl.adapters.onnxruntime.proto import Signature, check_no_external_dat
 from taste_cl.adapters.onnxruntime.replay import MAX_REPLAY_BYTES, NumpyReplay
 from taste_cl.adapters.onnxruntime.session import OrtSession, load_sgd_state, ort_bindings
 from taste_cl.adapters.web.compat import add_web_artifacts
+from taste_cl.guards.device import DeviceUpdateGuard, check_finite_outputs
 from taste_cl.learner.stats import ObserveStats
 
 __all__ = ["OrtOnlineLearner", "load"]

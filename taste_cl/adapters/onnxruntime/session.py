@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from taste_cl.adapters.device.artifacts import ArtifactError
-from taste_cl.adapters.device.guard import DeviceUpdateGuard, StepMeasure
 from taste_cl.adapters.onnxruntime.manifest import (
     CHECKPOINT,
     EVAL_MODEL,
@@ -37,6 +36,7 @@ from taste_cl.adapters.onnxruntime.manifest import (
     manifest_error,
 )
 from taste_cl.exceptions import MissingDependencyError
+from taste_cl.guards.device import DeviceUpdateGuard, StepMeasure
 
 __all__ = ["OrtSession", "load_sgd_state", "ort_bindings"]
 

@@ -109,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     if args.mobilenet and not args.quick:
         models.append(("MobileNetV3-small", _mobilenet, lambda s: _image_tasks(s, 400), 0.02, 10))
-    rows, results = [], {}
+    rows: list[list[Any]] = []
+    results: dict[str, Any] = {}
     jobs = [(m, s) for m in models for s in seeds]
     accuracy: dict[tuple[str, str, str], list[float]] = {}
     same_draws: dict[tuple[str, str], bool] = {}
@@ -140,9 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch_acc, ort_acc = accuracy[(name, label, "torch")], accuracy[(name, label, "onnxruntime")]
             spread = statistics.stdev(torch_acc) if len(torch_acc) > 1 else 0.0
             gap = statistics.fmean(ort_acc) - statistics.fmean(torch_acc)
-            refused = refusals[(name, label)]
-            torch_refused = sorted({i for r in refused for i in r.get("torch", [])})
-            ort_refused = sorted({i for r in refused for i in r.get("onnxruntime", [])})
+            per_run = refusals[(name, label)]
+            torch_refused = sorted({i for r in per_run for i in r.get("torch", [])})
+            ort_refused = sorted({i for r in per_run for i in r.get("onnxruntime", [])})
             rows.append(
                 [
                     name,
@@ -172,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "refused (ORT)",
     ]
     print(format_table(headers, rows))
-    worst = max(abs(r[4]) for r in rows)
+    worst = max(abs(float(r[4])) for r in rows)
     save_result(
         args.out,
         "engines",

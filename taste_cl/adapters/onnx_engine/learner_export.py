@@ -1,0 +1,239 @@
+"""Export an :class:`~taste_cl.OnlineLearner` as an ONNX engine learner folder: ``learner.export(folder, backend="onnx_engine")``.
+
+What travels: the model (the ``trainable=`` selection, default what the learner trains), the
+optimizer (``torch.optim.SGD`` with momentum, dampening, Nesterov and weight decay, or ``AdamW``)
+with its state and live learning rate, ``num_classes`` (the output width), the strategy (ER,
+ER-ACE, DER++ with ``alpha``/``beta``, LwF with ``alpha``/``temperature``, its teacher and its
+snapshot period), ``max_grad_norm``, ``replay_batch_size``, ``train_iterations``, the replay
+buffer (``ReservoirReplay`` -> ``"reservoir"``, ``ClassBalancedReplay`` -> ``"class_balanced"``:
+its capacity and rows, labels and, for DER++, the stored logits) and a seed for the device loop's
+generator. The folder is written by
+:meth:`~taste_cl.adapters.onnx_engine.learner.OnnxEngineLearner.save` (staged and hashed).
+
+Refused before anything is written, with :class:`~taste_cl.exceptions.ExportError` naming what:
+another optimizer, a custom strategy or buffer, a loss other than plain mean cross-entropy, a
+task other than classification, structured inputs (dicts, tuples) or a model output that is not
+``(n, classes)``, a callable ``output=`` selection, a learner that has not settled its input
+(never observed and no ``input_shape=``), and ``batchnorm="batch"``.
+
+BatchNorm: the engine's graphs run BatchNorm on its running statistics (eval mode). Like the
+ONNX Runtime export's ``batchnorm="auto"``, which falls back to frozen statistics with a
+:class:`~taste_cl.exceptions.BatchNormModeWarning` when batch statistics cannot be exported with
+parity, a learner that trains BatchNorm with batch statistics is exported with them frozen and
+that warning; ``batchnorm="frozen"`` asks for it (no warning), ``"batch"`` is refused. The
+manifest's ``export.batchnorm_choice`` records what was asked, chosen and why. Dropout is off in
+the graphs, as in every device export.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from taste_cl.adapters.device.learner_data import buffered_rows, synthetic_example
+from taste_cl.adapters.device.trainable import freeze_untrained, selected_parameters, selection_record
+from taste_cl.adapters.device.transforms import FrozenBatchNorm
+from taste_cl.adapters.onnx_engine.engine import OnnxEngine
+from taste_cl.adapters.onnx_engine.export import export_engine
+from taste_cl.adapters.onnx_engine.learner import OnnxEngineLearner
+from taste_cl.adapters.onnxruntime.manifest import MAX_CAPACITY
+from taste_cl.exceptions import BatchNormModeWarning, ExportError
+from taste_cl.learner import OnlineLearner
+from taste_cl.replay import ClassBalancedReplay, ReplayStrategy, ReservoirReplay
+from taste_cl.strategies import ERACE, DERPlusPlus, ExperienceReplay, LwF, Strategy
+
+__all__ = ["DEFAULT_BATCH", "DEFAULT_LWF_EVERY", "export"]
+
+DEFAULT_BATCH = 32
+DEFAULT_LWF_EVERY = 50
+_STRATEGIES: dict[type[Strategy], str] = {ExperienceReplay: "er", ERACE: "er_ace", DERPlusPlus: "der++", LwF: "lwf"}
+_BUFFERS: dict[type[ReplayStrategy], str] = {ReservoirReplay: "reservoir", ClassBalancedReplay: "class_balanced"}
+_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _plain_mean_cross_entropy(loss_fn: Any) -> bool:
+    if loss_fn is F.cross_entropy:
+        return True
+    return (
+        type(loss_fn) is nn.CrossEntropyLoss
+        and loss_fn.weight is None
+        and loss_fn.label_smoothing == 0
+        and loss_fn.ignore_index < 0
+        and loss_fn.reduction == "mean"
+    )
+
+
+def _refusals(learner: OnlineLearner, batchnorm: str) -> tuple[str, str | None, float]:
+    """The strategy's and the buffer's names and the live lr; ``ExportError`` naming the first thing the engine loop cannot run."""
+    strategy = _STRATEGIES.get(type(learner.strategy))  # exact types: a subclass is a custom strategy
+    if strategy is None:
+        raise ExportError(
+            f"the onnx_engine backend runs the strategies ER, ER-ACE, DER++ and LwF; this learner's is {type(learner.strategy).__name__} "
+            f"(name {learner.strategy.name!r}), a custom strategy whose loss the device loop cannot form"
+        )
+    replay = None if learner.replay is None else _BUFFERS.get(type(learner.replay))
+    if learner.replay is not None and replay is None:
+        raise ExportError(
+            f"the onnx_engine backend keeps a ReservoirReplay or ClassBalancedReplay buffer; this learner's is {type(learner.replay).__name__}"
+        )
+    if learner.replay is not None and learner.replay.capacity > MAX_CAPACITY:
+        raise ExportError(f"the buffer's capacity {learner.replay.capacity} is over the device bound of {MAX_CAPACITY} rows")
+    optimizer = learner.optimizer
+    if type(optimizer) not in (torch.optim.SGD, torch.optim.AdamW):
+        raise ExportError(f"the onnx_engine backend steps torch.optim.SGD or AdamW; this learner's optimizer is {type(optimizer).__name__}")
+    if len(optimizer.param_groups) != 1:
+        raise ExportError(
+            f"the onnx_engine backend steps one parameter group; this learner's {type(optimizer).__name__} has {len(optimizer.param_groups)}"
+        )
+    group = optimizer.param_groups[0]
+    if group.get("maximize") or group.get("amsgrad"):
+        raise ExportError(f"the onnx_engine backend's optimizer graph does not do maximize=True or amsgrad=True ({type(optimizer).__name__})")
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) or not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ExportError(f"the optimizer's learning rate {lr!r} must be a finite number > 0")
+    if not _plain_mean_cross_entropy(learner.loss_fn):
+        raise ExportError(
+            f"the onnx_engine backend trains with mean cross-entropy; this learner's loss is {type(learner.loss_fn).__name__} "
+            "(or a CrossEntropyLoss with weights, label smoothing, an ignore index or a sum)"
+        )
+    if learner.task is not None and learner.task.name != "classification":
+        raise ExportError(f"the onnx_engine backend trains classification; this learner's task is {learner.task.name}")
+    spec = learner.input_spec
+    if spec is None:
+        raise ExportError("the learner has not settled its input (it observed nothing and has no input_shape=): observe a batch first")
+    if not spec.is_tensor:
+        raise ExportError("the onnx_engine backend takes one input tensor; this learner's inputs are structured (a dict, tuple or list)")
+    if learner.output_shape is not None and len(learner.output_shape) != 1:
+        raise ExportError(f"the onnx_engine backend trains (n, classes) outputs; this learner's are (n, {', '.join(map(str, learner.output_shape))})")
+    if learner.output is not None and not learner.output.saveable:
+        raise ExportError(f"the learner selects its trained output with a callable ({learner.output}); the export takes a key or an index")
+    if batchnorm not in ("auto", "frozen"):
+        raise ExportError(
+            f"`batchnorm == {batchnorm!r}`: the onnx_engine backend runs BatchNorm on its running statistics; pass 'auto' or 'frozen' "
+            "(or use backend='onnxruntime', which trains batch statistics)"
+        )
+    return strategy, replay, float(lr)
+
+
+def _batch_trained(model: nn.Module, frozen: list[str]) -> list[str]:
+    """The BatchNorm modules the learner trains with batch statistics (those outside its frozen parts)."""
+    return [
+        name for name, module in model.named_modules()
+        if isinstance(module, _BATCHNORMS) and not isinstance(module, FrozenBatchNorm) and (name not in frozen or module.running_mean is None)
+    ]  # fmt: skip
+
+
+def export(
+    learner: OnlineLearner,
+    directory: str | os.PathLike[str],
+    *,
+    trainable: Any = None,
+    include_replay: bool = True,
+    batch_size: int | None = None,
+    seed: int | None = None,
+    lwf_every: int | None = None,
+    batchnorm: str = "auto",
+) -> Path:
+    """Write ``learner`` as an ONNX engine learner folder at ``directory`` and return its path (see the module).
+
+    ``trainable``: parameter names or an attached ElasticTrainer (as for the other backends).
+    ``include_replay=False`` ships an empty buffer of the same capacity. ``batch_size``: the graphs'
+    fixed batch (default: the tuned micro-batch, else 32; other sizes run as padded chunks).
+    ``seed``: the device loop's generator (default: the buffer's seed). ``lwf_every``: LwF's
+    snapshot period in observes (default: the strategy's ``every``, else 50: the device loop does
+    not detect drift, so an LwF that snapshots only on drift snapshots every 50 observes there).
+    """
+    if not isinstance(learner, OnlineLearner):
+        raise TypeError(f"learner must be a taste_cl.OnlineLearner; got {type(learner).__name__}")
+    with learner.lock:  # a consistent snapshot; the export itself runs without the lock
+        strategy, replay_kind, lr = _refusals(learner, batchnorm)
+        model, optimizer = copy.deepcopy((learner.model, learner.optimizer))
+        chosen = selected_parameters(learner, trainable)
+        selection = selection_record(learner, trainable, chosen)
+        rows = buffered_rows(learner.replay) if include_replay else None
+        replay_state = learner.replay.state_dict() if learner.replay is not None else {}
+        stored = replay_state.get("storage", {}).get("fields", {}).get("logits") if strategy == "der++" and rows is not None else None
+        lwf = learner.strategy if isinstance(learner.strategy, LwF) else None
+        teacher = None if lwf is None or lwf.teacher is None else {k: v.detach().cpu().float().numpy() for k, v in lwf.teacher.named_parameters()}
+        chunks = lwf.chunks if lwf is not None else 0
+        trained_bn = _batch_trained(learner.model, learner.frozen_norms)
+        output = None if learner.output is None or callable(learner.output.how) else learner.output.how  # a callable is refused above
+        plan = learner.batch_plan
+        example = synthetic_example(learner, 2)
+        settings: dict[str, Any] = {
+            "lr": lr,
+            "num_classes": 0,  # the output width, once traced
+            "strategy": strategy,
+            "replay": replay_kind,
+            "capacity": int(learner.replay.capacity) if learner.replay is not None else 1,
+            "replay_batch_size": learner.replay_batch_size,
+            "train_iterations": learner.train_iterations,
+            "max_grad_norm": learner.max_grad_norm,
+            "alpha": float(getattr(learner.strategy, "alpha", 1.0)),
+            "beta": float(getattr(learner.strategy, "beta", 1.0)),
+            "temperature": float(getattr(learner.strategy, "temperature", 2.0)),
+            "lwf_every": lwf_every or (lwf.every if lwf is not None and lwf.every else DEFAULT_LWF_EVERY),
+            "seed": int(replay_state.get("seed", 0)) if seed is None else seed,
+        }
+        counters = {"samples_seen": learner.samples_seen, "steps": learner.steps}
+    if batch_size is None:
+        batch_size = plan.micro_batch_size if plan is not None else DEFAULT_BATCH
+    freeze_untrained(model, chosen)
+    if rows is not None and len(rows):
+        source = rows.x
+    elif example is not None:
+        source = example[0]
+    else:
+        raise ExportError("the learner's buffer is empty and its input is not a float tensor of known shape: observe a batch first")
+    x = source[torch.arange(batch_size) % source.shape[0]].detach().cpu()
+    why = (
+        "asked for" if batchnorm == "frozen"
+        else f"the engine runs BatchNorm on running statistics; the learner trains {', '.join(map(repr, trained_bn))} with batch statistics"
+        if trained_bn else "the learner trains no BatchNorm with batch statistics"
+    )  # fmt: skip
+    if batchnorm == "auto" and trained_bn:
+        warnings.warn(f"exporting for onnx_engine: {why}; exported with them frozen", BatchNormModeWarning, stacklevel=3)
+    info = {
+        "source": "OnlineLearner",
+        "batchnorm_choice": {"asked": batchnorm, "chosen": "frozen", "why": why},
+        "trainable_selection": selection,
+        "lwf_every_source": "lwf_every=" if lwf_every else "LwF.every" if lwf is not None and lwf.every else "default",
+        "counters": counters,
+    }
+    parent = Path(directory).absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".onnx_engine.", dir=parent))
+    try:
+        engine_folder = export_engine(model, x, work / "engine", trainable=chosen, optimizer=optimizer, output=output)
+        engine = OnnxEngine(engine_folder)
+        settings["num_classes"] = engine.output_shape[-1]
+        device = OnnxEngineLearner(engine, info=info, **settings)
+        plain, arrays = device.state()
+        if rows is not None and len(rows):
+            rx = rows.x.detach().cpu().numpy().astype(device.input_dtype)
+            outputs = stored.detach().cpu().float().numpy() if stored is not None else engine.forward(rx, train=False)
+            arrays |= {"replay.x": rx, "replay.y": rows.y.detach().cpu().numpy().astype(np.int64), "replay.outputs": outputs}
+            plain["replay"] = {"size": len(rows), "seen": rows.seen}
+        if teacher is not None:
+            arrays |= {f"teacher.{name}": teacher[name] for name in engine.trainable}
+            plain["teacher"] = True
+        plain["observes"] = chunks
+        try:
+            device.load_state(plain, arrays)
+        except ValueError as error:
+            raise ExportError(f"the learner's state does not fit the device loop: {error}") from None
+        device.samples_seen = counters["samples_seen"]
+        return device.save(directory)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
