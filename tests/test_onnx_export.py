@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -263,3 +264,18 @@ def test_activations_at_their_bounds_train_on_the_device_as_in_torch(tmp_path: P
     nn.CrossEntropyLoss()(model(x), y).backward()  # PyTorch's own ReLU6, Hardsigmoid and Hardswish
     optimizer.step()
     np.testing.assert_allclose(device.parameters()["at"], model.at.detach().numpy(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["er_ace", "der++", "lwf"])
+def test_a_strategy_the_training_runtimes_cannot_carry_is_refused_not_dropped(tmp_path, strategy):
+    """The ONNX Runtime training and ExecuTorch learners train plain replay: exporting ER-ACE, DER++ or LwF
+    there would continue as plain replay without a word, so it is refused, naming the backend that carries it."""
+    from taste_cl import OnlineLearner, ReservoirReplay
+    from taste_cl.adapters.device.learner_data import check_device_trains_alike
+    from taste_cl.exceptions import ExportError
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    learner = OnlineLearner(model, replay=ReservoirReplay(8), strategy=strategy)
+    with pytest.raises(ExportError, match=rf"strategy is .*'{re.escape(strategy)}'.*backend='onnx_engine'"):
+        check_device_trains_alike(learner)
+    check_device_trains_alike(OnlineLearner(model, replay=ReservoirReplay(8)))  # plain replay passes

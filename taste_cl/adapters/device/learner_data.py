@@ -18,6 +18,7 @@ import torch
 from taste_cl._batch import Spec, batch_len, unflatten
 from taste_cl.adapters.device.artifacts import ExportError
 from taste_cl.replay import ReplayStrategy
+from taste_cl.strategies import ExperienceReplay
 from taste_cl.tasks import Task
 
 if TYPE_CHECKING:
@@ -89,8 +90,16 @@ def check_device_trains_alike(learner: OnlineLearner) -> None:
     """``ExportError`` for a learner whose steps the device runtimes would not take alike.
 
     Gradient clipping (``max_grad_norm``) is not in the exported training graphs: the device
-    would train unclipped, unlike the learner it was exported from.
+    would train unclipped, unlike the learner it was exported from. The ONNX Runtime training and
+    ExecuTorch learners train plain replay only: a learner with ER-ACE, DER++, LwF or a strategy of
+    its own would continue as plain replay there, so it is refused, naming the backend that carries it.
     """
+    if type(learner.strategy) is not ExperienceReplay:
+        raise ExportError(
+            f"this learner's strategy is {type(learner.strategy).__name__} ({learner.strategy.name!r}) and the ONNX Runtime training and ExecuTorch device learners "
+            "train plain replay only: the device would drop it; export with backend='onnx_engine', whose loop trains ER-ACE, "
+            "DER++ and LwF, or build the learner with strategy='er' to accept plain replay on the device"
+        )
     if learner.max_grad_norm is not None:
         raise ExportError(
             f"this learner clips its gradients (max_grad_norm={learner.max_grad_norm:g}) and the device runtimes do not: "
