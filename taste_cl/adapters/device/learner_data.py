@@ -96,9 +96,10 @@ def check_device_trains_alike(learner: OnlineLearner) -> None:
     """
     if type(learner.strategy) is not ExperienceReplay:
         raise ExportError(
-            f"this learner's strategy is {type(learner.strategy).__name__} ({learner.strategy.name!r}) and the ONNX Runtime training and ExecuTorch device learners "
-            "train plain replay only: the device would drop it; export with backend='onnx_engine', whose loop trains ER-ACE, "
-            "DER++ and LwF, or build the learner with strategy='er' to accept plain replay on the device"
+            f"this learner's strategy is {type(learner.strategy).__name__} ({learner.strategy.name!r}) and the ONNX Runtime "
+            "training and ExecuTorch device learners train plain replay only: the device would drop it; export with "
+            "backend='onnx_engine', whose loop trains ER-ACE, DER++ and LwF, or build the learner with strategy='er' to "
+            "accept plain replay on the device"
         )
     if learner.max_grad_norm is not None:
         raise ExportError(
