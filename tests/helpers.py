@@ -141,13 +141,16 @@ sys.meta_path.insert(0, NoTorch())
 '''
 
 
-def run_without_torch(script: str, *, timeout: float = 600, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` (dedented) in a fresh interpreter where any ``import torch`` fails, as on a
-    device with only numpy and ONNX Runtime; the repository root is on its path."""
+def run_without_torch(
+    script: str, *args: str, python: str | Path = sys.executable, timeout: float = 600, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (dedented) in a fresh interpreter (``python``, default this one) where any
+    ``import torch`` fails, as on a device with only numpy and ONNX Runtime; ``args`` are its
+    ``sys.argv[1:]``, and the repository root is on its path."""
     root = Path(__file__).resolve().parents[1]
     code = _NO_TORCH_HOOK + textwrap.dedent(script)
     environment = {**os.environ, "PYTHONPATH": str(root), **env}
-    return subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run([str(python), "-c", code, *args], env=environment, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "taste_cl"

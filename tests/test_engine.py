@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
+from helpers import run_without_torch
 from torch import nn
 from torch.nn import functional as F
 
@@ -137,6 +135,5 @@ def test_check_engine_catches_an_engine_that_hands_out_views():
 
 
 def test_the_engine_interface_and_losses_import_without_torch():
-    code = "import sys; sys.modules['torch'] = None\nimport taste_cl.engine, taste_cl.engine.losses, taste_cl.engine.check\nprint('ok')"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = run_without_torch("import taste_cl.engine, taste_cl.engine.losses, taste_cl.engine.check\nprint('ok')", timeout=120)
     assert result.stdout.strip() == "ok", result.stderr

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -17,12 +16,13 @@ from torch import nn
 pytest.importorskip("onnxscript")
 pytest.importorskip("onnxruntime")
 
+from helpers import run_without_torch
+
 from taste_cl.adapters.onnx_engine.decompositions import adaptive_avg_pool2d_backward, avg_pool2d_backward, convolution_backward
 from taste_cl.adapters.onnx_engine.engine import OnnxEngine
 from taste_cl.adapters.onnx_engine.export import export_engine
 from taste_cl.exceptions import CheckpointError, ExportError, InvalidBatchError, UntranslatableOperatorError
 
-ROOT = Path(__file__).resolve().parents[1]
 ORT131 = Path(os.environ.get("TASTE_CL_ORT_VENV", "/tmp/ort131")) / "bin" / "python"
 aten = torch.ops.aten
 
@@ -293,13 +293,8 @@ def test_engine_validates_calls(folders: dict[str, Path]) -> None:
 # ----------------------------------------------------------------- torch-free, and on current onnxruntime
 DEVICE_SCRIPT = textwrap.dedent(
     """
-    import importlib.abc, json, sys
+    import json, sys
     import numpy as np
-    class NoTorch(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "torch" or name.startswith("torch."):
-                raise ImportError("torch is blocked")
-    sys.meta_path.insert(0, NoTorch())
     import onnxruntime
     from taste_cl.adapters.onnx_engine.engine import OnnxEngine
     engine = OnnxEngine(sys.argv[1])
@@ -317,16 +312,7 @@ DEVICE_SCRIPT = textwrap.dedent(
 def _device_run(python: Path | str, folder: Path, tmp_path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     x = _inputs("cnn", 8, seed=5).numpy()
     np.savez(tmp_path / "in.npz", x=x, grad=np.full((8, 4), 0.25, np.float32))
-    script = tmp_path / "device.py"
-    script.write_text(DEVICE_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [str(python), str(script), str(folder), str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    done = run_without_torch(DEVICE_SCRIPT, str(folder), str(tmp_path / "in.npz"), str(tmp_path / "out.npz"), python=python, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     import json
 

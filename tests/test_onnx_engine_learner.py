@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +18,8 @@ from torch import nn
 pytest.importorskip("onnxscript")
 pytest.importorskip("onnxruntime")
 
+from helpers import run_without_torch
+
 from taste_cl import ClassBalancedReplay, OnlineLearner, ReservoirReplay
 from taste_cl.adapters.device import load_learner
 from taste_cl.adapters.device.artifacts import MANIFEST_FILE, write_manifest
@@ -30,7 +29,6 @@ from taste_cl.engine.loop import EngineLearner
 from taste_cl.exceptions import ArtifactError, BatchNormModeWarning, ExportError
 from taste_cl.strategies import DERPlusPlus, LwF, Strategy
 
-ROOT = Path(__file__).resolve().parents[1]
 TASKS = split_digits(5)
 CASES = {  # strategy, buffer, optimizer, clipping: every strategy, both buffers, both optimizers
     "er": ("er", "reservoir", "sgd", None),
@@ -133,13 +131,8 @@ def test_save_and_load_continue_bit_for_bit(exported: Callable[[str], tuple[Onli
 
 DEVICE_SCRIPT = textwrap.dedent(
     """
-    import importlib.abc, json, sys
+    import json, sys
     import numpy as np
-    class NoTorch(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "torch" or name.startswith("torch."):
-                raise ImportError("torch is blocked")
-    sys.meta_path.insert(0, NoTorch())
     from taste_cl.adapters.onnx_engine.learner import OnnxEngineLearner
     from taste_cl.adapters.device import load_learner
     device = load_learner(sys.argv[1])
@@ -154,11 +147,7 @@ DEVICE_SCRIPT = textwrap.dedent(
 def test_the_device_learner_runs_without_torch(exported: Callable[[str], tuple[OnlineLearner, Path]], tmp_path: Path) -> None:
     _, folder = exported("der++")
     np.savez(tmp_path / "batch.npz", x=np.asarray(TASKS[1].x_train[:10], np.float32), y=np.asarray(TASKS[1].y_train[:10]))
-    (tmp_path / "device.py").write_text(DEVICE_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(tmp_path / "device.py"), str(folder), str(tmp_path / "batch.npz"), str(tmp_path / "saved")],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300,
-    )  # fmt: skip
+    done = run_without_torch(DEVICE_SCRIPT, str(folder), str(tmp_path / "batch.npz"), str(tmp_path / "saved"), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     info = json.loads(done.stdout.strip().splitlines()[-1])
     assert info["torch"] is False and info["type"] == "OnnxEngineLearner" and np.isfinite(info["loss"])

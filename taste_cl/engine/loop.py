@@ -27,7 +27,7 @@ from taste_cl._checks import check_finite_positive, check_int
 from taste_cl.engine import losses
 from taste_cl.engine.base import Engine
 from taste_cl.exceptions import InvalidBatchError
-from taste_cl.guards.device import DeviceUpdateGuard, StepMeasure, check_finite_outputs
+from taste_cl.guards.device import DeviceUpdateGuard, StepMeasure, check_finite_outputs, measure_arrays
 
 __all__ = ["BUFFERS", "STRATEGIES", "EngineLearner", "EngineStats", "LoopReplay"]
 
@@ -347,11 +347,7 @@ class _Session:
     def measure_step(self, saved: Any) -> StepMeasure:
         before: Mapping[str, np.ndarray] = saved[0]
         after = self.engine.parameters()
-        largest = max((float(np.abs(a).max(initial=0.0)) for a in after.values()), default=0.0)
-        change = sum(float(np.vdot(after[n] - b, after[n] - b)) for n, b in before.items())
-        size = sum(float(np.vdot(b, b)) for b in before.values())
-        count = sum(b.size for b in before.values())
-        return largest, float(np.sqrt(change)), float(np.sqrt(size)), count
+        return measure_arrays((old, after[name]) for name, old in before.items())
 
     def restore_step_state(self, saved: Any) -> None:
         self.engine.load_parameters(saved[0])

@@ -20,7 +20,7 @@ No torch here: the ONNX Runtime device learner runs without it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,11 +29,24 @@ from taste_cl._checks import check_finite_positive
 from taste_cl.exceptions import NonFiniteOutputError
 from taste_cl.guards.size_rule import StepSizeHistory, log_clamped
 
-__all__ = ["DEVICE_GUARD_MODES", "DeviceUpdateGuard", "GuardedSession", "StepMeasure", "check_finite_outputs"]
+__all__ = ["DEVICE_GUARD_MODES", "DeviceUpdateGuard", "GuardedSession", "StepMeasure", "check_finite_outputs", "measure_arrays"]
 
 DEVICE_GUARD_MODES = ("auto", "always", "never")
 StepMeasure = tuple[float, float, float, int]
 """``(largest |θ| after, ||Δθ||, ||θ|| before, number of parameters)`` of one step."""
+
+
+def measure_arrays(pairs: Iterable[tuple[np.ndarray, np.ndarray]]) -> StepMeasure:
+    """The :data:`StepMeasure` of a step from ``(before, after)`` arrays of each trained parameter,
+    for a session whose parameters read as numpy arrays."""
+    largest, change, size, count = 0.0, 0.0, 0.0, 0
+    for old, new in pairs:
+        largest = max(largest, float(np.abs(new).max(initial=0.0)))
+        delta = new - old
+        change += float(np.vdot(delta, delta))
+        size += float(np.vdot(old, old))
+        count += old.size
+    return largest, math.sqrt(change), math.sqrt(size), count
 
 
 class GuardedSession(Protocol):

@@ -36,7 +36,7 @@ from taste_cl.adapters.onnxruntime.manifest import (
     manifest_error,
 )
 from taste_cl.exceptions import MissingDependencyError
-from taste_cl.guards.device import DeviceUpdateGuard, StepMeasure
+from taste_cl.guards.device import DeviceUpdateGuard, StepMeasure, measure_arrays
 
 __all__ = ["OrtSession", "load_sgd_state", "ort_bindings"]
 
@@ -200,15 +200,7 @@ class OrtSession:
 
     def measure_step(self, saved: Any) -> StepMeasure:
         before: dict[str, np.ndarray] = saved[0]
-        largest, change, size, count = 0.0, 0.0, 0.0, 0
-        for name, old in before.items():
-            new = self.state.get_parameter(name).data.numpy()
-            largest = max(largest, float(np.abs(new).max(initial=0.0)))
-            delta = new - old
-            change += float(np.vdot(delta, delta))
-            size += float(np.vdot(old, old))
-            count += old.size
-        return largest, math.sqrt(change), math.sqrt(size), count
+        return measure_arrays((old, self.state.get_parameter(name).data.numpy()) for name, old in before.items())
 
     def restore_step_state(self, saved: Any) -> None:
         trained, rest = saved
