@@ -123,8 +123,10 @@ def test_ci_runs_the_readme_test_command():
 LAZY_PACKAGES = [
     "taste_cl",
     "taste_cl.learner",
+    "taste_cl.monitor",
     "taste_cl.guards",
     "taste_cl.tuning",
+    "taste_cl.replay",
     "taste_cl.state",
     "taste_cl.adapters.device",
     "taste_cl.adapters.onnxruntime",

@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Engine", "Inputs"]
+__all__ = ["AdaptableEngine", "Engine", "Inputs"]
 
 Inputs = np.ndarray | Mapping[str, np.ndarray]
 
@@ -58,3 +58,23 @@ class Engine(Protocol):
     def load_optimizer_state(self, state: Mapping[str, np.ndarray]) -> None: ...
 
     def save(self, folder: str | os.PathLike[str]) -> None: ...
+
+
+@runtime_checkable
+class AdaptableEngine(Engine, Protocol):
+    """An engine whose BatchNorm layers can run on the batch's statistics: what test-time adaptation
+    (:class:`taste_cl.engine.adapt.EngineAdapter`) needs besides :class:`Engine`.
+
+    - :meth:`forward_batch_statistics` is :meth:`Engine.forward` with BatchNorm normalising with the batch's
+      own statistics (the rest of the model in eval mode), after which the running statistics have
+      followed them as torch's train-mode BatchNorm does; ``train=True`` keeps what :meth:`Engine.backward` needs.
+    - :meth:`norm_statistics` / :meth:`load_norm_statistics` copy the running means, variances and batch
+      counts out and in by buffer name (``<layer>.running_mean``, ``<layer>.running_var``,
+      ``<layer>.num_batches_tracked``); :meth:`Engine.forward` uses the loaded ones.
+    """
+
+    def forward_batch_statistics(self, x: Inputs, *, train: bool) -> np.ndarray: ...
+
+    def norm_statistics(self) -> dict[str, np.ndarray]: ...
+
+    def load_norm_statistics(self, values: Mapping[str, np.ndarray]) -> None: ...

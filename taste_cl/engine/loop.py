@@ -11,23 +11,28 @@ on the model's numbers agree on the whole run.
 
 Strategies: ``"er"``, ``"er_ace"``, ``"der++"`` (the buffer stores each row's outputs) and
 ``"lwf"`` (a teacher snapshot of the parameters, taken every ``lwf_every`` observes).
-Buffers: ``"reservoir"`` or ``"class_balanced"`` (the largest class gives up a random row
-when full). Classification with integer labels. Torch-free.
+Buffers: ``"reservoir"`` or ``"class_balanced"`` (equal quotas per class), whose decisions
+(:mod:`taste_cl.replay.draws`) are the torch buffers' own. The monitor
+(:class:`~taste_cl.engine.monitor.LoopMonitor`) records every observe and evaluates its probe when the
+torch monitor would. Classification with integer labels. Torch-free.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from taste_cl._checks import check_finite_positive, check_int
+from taste_cl._checks import INT_LIMIT, check_finite_positive, check_int
 from taste_cl.engine import losses
 from taste_cl.engine.base import Engine
+from taste_cl.engine.monitor import LoopMonitor
 from taste_cl.exceptions import InvalidBatchError
 from taste_cl.guards.device import DeviceUpdateGuard, StepMeasure, check_finite_outputs, measure_arrays
+from taste_cl.replay.draws import ClassQuotaIndex, ReservoirIndex, apply_plan, draw_rows, new_rng
 
 __all__ = ["BUFFERS", "STRATEGIES", "EngineLearner", "EngineStats", "LoopReplay"]
 
@@ -46,7 +51,8 @@ class EngineStats:
 
 
 class LoopReplay:
-    """A bounded buffer of rows ``x``, labels and stored outputs, drawn from the loop's generator."""
+    """A bounded buffer of rows ``x``, labels and stored outputs, carrying out the decisions of
+    :mod:`taste_cl.replay.draws` (the torch buffers' decisions, from the same generator)."""
 
     def __init__(self, capacity: int, policy: str, rng: np.random.Generator) -> None:
         self.capacity = check_int("capacity", capacity, 1)
@@ -54,7 +60,7 @@ class LoopReplay:
             raise ValueError(f"`replay == {policy!r}`, must be one of {BUFFERS}")
         self.policy = policy
         self.rng = rng
-        self.seen = 0
+        self.index: ReservoirIndex | ClassQuotaIndex = ReservoirIndex(capacity, rng) if policy == "reservoir" else ClassQuotaIndex(capacity, rng)
         self.size = 0
         self._x: np.ndarray | None = None  # allocated on the first rows, ``capacity`` long
         self._y = np.zeros(capacity, dtype=np.int64)
@@ -62,6 +68,12 @@ class LoopReplay:
 
     def __len__(self) -> int:
         return self.size
+
+    @property
+    def seen(self) -> int:
+        """Rows offered so far."""
+        index = self.index
+        return index.seen if isinstance(index, ReservoirIndex) else sum(index.seen.values())
 
     @property
     def row_shape(self) -> tuple[int, ...] | None:
@@ -72,34 +84,16 @@ class LoopReplay:
         assert self._x is not None and self._outputs is not None
         return self._x[index], self._y[index], self._outputs[index]
 
-    def _slot(self, label: int) -> int | None:
-        """Where a new row goes once full (None: not kept)."""
-        if self.policy == "reservoir":
-            j = int(self.rng.integers(0, self.seen))
-            return j if j < self.capacity else None
-        counts = np.bincount(self._y, minlength=label + 1)
-        largest = int(counts.argmax())
-        if counts[label] >= counts[largest]:
-            return None  # its class already holds the most rows
-        return int(self.rng.choice(np.flatnonzero(self._y == largest)))
-
     def add(self, x: np.ndarray, y: np.ndarray, outputs: np.ndarray) -> None:
         if self._x is None or self._outputs is None:
             self._x = np.empty((self.capacity, *x.shape[1:]), dtype=x.dtype)
             self._outputs = np.empty((self.capacity, *outputs.shape[1:]), dtype=outputs.dtype)
-        for i in range(y.shape[0]):
-            self.seen += 1
-            slot: int | None = self.size
-            if self.size < self.capacity:
-                self.size += 1
-            else:
-                slot = self._slot(int(y[i]))
-            if slot is not None:
-                self._x[slot], self._y[slot], self._outputs[slot] = x[i], y[i], outputs[i]
+        plan = self.index.offer(y.shape[0]) if isinstance(self.index, ReservoirIndex) else self.index.offer(y.tolist())
+        self.size = apply_plan(plan, (self._x, self._y, self._outputs), (x, y, outputs), self.size)
 
     def sample(self, n: int) -> np.ndarray:
         """Indices of ``n`` rows drawn without replacement (fewer if the buffer holds fewer)."""
-        return np.sort(self.rng.choice(self.size, size=min(n, self.size), replace=False))
+        return draw_rows(self.rng, self.size, n)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The stored rows (copies), for a saved state."""
@@ -107,29 +101,53 @@ class LoopReplay:
             return {}
         return {"replay.x": self._x[: self.size].copy(), "replay.y": self._y[: self.size].copy(), "replay.outputs": self._outputs[: self.size].copy()}
 
-    def check_arrays(self, arrays: Mapping[str, np.ndarray], size: int, seen: int, num_classes: int) -> None:
-        """``ValueError`` naming the first of ``arrays`` (from :meth:`arrays`) that cannot be this buffer's ``size`` rows."""
-        if not 0 <= size <= self.capacity or not size <= seen <= 2**53:
-            raise ValueError(f"replay size {size} and seen {seen} must satisfy 0 <= size <= capacity ({self.capacity}) and size <= seen <= 2**53")
-        if size == 0:
-            return
-        missing = {"replay.x", "replay.y", "replay.outputs"} - set(arrays)
-        if missing:
-            raise ValueError(f"the saved state lacks {sorted(missing)}")
-        x, y, outputs = arrays["replay.x"], arrays["replay.y"], arrays["replay.outputs"]
-        if x.shape[0] != size or y.shape != (size,) or outputs.shape[0] != size:
-            raise ValueError(f"replay arrays must hold {size} rows; got {x.shape[0]}, {y.shape}, {outputs.shape[0]}")
-        if y.dtype != np.int64 or (y.size and (y.min() < 0 or y.max() >= num_classes)):
-            raise ValueError(f"replay.y must hold int64 labels in [0, {num_classes})")
-        for name, value in (("replay.x", x), ("replay.outputs", outputs)):
-            if value.dtype.kind == "f" and not np.isfinite(value).all():
-                raise ValueError(f"{name} holds NaN or infinite values")
-        if self._x is not None and (x.shape[1:] != self._x.shape[1:] or x.dtype != self._x.dtype):
-            raise ValueError(f"replay.x rows must be {self._x.dtype} {self._x.shape[1:]}; got {x.dtype} {x.shape[1:]}")
+    def counts(self) -> dict[str, Any]:
+        """The plain part of a saved state: rows held and seen, and a class-balanced buffer's classes, their counts and slots."""
+        index = self.index
+        if isinstance(index, ReservoirIndex):
+            return {"size": self.size, "seen": index.seen}
+        return {"size": self.size, "seen": self.seen, "classes": list(index.classes), "class_seen": [index.seen[c] for c in index.classes],
+                "slots": [list(index.slots[c]) for c in index.classes]}  # fmt: skip
 
-    def load_arrays(self, arrays: Mapping[str, np.ndarray], size: int, seen: int) -> None:
-        """Apply what :meth:`check_arrays` accepted."""
-        self.size, self.seen = size, seen
+    def check_state(self, counts: Any, arrays: Mapping[str, np.ndarray], num_classes: int) -> None:
+        """``ValueError`` naming the first thing in ``counts`` (from :meth:`counts`) and ``arrays`` (from
+        :meth:`arrays`) that cannot be this buffer's state; nothing changes."""
+        keys = ("size", "seen") if self.policy == "reservoir" else ("size", "seen", "classes", "class_seen", "slots")
+        if not isinstance(counts, Mapping) or set(counts) != set(keys):
+            raise ValueError(f"`replay` must be an object with exactly {list(keys)} for a {self.policy} buffer")
+        size, seen = counts["size"], counts["seen"]
+        if type(size) is not int or type(seen) is not int or not 0 <= size <= self.capacity or not size <= seen <= INT_LIMIT:
+            raise ValueError(f"replay size {size!r} and seen {seen!r} must be ints with 0 <= size <= capacity ({self.capacity}) and size <= seen")
+        if self.policy == "reservoir" and size != min(seen, self.capacity):
+            raise ValueError(f"a reservoir that has seen {seen} rows holds {min(seen, self.capacity)}; the state holds {size}")
+        if size:
+            missing = {"replay.x", "replay.y", "replay.outputs"} - set(arrays)
+            if missing:
+                raise ValueError(f"the saved state lacks {sorted(missing)}")
+            x, y, outputs = arrays["replay.x"], arrays["replay.y"], arrays["replay.outputs"]
+            if x.shape[0] != size or y.shape != (size,) or outputs.shape[0] != size:
+                raise ValueError(f"replay arrays must hold {size} rows; got {x.shape[0]}, {y.shape}, {outputs.shape[0]}")
+            if y.dtype != np.int64 or (y.min() < 0 or y.max() >= num_classes):
+                raise ValueError(f"replay.y must hold int64 labels in [0, {num_classes})")
+            for name, value in (("replay.x", x), ("replay.outputs", outputs)):
+                if value.dtype.kind == "f" and not np.isfinite(value).all():
+                    raise ValueError(f"{name} holds NaN or infinite values")
+            if self._x is not None and (x.shape[1:] != self._x.shape[1:] or x.dtype != self._x.dtype):
+                raise ValueError(f"replay.x rows must be {self._x.dtype} {self._x.shape[1:]}; got {x.dtype} {x.shape[1:]}")
+        if isinstance(self.index, ClassQuotaIndex):
+            labels = arrays["replay.y"].tolist() if size else []
+            self.index.check_state(counts["classes"], counts["class_seen"], counts["slots"], labels)
+            if sum(counts["class_seen"]) != seen:
+                raise ValueError(f"the classes' seen counts must add up to `seen` ({seen})")
+
+    def load_state(self, counts: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
+        """Apply what :meth:`check_state` accepted."""
+        size = counts["size"]
+        if isinstance(self.index, ReservoirIndex):
+            self.index.seen = counts["seen"]
+        else:
+            self.index.load_state(counts["classes"], counts["class_seen"], counts["slots"])
+        self.size = size
         if size:
             x, outputs = arrays["replay.x"], arrays["replay.outputs"]
             self._x = np.empty((self.capacity, *x.shape[1:]), dtype=x.dtype)
@@ -141,7 +159,9 @@ class EngineLearner:
     """Online continual learning on an :class:`~taste_cl.engine.base.Engine` (see the module).
 
     ``lr`` is the learning rate every step uses; ``seed`` seeds the one generator that draws
-    replay (and evicts); ``guard`` is the update guard (default: ``DeviceUpdateGuard()``).
+    replay (and evicts); ``guard`` is the update guard (default: ``DeviceUpdateGuard()``);
+    ``monitor`` measures stability, plasticity, forgetting and drift and emits their events, the guard's
+    refusals as ``numerical_fault`` (default: ``LoopMonitor()``, as the torch learner's default monitor).
     """
 
     def __init__(
@@ -162,6 +182,7 @@ class EngineLearner:
         lwf_every: int = 50,
         guard: DeviceUpdateGuard | None = None,
         seed: int = 0,
+        monitor: LoopMonitor | None = None,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"`strategy == {strategy!r}`, must be one of {STRATEGIES}")
@@ -177,11 +198,12 @@ class EngineLearner:
         self.alpha, self.beta, self.temperature = float(alpha), float(beta), check_finite_positive("temperature", temperature)
         self.lwf_every = check_int("lwf_every", lwf_every, 1)
         self.guard = guard if guard is not None else DeviceUpdateGuard()
-        self.rng = np.random.default_rng(seed)
+        self.rng = new_rng(seed)
         self.replay = None if replay is None else LoopReplay(capacity, replay, self.rng)
         self.teacher: dict[str, np.ndarray] | None = None
         self.observes = 0
         self.replay_draws: list[np.ndarray] = []  # the indices each step replayed (the last 1000)
+        self.monitor = monitor if monitor is not None else LoopMonitor()
 
     # ---------------------------------------------------------------- checks
     def _check(self, x: np.ndarray, y: Any) -> np.ndarray:
@@ -192,7 +214,7 @@ class EngineLearner:
             raise InvalidBatchError(f"y must hold integer labels in [0, {self.num_classes}); got {labels.dtype} in [{labels.min()}, {labels.max()}]")
         if x.dtype.kind == "f" and not np.isfinite(x).all():
             raise InvalidBatchError("x holds NaN or infinite values")
-        shape = None if self.replay is None else self.replay.row_shape
+        shape = (None if self.replay is None else self.replay.row_shape) or self.monitor.row_shape
         if shape is not None and tuple(x.shape[1:]) != shape:
             raise InvalidBatchError(f"x rows must have shape {shape}; got {x.shape[1:]}")
         return labels.astype(np.int64)
@@ -204,7 +226,7 @@ class EngineLearner:
         labels = self._check(x, y)
         scored = self.engine.forward(x, train=False)
         accuracy = float((scored.argmax(axis=1) == labels).mean()) if np.isfinite(scored).all() else 0.0
-        total, steps, refused = 0.0, 0, 0
+        total, steps, refused, finite = 0.0, 0, 0, True
         outputs = scored
         for _ in range(self.train_iterations):
             loss, stream_outputs, cause = self._step(x, labels)
@@ -212,12 +234,24 @@ class EngineLearner:
             outputs = stream_outputs
             steps += cause is None
             refused += cause is not None
+            finite &= math.isfinite(loss)
+            if cause is not None:
+                self.monitor.emit("numerical_fault", micro_batches=1, cause=cause)
         if self.replay is not None and np.isfinite(outputs).all():
             self.replay.add(x, labels, outputs)
+        self._monitor(x, labels, scored, store=finite)
         self.observes += 1
         if self.strategy == "lwf" and self.observes % self.lwf_every == 0:
             self.teacher = self.engine.parameters()
+        self.monitor.dispatch()
         return EngineStats(total / self.train_iterations, accuracy, steps, refused)
+
+    def _monitor(self, x: np.ndarray, y: np.ndarray, scored: np.ndarray, *, store: bool) -> None:
+        """Record the batch's prequential score and, every ``eval_every`` observes, evaluate the probe on the
+        trained model, as the torch learner does after each stream batch; a batch whose loss overflowed is not stored."""
+        self.monitor.record(x, y, scored, store=store)
+        if self.monitor.due():
+            self.monitor.evaluate(lambda rows: self.engine.forward(rows, train=False))
 
     def _step(self, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray, str | None]:
         n_stream = y.shape[0]
@@ -269,7 +303,7 @@ class EngineLearner:
         replay = None
         if self.replay is not None:
             arrays |= self.replay.arrays()
-            replay = {"size": len(self.replay), "seen": self.replay.seen}
+            replay = self.replay.counts()
         plain = {
             "format": 1,
             "observes": self.observes,
@@ -278,7 +312,9 @@ class EngineLearner:
             "teacher": self.teacher is not None,
             "guard": self.guard.state_dict(),
         }
-        return plain, arrays
+        monitor_plain, monitor_arrays = self.monitor.state()
+        plain["monitor"] = monitor_plain
+        return plain, arrays | monitor_arrays
 
     def load_state(self, plain: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
         """Restore :meth:`state` of a learner built with the same settings on the same engine: every value is
@@ -307,12 +343,11 @@ class EngineLearner:
         if (replay is None) != (self.replay is None):
             raise ValueError("the saved state and this learner disagree on having a replay buffer")
         if self.replay is not None:
-            counts = [replay.get(k) for k in ("size", "seen")] if isinstance(replay, Mapping) else [None]
-            if not all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
-                raise ValueError("`replay` must be an object with int `size` and `seen`")
-            self.replay.check_arrays(arrays, replay["size"], replay["seen"], self.num_classes)
+            self.replay.check_state(replay, arrays, self.num_classes)
         probe = DeviceUpdateGuard()
         probe.load_state_dict(plain.get("guard"))
+        if "monitor" in plain:  # states saved before the loop had a monitor carry none: it is left as it is
+            self.monitor.check_state(plain["monitor"], arrays, self.num_classes)
         snapshot = self.engine.parameters(), self.engine.optimizer_state()
         try:
             self.engine.load_parameters(params)
@@ -323,10 +358,12 @@ class EngineLearner:
             raise ValueError(f"the engine refused the saved optimizer state: {error}") from None
         self.guard.load_state_dict(plain["guard"])
         if self.replay is not None:
-            self.replay.load_arrays(arrays, replay["size"], replay["seen"])
+            self.replay.load_state(replay, arrays)
         self.rng.bit_generator.state = rng.bit_generator.state  # the replay buffer shares this generator
         self.teacher = {k: v.copy() for k, v in teacher.items()} or None
         self.observes = observes
+        if "monitor" in plain:
+            self.monitor.load_state(plain["monitor"], arrays, self.num_classes)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Outputs for ``x``; :class:`~taste_cl.exceptions.NonFiniteOutputError` rather than NaN."""

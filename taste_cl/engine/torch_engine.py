@@ -24,6 +24,8 @@ from taste_cl.engine.base import Inputs
 
 __all__ = ["TorchEngine"]
 
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
 
 class TorchEngine:
     """``model`` trained by ``optimizer``; ``trainable`` names the parameters that get gradients
@@ -123,6 +125,52 @@ class TorchEngine:
                 self.optimizer.state.pop(p, None)
                 continue
             self.optimizer.state[p] = {key: torch.tensor(np.asarray(value), device=p.device) for key, value in own.items()}
+
+    # ------------------------------------------------------------------ test-time adaptation (AdaptableEngine)
+    def _batch_norms(self) -> dict[str, nn.Module]:
+        return {
+            name: m for name, m in self.model.named_modules() if isinstance(m, _BATCH_NORMS) and m.track_running_stats and m.running_mean is not None
+        }
+
+    def forward_batch_statistics(self, x: Inputs, *, train: bool) -> np.ndarray:
+        """The output with the model in eval mode but its BatchNorm layers in training mode (batch statistics,
+        running statistics updated), as :class:`~taste_cl.adaptation.adapter.TestTimeAdapter` runs it."""
+        inputs = self._tensors(x)
+        self.model.eval()
+        for module in self._batch_norms().values():
+            module.train()
+        try:
+            if train:
+                outputs = call_model(self.model, inputs, output=self.output, call=self.call)
+                self._outputs = outputs
+            else:
+                self._outputs = None
+                with torch.no_grad():
+                    outputs = call_model(self.model, inputs, output=self.output, call=self.call)
+        finally:
+            self.model.eval()
+        return outputs.detach().cpu().numpy()
+
+    def norm_statistics(self) -> dict[str, np.ndarray]:
+        buffers = dict(self.model.named_buffers())
+        names = [
+            f"{layer}.{key}" if layer else key for layer in self._batch_norms() for key in ("running_mean", "running_var", "num_batches_tracked")
+        ]
+        return {name: buffers[name].detach().cpu().numpy().copy() for name in names}
+
+    def load_norm_statistics(self, values: Mapping[str, np.ndarray]) -> None:
+        """Copy ``values`` (:meth:`norm_statistics`' names and shapes, finite) into the buffers; ``ValueError`` and nothing changed otherwise."""
+        live = self.norm_statistics()
+        if set(values) != set(live):
+            raise ValueError(f"statistics name {sorted(set(values) ^ set(live))[:4]} that are not the model's BatchNorm buffers")
+        for name, value in values.items():
+            array = np.asarray(value)
+            if array.shape != live[name].shape or array.dtype.kind != live[name].dtype.kind or not np.isfinite(array).all():
+                raise ValueError(f"statistics `{name}` must be a finite {live[name].dtype} array of shape {live[name].shape}")
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, value in values.items():
+                buffers[name].copy_(torch.from_numpy(np.array(value, dtype=live[name].dtype)))
 
     def save(self, folder: str | os.PathLike[str]) -> None:
         from safetensors.numpy import save_file

@@ -2,19 +2,13 @@
 
 - :mod:`.monitor`: :class:`StabilityPlasticityMonitor`, its probe buffer and events;
 - :mod:`.drift`: Page-Hinkley change detection on the loss stream;
+- :mod:`.events`: the events and the arithmetic of a probe evaluation, which the engine loop's monitor shares;
 - :mod:`.evaluation`: task-sequence metrics (accuracy matrix, forgetting, backward transfer).
+
+The torch-free engine loop's monitor (:mod:`taste_cl.engine.monitor`) imports :mod:`.drift` and :mod:`.events`,
+so this package loads its names on first use: they are listed once, in ``__init__.pyi`` (``lazy_loader``).
 """
 
-from taste_cl.monitor.drift import PageHinkley
-from taste_cl.monitor.evaluation import accuracy, average_forgetting, backward_transfer
-from taste_cl.monitor.monitor import MonitorEvent, StabilityPlasticityMonitor, sample_correct
+import lazy_loader
 
-__all__ = [
-    "MonitorEvent",
-    "PageHinkley",
-    "StabilityPlasticityMonitor",
-    "accuracy",
-    "average_forgetting",
-    "backward_transfer",
-    "sample_correct",
-]
+__getattr__, __dir__, __all__ = lazy_loader.attach_stub(__name__, __file__)

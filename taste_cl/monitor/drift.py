@@ -2,7 +2,9 @@
 
 Page (1954), Hinkley (1971); the same test as river's ``drift.PageHinkley``, kept
 in-house so the core has no compiled dependency. It detects an *increase* of the
-mean, which is what a distribution shift does to the prequential loss.
+mean, which is what a distribution shift does to the prequential loss. Torch-free: the torch
+monitor (:mod:`taste_cl.monitor.monitor`) and the engine loop's (:mod:`taste_cl.engine.monitor`)
+run the same test, so both detect drift at the same batch.
 
 >>> detector = PageHinkley(min_instances=5, delta=0.05, threshold=2.0)
 >>> [detector.update(0.3) for _ in range(20)][-1]

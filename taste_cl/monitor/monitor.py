@@ -36,14 +36,16 @@ import copy
 import math
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 import torch
 
 from taste_cl._batch import leaves
 from taste_cl._checks import INT_LIMIT
 from taste_cl.monitor.drift import PageHinkley
+from taste_cl.monitor.events import EVENT_NAMES, MonitorEvent, Subscriber, negative_flips, probe_outcome
 from taste_cl.replay import ClassBalancedReplay, ReservoirReplay
 from taste_cl.report import MonitorReport
 from taste_cl.tasks import Classification, MultiLabel, Task, TokenClassification, resolve_task
@@ -53,34 +55,9 @@ __all__ = ["MonitorEvent", "StabilityPlasticityMonitor", "sample_correct"]
 PREQUENTIAL_MODES = ("auto", "train", "eval")
 SETTINGS = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "max_events", "seed", "prequential", "regression_threshold")
 """The constructor arguments a learner's checkpoint keeps (its ``config.monitor``), see :meth:`StabilityPlasticityMonitor.settings`."""
-EVENT_NAMES = (
-    "drift_detected",
-    "forgetting_rising",
-    "numerical_fault",
-    "updates_stuck",
-    "diverging",
-    "load_shift",
-    "retuned",
-    "update_regressed",
-    "update_rolled_back",
-    "classes_added",
-    "adaptation_reset",
-)
-
-
-@dataclass(frozen=True)
-class MonitorEvent:
-    """Something subscribers may react to; ``details`` holds only plain values."""
-
-    name: str
-    step: int
-    details: dict[str, Any] = field(default_factory=dict)
-
-
-Subscriber = Callable[[MonitorEvent], None]
 _OFFER_SAMPLES, _OFFER_BYTES = 512, 8 << 20  # at most this many waiting stream samples / bytes before they are offered to the probe
 _CONCAT_BYTES = 1 << 20  # waiting batches up to this size are offered as one
-_NO_IDS, _NO_FLAGS = torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.bool)
+_NO_IDS, _NO_FLAGS = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.bool_)
 
 
 def sample_correct(task: Task, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
@@ -300,38 +277,25 @@ class StabilityPlasticityMonitor:
             scores = self.task.group_scores(outputs, y)
             self._count_flips(fields["sid"], sample_correct(self.task, outputs, y))
         self._anytime = [self._anytime[0] + self._stability, self._anytime[1] + 1]
-        if previous_score is not None and math.isfinite(self._stability):
-            sign = 1.0 if self.task.higher_is_better else -1.0
-            drop = sign * (previous_score - self._stability)
-            if drop > self.regression_threshold:
-                flips = {} if self._flips is None else {"negative_flip_rate": self._flips[0], "flip_impact": self._flips[1]}
-                self.emit("update_regressed", score=self._stability, previous=previous_score, drop=drop, **flips)
-        better = max if self.task.higher_is_better else min
-        for label, score in scores.items():
-            self._class_accuracy[label] = score
-            self._best_class_accuracy[label] = better(self._best_class_accuracy.get(label, score), score)
-        sign = 1.0 if self.task.higher_is_better else -1.0
-        drops = [sign * (self._best_class_accuracy[c] - a) for c, a in self._class_accuracy.items()]
-        previous, self._forgetting = self._forgetting, sum(drops) / len(drops)
-        if previous <= self.forgetting_threshold < self._forgetting:
+        drop, self._forgetting, rising = probe_outcome(
+            scores, self._class_accuracy, self._best_class_accuracy, previous=previous_score, stability=self._stability,
+            forgetting=self._forgetting, higher_is_better=self.task.higher_is_better,
+            regression_threshold=self.regression_threshold, forgetting_threshold=self.forgetting_threshold,
+        )  # fmt: skip
+        if drop is not None:
+            flips = {} if self._flips is None else {"negative_flip_rate": self._flips[0], "flip_impact": self._flips[1]}
+            self.emit("update_regressed", score=self._stability, previous=previous_score, drop=drop, **flips)
+        if rising:
             self.emit("forgetting_rising", forgetting=self._forgetting, threshold=self.forgetting_threshold)
 
     def _count_flips(self, ids: torch.Tensor, correct: torch.Tensor | None) -> None:
         """Negative flips among probe samples also scored at the previous evaluation."""
         if correct is None:
             return
-        last_ids, last_correct = self._last_correct
-        if last_ids.numel():
-            order = torch.argsort(last_ids)
-            sorted_ids = last_ids[order]
-            at = torch.searchsorted(sorted_ids, ids).clamp_(max=sorted_ids.numel() - 1)
-            common = sorted_ids[at] == ids  # probe ids are unique: a match is the same sample
-            n_common = int(common.sum())
-            if n_common:
-                before, now = last_correct[order][at][common], correct[common]
-                negative, errors = int((before & ~now).sum()), int((~now).sum())
-                self._flips = (negative / n_common, negative / errors if errors else 0.0)
-        self._last_correct = (ids.clone(), correct.clone())
+        ids_now, correct_now = ids.cpu().numpy().copy(), correct.cpu().numpy().copy()
+        flips = negative_flips(*self._last_correct, ids_now, correct_now)
+        self._flips = flips if flips is not None else self._flips
+        self._last_correct = (ids_now, correct_now)
 
     # ---------------------------------------------------------------- reading
     @property
@@ -550,7 +514,7 @@ def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, A
         "probe": probe,
         "drift_detector": detector,
         "anytime": [anytime_sum, anytime_count],
-        "last_correct": (torch.tensor(id_list, dtype=torch.long), torch.tensor(flags, dtype=torch.bool)),
+        "last_correct": (np.asarray(id_list, dtype=np.int64), np.asarray(flags, dtype=np.bool_)),
         "flips": None if flips is None else (_finite(flips[0], fail, "flips"), _finite(flips[1], fail, "flips")),
     }
 

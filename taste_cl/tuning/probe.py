@@ -76,12 +76,14 @@ def num_threads(threads: int | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def preserved_rng(*owners: object) -> Iterator[None]:
-    """Restore torch's, numpy's and Python's global RNGs, and every ``torch.Generator``
-    attribute of ``owners`` (a replay buffer's), when the block ends."""
+    """Restore torch's, numpy's and Python's global RNGs, and every ``torch.Generator`` and
+    ``numpy.random.Generator`` attribute of ``owners`` (a replay buffer's), when the block ends."""
     saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     generators = [g for owner in owners for g in vars(owner).values() if isinstance(g, torch.Generator)]
     states = [g.get_state() for g in generators]
+    numpy_generators = [g for owner in owners for g in vars(owner).values() if isinstance(g, np.random.Generator)]
+    numpy_states = [g.bit_generator.state for g in numpy_generators]
     try:
         yield
     finally:
@@ -92,6 +94,8 @@ def preserved_rng(*owners: object) -> Iterator[None]:
         random.setstate(saved[2])
         for generator, state in zip(generators, states):
             generator.set_state(state)
+        for numpy_generator, numpy_state in zip(numpy_generators, numpy_states):
+            numpy_generator.bit_generator.state = numpy_state
 
 
 class ProbeRunner:

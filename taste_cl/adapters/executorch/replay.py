@@ -7,7 +7,8 @@ integer ids are checked against their embedding table like every batch). A buffe
 and resumed when the strategy was a reservoir. ``np.load(allow_pickle=False)`` reads it, once every
 array's header is bounded: ``size`` rows of the program's inputs and target, a capacity of at most
 ``MAX_CAPACITY`` whose buffer fits ``MAX_REPLAY_BYTES`` (the ONNX Runtime side's bounds), and a
-generator state of torch's length.
+generator state of :data:`~taste_cl.replay.draws.RNG_STATE_BYTES` bytes (or of a torch generator's
+length: folders written before the buffers drew from numpy, whose draws then start afresh).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from taste_cl.adapters.onnxruntime.manifest import MAX_CAPACITY
 from taste_cl.adapters.onnxruntime.replay import check_replay_memory, npz_headers
 from taste_cl.exceptions import InvalidBatchError
 from taste_cl.replay import ReplayStrategy, ReservoirReplay
+from taste_cl.replay.draws import RNG_STATE_BYTES, encode_rng, new_rng
 
 __all__ = ["load_replay", "save_replay"]
 
@@ -107,8 +109,8 @@ def _check_headers(headers: dict[str, tuple[np.dtype, tuple[int, ...]]], spec: I
     if entry is not None and size != entry[1]:
         raise ValueError(f"array 'y' holds {size} samples; the manifest's replay.size is {entry[1]}")
     rules = _rules(spec, size)
-    state = tuple(torch.Generator().get_state().shape)
-    generator: _Rule = (f"a torch generator state, uint8 {state}", lambda dtype, shape: dtype == np.uint8 and shape == state)
+    states = {(RNG_STATE_BYTES,), tuple(torch.Generator().get_state().shape)}
+    generator: _Rule = (f"a generator state, uint8 of a shape in {sorted(states)}", lambda dtype, shape: dtype == np.uint8 and shape in states)
     if not set(rules) <= set(headers) <= {*rules, "generator"}:
         raise ValueError(f"the archive holds arrays {sorted(headers)}, expected {sorted(rules)} and maybe 'generator'")
     for name, (dtype, shape) in headers.items():
@@ -145,7 +147,7 @@ def load_replay(data: bytes, spec: IOSpec, entry: tuple[int, int] | None = None)
             else:
                 storage.update(x=x, x_spec=describe(dict(zip(spec.keys, x))).to_json())
             storage.update(y=spec.targets(arrays["y"], size))
-        generator = torch.from_numpy(arrays["generator"]) if "generator" in arrays else torch.Generator().manual_seed(seed).get_state()
+        generator = torch.from_numpy(arrays["generator"] if "generator" in arrays else encode_rng(new_rng(seed)))
         replay.load_state_dict({"capacity": capacity, "storage": storage, "generator": generator, "seen": seen})
     except (KeyError, ValueError, TypeError, RuntimeError, OSError, zipfile.BadZipFile, InvalidBatchError) as error:
         raise ArtifactError(f"replay.npz is not a valid replay buffer for this program: {error}") from None

@@ -9,7 +9,11 @@ returns the gradients. The graphs are then cut to what the engine passes between
 - an activation that is a graph input (a weight, the model's input) is not returned by the forward:
   the engine feeds the value it already holds to the backward;
 - aliases and duplicates of one activation travel once;
-- the backward returns the trainable tensors' gradients only.
+- the backward returns the trainable tensors' gradients only;
+- tensors named in ``fed`` (BatchNorm's running statistics, for test-time adaptation) stay inputs
+  of the graphs, without gradients, so the engine can change them;
+- ``extras``, when given, is called after each run of the model and returns tensors the forward
+  returns too, after the output and without gradients (the batch statistics of the adaptation graphs).
 
 Shapes are those of the example batch (static): :class:`~taste_cl.adapters.onnx_engine.engine.OnnxEngine`
 runs other batch sizes as padded chunks of that size.
@@ -18,7 +22,7 @@ runs other batch sizes as padded chunks of that size.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,23 +95,30 @@ def capture(
     *,
     output: str | int | None = None,
     keyword: bool = False,
+    fed: Sequence[str] = (),
+    extras: Callable[[], Sequence[torch.Tensor]] | None = None,
 ) -> CapturedGraphs:
     """Forward and backward graphs of ``model`` at ``inputs`` (names to example tensors), gradients for ``trainable``;
-    ``keyword``: the model is called with the inputs as keyword arguments, else with the one input positionally."""
+    ``keyword``: the model is called with the inputs as keyword arguments, else with the one input positionally;
+    ``fed`` and ``extras``: see the module."""
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    frozen = [name for name in tensors if name not in trainable]
-    primal_names = [*trainable, *frozen, *inputs]
-    n_weights = len(trainable) + len(frozen)
+    frozen = [name for name in tensors if name not in trainable and name not in fed]
+    kept = [name for name in tensors if name in fed]
+    primal_names = [*trainable, *kept, *frozen, *inputs]
+    n_weights = len(trainable) + len(kept) + len(frozen)
     input_keys = list(inputs)
+    counts: list[int] = []
 
-    def step(*args: torch.Tensor) -> tuple[torch.Tensor]:
+    def step(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         weights = dict(zip(primal_names[:n_weights], args[:n_weights]))
         feed = dict(zip(input_keys, args[n_weights:]))
         if keyword:
             result = torch.func.functional_call(model, weights, args=(), kwargs=feed)
         else:
             result = torch.func.functional_call(model, weights, (args[n_weights],))
-        return (_pick_output(result, output),)
+        recorded = [] if extras is None else [t.detach() for t in extras()]
+        counts.append(len(recorded))
+        return (_pick_output(result, output), *recorded)
 
     graphs: dict[str, fx.GraphModule] = {}
 
@@ -122,7 +133,7 @@ def capture(
         step, fw_compiler=keep("forward"), bw_compiler=keep("backward"), partition_fn=default_partition, decompositions=backward_decompositions()
     )
     args = [tensors[name].detach().clone().requires_grad_(True) for name in trainable]
-    args += [tensors[name].detach().clone() for name in frozen]
+    args += [tensors[name].detach().clone() for name in (*kept, *frozen)]
     args += [value.detach().clone() for value in inputs.values()]
     # attention as matmuls and softmax (the fused kernels' backward has no ONNX translation); LSTM/GRU
     # without mkldnn (its fused cell saves tensors AOT autograd cannot partition)
@@ -140,7 +151,7 @@ def capture(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cpu_flags.__exit__(None, None, None)
-    return _cut(graphs["forward"], graphs["backward"], primal_names, trainable, frozen, args)
+    return _cut(graphs["forward"], graphs["backward"], primal_names, trainable, frozen, args, counts[-1])
 
 
 def _run(traced: Any, args: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -159,11 +170,13 @@ def _cut(
     trainable: Sequence[str],
     frozen: Sequence[str],
     values: Sequence[torch.Tensor],
+    extra: int = 0,
 ) -> CapturedGraphs:
     fw_placeholders = [node for node in forward.graph.nodes if node.op == "placeholder"]
     primal_of = dict(zip(fw_placeholders, primal_names))
     fw_output = next(node for node in forward.graph.nodes if node.op == "output")
     outs = list(fw_output.args[0])
+    extras, outs = outs[1 : 1 + extra], [outs[0], *outs[1 + extra :]]
     bw_placeholders = [node for node in backward.graph.nodes if node.op == "placeholder"]
     saved, tangents = bw_placeholders[: len(outs) - 1], bw_placeholders[len(outs) - 1 :]
     if len(tangents) != 1 or any(not isinstance(node, fx.Node) for node in outs):
@@ -196,7 +209,7 @@ def _cut(
             bw_names[bw_node] = f"saved_{len(residual_nodes)}"
             residual_nodes.append(source)
     bw_names[tangents[0]] = "grad_output"
-    fw_output.args = ((user_output, *residual_nodes),)
+    fw_output.args = ((user_output, *extras, *residual_nodes),)
     _lift_constants(forward, {node: values[primal_names.index(primal_of[node])] for node in fw_placeholders if primal_of[node] in frozen})
     _lift_constants(backward, bw_frozen)
     # the backward returns the trainable tensors' gradients, in order
@@ -217,7 +230,7 @@ def _cut(
         forward=forward,
         backward=backward,
         forward_inputs=forward_inputs,
-        forward_outputs=["output", *residuals],
+        forward_outputs=["output", *(f"extra_{i}" for i in range(extra)), *residuals],
         backward_inputs=backward_inputs,
         backward_outputs=[f"grad.{name}" for name in trainable],
         fed=fed,

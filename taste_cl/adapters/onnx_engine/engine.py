@@ -7,7 +7,11 @@ standard ONNX graphs and the state:
 - ``backward.onnx``: saved activations (plus the inputs and weights they need) and ``grad_output``
   -> ``grad.<name>`` of each trainable tensor; the activations are computed once, in the forward;
 - ``optimizer.onnx``: one SGD or AdamW step; ``parameters.npz`` and ``optimizer_state.npz``;
-- ``engine.json``: names, shapes and dtypes, all checked on load.
+- ``engine.json``: names, shapes and dtypes, all checked on load;
+- with ``batchnorm="adapt"`` at export, ``forward_batch.onnx`` / ``backward_batch.onnx`` (BatchNorm on
+  the batch's statistics) and ``statistics.npz`` (the running statistics, inputs of the graphs):
+  :meth:`OnnxEngine.forward_batch_statistics`, :meth:`OnnxEngine.norm_statistics` and
+  :meth:`OnnxEngine.load_norm_statistics` make it an :class:`~taste_cl.engine.base.AdaptableEngine`.
 
 The graphs have a fixed batch size (the export example's). A batch of another size runs as chunks
 of that size, the last padded by repeating its first row; padded rows get zero ``grad_output``,
@@ -23,6 +27,7 @@ import io
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,8 @@ __all__ = ["FORMAT", "MANIFEST", "OnnxEngine"]
 FORMAT = "taste_cl.onnx_engine/1"
 MANIFEST = "engine.json"
 GRAPHS = ("forward.onnx", "backward.onnx", "optimizer.onnx")
+BATCH_GRAPHS = ("forward_batch.onnx", "backward_batch.onnx")
+STATISTICS = "statistics.npz"
 _MAX_MANIFEST = 1 << 20
 _MAX_STATE = 1 << 34
 
@@ -78,6 +85,44 @@ def _check_arrays(what: str, values: Mapping[str, Any], expected: Mapping[str, t
     return checked
 
 
+@dataclass(frozen=True)
+class _Graphs:
+    """A forward/backward pair: the sessions, their input names, what the backward is fed from the forward, the forward's outputs."""
+
+    forward: Any
+    backward: Any
+    forward_inputs: list[str]
+    backward_inputs: list[str]
+    fed: set[str]
+    outputs: list[str]
+
+
+def _statistic_shapes(manifest: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The running statistics the graphs take (``statistics`` of the manifest) and each layer's batch count (shape ``()``)."""
+    shapes = {str(name): tuple(int(d) for d in shape) for name, shape in manifest.get("statistics", {}).items()}
+    for layer in manifest.get("batch", {}).get("layers", {}):
+        shapes[f"{layer}.num_batches_tracked" if layer else "num_batches_tracked"] = ()
+    return shapes
+
+
+def _check_statistics(
+    what: str, values: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], layers: Mapping[str, Any]
+) -> dict[str, np.ndarray]:
+    """``values`` checked as running statistics: float32 means and variances (>= 0) and int64 batch counts (>= 0)."""
+    counts = {name: shape for name, shape in expected.items() if name.endswith("num_batches_tracked")}
+    floats = _check_arrays(what, {k: v for k, v in values.items() if k not in counts}, {k: s for k, s in expected.items() if k not in counts})
+    checked = dict(floats)
+    for name in counts:
+        count = np.asarray(values.get(name))
+        if count.shape != () or count.dtype.kind not in "iu" or int(count) < 0:
+            raise CheckpointError(f"{what}: {name!r} must be an integer count >= 0; got {count.dtype} {count.shape}")
+        checked[name] = np.asarray(int(count), np.int64)
+    negative = [name for name in floats if name.endswith("running_var") and bool((floats[name] < 0).any())]
+    if negative:
+        raise CheckpointError(f"{what}: {negative[0]!r} holds negative variances")
+    return checked
+
+
 class OnnxEngine:
     """The ONNX engine over an exported folder: the engine interface of the learning loop.
 
@@ -113,11 +158,17 @@ class OnnxEngine:
                 raise ArtifactError(f"{self.folder} lacks {graph} (or it is not a regular file)")
             sessions[graph] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self._forward, self._backward, self._optimizer = (sessions[g] for g in GRAPHS)
+        self._statistic_shapes = _statistic_shapes(manifest)
+        self._rows_name = str(manifest["batch"]["rows"]) if "batch" in manifest else ""
+        self._layers: dict[str, dict[str, Any]] = dict(manifest.get("batch", {}).get("layers", {}))
         self._check_signatures(manifest)
+        self._batch = self._load_batch_graphs(manifest, ort, options)
+        self._statistics = self._load_statistics() if self._batch is not None else {}
         self._parameters = _check_arrays("parameters.npz", _load_npz(self.folder / "parameters.npz"), self._shapes)
         self._state_shapes = self._optimizer_state_shapes()
         self._state = _check_arrays("optimizer_state.npz", _load_npz(self.folder / "optimizer_state.npz"), self._state_shapes)
         self._saved: list[tuple[dict[str, np.ndarray], int]] | None = None
+        self._saved_by: _Graphs = self._graphs
         self._output_shape: tuple[int, ...] | None = None
 
     @property
@@ -132,20 +183,25 @@ class OnnxEngine:
 
     # ------------------------------------------------------------------ loading
     def _check_signatures(self, manifest: Mapping[str, Any]) -> None:
-        for session, key in ((self._forward, "forward"), (self._backward, "backward")):
+        self._graphs = self._graph_pair(self._forward, self._backward, manifest, "forward.onnx", "backward.onnx")
+        self._forward_inputs, self._backward_inputs, self._fed = self._graphs.forward_inputs, self._graphs.backward_inputs, self._graphs.fed
+
+    def _graph_pair(self, forward: Any, backward: Any, entry: Mapping[str, Any], forward_name: str, backward_name: str) -> _Graphs:
+        """The forward/backward pair checked against the manifest ``entry`` (its ``forward`` and ``backward``)."""
+        for session, key, file in ((forward, "forward", forward_name), (backward, "backward", backward_name)):
             names = [i.name for i in session.get_inputs()]
             outputs = [o.name for o in session.get_outputs()]
-            if set(names) - set(manifest[key]["inputs"]) or outputs != list(manifest[key]["outputs"]):
-                raise ArtifactError(f"{key}.onnx's inputs/outputs {names} -> {outputs} differ from {MANIFEST}'s")
-        self._forward_inputs = [i.name for i in self._forward.get_inputs()]
-        self._backward_inputs = [i.name for i in self._backward.get_inputs()]
-        self._fed = {name for name in self._backward_inputs if name != "grad_output" and not name.startswith("saved_")}
-        unknown = self._fed - set(self._shapes) - set(self._inputs) - {"output"}
+            if set(names) - set(entry[key]["inputs"]) or outputs != list(entry[key]["outputs"]):
+                raise ArtifactError(f"{file}'s inputs/outputs {names} -> {outputs} differ from {MANIFEST}'s")
+        backward_inputs = [i.name for i in backward.get_inputs()]
+        fed = {name for name in backward_inputs if name != "grad_output" and not name.startswith("saved_")}
+        unknown = fed - set(self._shapes) - set(self._inputs) - set(self._statistic_shapes) - {"output", self._rows_name}
         if unknown:
-            raise ArtifactError(f"backward.onnx takes inputs the engine cannot feed: {sorted(unknown)}")
+            raise ArtifactError(f"{backward_name} takes inputs the engine cannot feed: {sorted(unknown)}")
         expected = [f"grad.{name}" for name in self.trainable]
-        if [o.name for o in self._backward.get_outputs()] != expected:
-            raise ArtifactError("backward.onnx does not return the gradients of the trainable tensors in order")
+        if [o.name for o in backward.get_outputs()] != expected:
+            raise ArtifactError(f"{backward_name} does not return the gradients of the trainable tensors in order")
+        return _Graphs(forward, backward, [i.name for i in forward.get_inputs()], backward_inputs, fed, [o.name for o in forward.get_outputs()])
 
     def _optimizer_state_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes: dict[str, tuple[int, ...]] = {"step": ()}
@@ -185,20 +241,33 @@ class OnnxEngine:
     def forward(self, x: np.ndarray | Mapping[str, np.ndarray], *, train: bool) -> np.ndarray:
         """The model's output for ``x``; with ``train=True`` the activations for one :meth:`backward` are kept."""
         arrays, rows = self._as_inputs(x)
+        return self._run_forward(self._graphs, self._chunks(arrays, rows), train)[0]
+
+    def _value(self, name: str, chunk: Mapping[str, np.ndarray]) -> np.ndarray:
+        """What the graphs' input ``name`` is fed: the batch's, a trainable tensor's or a running statistic's value."""
+        if name in chunk:
+            return chunk[name]
+        return self._parameters[name] if name in self._parameters else self._statistics[name]
+
+    def _run_forward(self, graphs: _Graphs, chunks: list[tuple[dict[str, np.ndarray], int]], train: bool) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The output of ``graphs``' forward over ``chunks`` and its other outputs before the activations (of the last chunk)."""
         outputs, saved = [], []
-        names = [o.name for o in self._forward.get_outputs()]
-        for chunk, taken in self._chunks(arrays, rows):
-            feed = {name: chunk[name] if name in chunk else self._parameters[name] for name in self._forward_inputs}
-            result = self._forward.run(names if train else names[:1], feed)
+        names = graphs.outputs
+        extra = [name for name in names[1:] if not name.startswith("saved_")]
+        extras: dict[str, np.ndarray] = {}
+        for chunk, taken in chunks:
+            feed = {name: self._value(name, chunk) for name in graphs.forward_inputs}
+            result = graphs.forward.run(names if train else names[: 1 + len(extra)], feed)
             outputs.append(result[0][:taken])
+            extras = dict(zip(extra, result[1 : 1 + len(extra)]))
             if train:
                 kept = dict(zip(names, result))
-                kept.update({name: chunk[name] for name in self._fed if name in chunk})
+                kept.update({name: chunk[name] for name in graphs.fed if name in chunk})
                 saved.append((kept, taken))
         output = outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
-        self._saved = saved if train else None
+        self._saved, self._saved_by = (saved, graphs) if train else (None, self._graphs)
         self._output_shape = output.shape
-        return output
+        return output, extras
 
     def backward(self, grad_outputs: np.ndarray) -> dict[str, np.ndarray]:
         """Gradients of the trainable tensors for the last ``forward(..., train=True)``, given dLoss/dOutput."""
@@ -208,6 +277,7 @@ class OnnxEngine:
         if grad.shape != self._output_shape:
             raise InvalidBatchError(f"grad_outputs must be shaped like the outputs {self._output_shape}; got {grad.shape}")
         saved, self._saved = self._saved, None
+        graphs = self._saved_by
         total: dict[str, np.ndarray] = {}
         start = 0
         for kept, taken in saved:
@@ -215,8 +285,8 @@ class OnnxEngine:
             if taken < self.batch_size:
                 part = np.concatenate([part, np.zeros((self.batch_size - taken, *grad.shape[1:]), np.float32)])
             start += taken
-            feed = {name: part if name == "grad_output" else kept[name] if name in kept else self._parameters[name] for name in self._backward_inputs}
-            for name, value in zip(self.trainable, self._backward.run(None, feed)):
+            feed = {name: part if name == "grad_output" else self._value(name, kept) for name in graphs.backward_inputs}
+            for name, value in zip(self.trainable, graphs.backward.run(None, feed)):
                 total[name] = value if name not in total else total[name] + value
         return total
 
@@ -257,3 +327,70 @@ class OnnxEngine:
                 atomic_write_bytes(target / name, (self.folder / name).read_bytes())
         atomic_write_bytes(target / "parameters.npz", _npz_bytes(self._parameters))
         atomic_write_bytes(target / "optimizer_state.npz", _npz_bytes(self._state))
+        if self._batch is not None:
+            if target.resolve() != self.folder.resolve():
+                for name in BATCH_GRAPHS:
+                    atomic_write_bytes(target / name, (self.folder / name).read_bytes())
+            atomic_write_bytes(target / STATISTICS, _npz_bytes(self._statistics))
+
+    # ------------------------------------------------------------------ test-time adaptation (folders exported with batchnorm="adapt")
+    @property
+    def adaptable(self) -> bool:
+        """Whether the folder has the batch-statistics graphs (``export_engine(..., batchnorm="adapt")``)."""
+        return self._batch is not None
+
+    def forward_batch_statistics(self, x: np.ndarray | Mapping[str, np.ndarray], *, train: bool) -> np.ndarray:
+        """The output with BatchNorm on ``x``'s own statistics, whose running statistics then follow them as torch's
+        train-mode BatchNorm's do (momentum, unbiased variance, batch count); ``train=True`` keeps what
+        :meth:`backward` needs. ``x`` holds 2 to :attr:`batch_size` rows (one padded run of the graphs)."""
+        if self._batch is None:
+            raise RuntimeError(f"{self.folder} has no batch-statistics graphs: export it with export_engine(..., batchnorm='adapt')")
+        arrays, rows = self._as_inputs(x)
+        if not 2 <= rows <= self.batch_size:
+            raise InvalidBatchError(f"batch statistics take 2 to {self.batch_size} rows (the graphs' batch size); got {rows}")
+        ((chunk, taken),) = self._chunks(arrays, rows)
+        chunk[self._rows_name] = (np.arange(self.batch_size) < taken).astype(np.float32)
+        output, extras = self._run_forward(self._batch, [(chunk, taken)], train)
+        self._statistics = self._followed(extras, taken)
+        return output
+
+    def _followed(self, extras: Mapping[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+        """The running statistics after one batch's ``batch_mean.<layer>`` / ``batch_var.<layer>`` (torch's update)."""
+        updated = dict(self._statistics)
+        for layer, spec in self._layers.items():
+            prefix = f"{layer}." if layer else ""
+            count = updated[f"{prefix}num_batches_tracked"] + 1
+            factor = np.float32(1.0 / float(count) if spec["momentum"] is None else spec["momentum"])
+            n = rows * int(spec["positions"])
+            unbiased = extras[f"batch_var.{layer}"] * np.float32(n / (n - 1))
+            mean_name, var_name = f"{prefix}running_mean", f"{prefix}running_var"
+            updated[mean_name] = (1 - factor) * updated[mean_name] + factor * extras[f"batch_mean.{layer}"]
+            updated[var_name] = (1 - factor) * updated[var_name] + factor * unbiased
+            updated[f"{prefix}num_batches_tracked"] = np.asarray(count, np.int64)
+        return updated
+
+    def norm_statistics(self) -> dict[str, np.ndarray]:
+        """BatchNorm's running statistics and batch counts by buffer name (copies; empty without the adaptation graphs)."""
+        return {name: value.copy() for name, value in self._statistics.items()}
+
+    def load_norm_statistics(self, values: Mapping[str, np.ndarray]) -> None:
+        """Replace the running statistics with ``values`` (:meth:`norm_statistics`' names, shapes and kinds; finite;
+        variances and counts >= 0); ``CheckpointError`` and nothing changed otherwise."""
+        self._statistics = _check_statistics("statistics", values, self._statistic_shapes, self._layers)
+
+    def _load_batch_graphs(self, manifest: Mapping[str, Any], ort: Any, options: Any) -> _Graphs | None:
+        if "batch" not in manifest:
+            return None
+        sessions = []
+        for graph in BATCH_GRAPHS:
+            path = self.folder / graph
+            if not path.is_file() or path.is_symlink():
+                raise ArtifactError(f"{self.folder} lacks {graph} (or it is not a regular file)")
+            sessions.append(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]))
+        return self._graph_pair(sessions[0], sessions[1], manifest["batch"], *BATCH_GRAPHS)
+
+    def _load_statistics(self) -> dict[str, np.ndarray]:
+        try:
+            return _check_statistics(STATISTICS, _load_npz(self.folder / STATISTICS), self._statistic_shapes, self._layers)
+        except CheckpointError as error:
+            raise ArtifactError(str(error)) from None

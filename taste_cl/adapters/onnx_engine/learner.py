@@ -7,12 +7,14 @@ its SHA-256 in ``manifest.json`` (:mod:`taste_cl.adapters.device.artifacts`):
 
 - the engine's files: ``forward.onnx``, ``backward.onnx``, ``optimizer.onnx``, ``engine.json``,
   ``parameters.npz``, ``optimizer_state.npz``;
-- ``loop_state.npz``: the loop's arrays (``replay.x``, ``replay.y``, ``replay.outputs``, ``teacher.<name>``);
+- ``loop_state.npz``: the loop's arrays (``replay.x``, ``replay.y``, ``replay.outputs``, ``teacher.<name>``, and the
+  monitor's ``monitor.*``: its probe rows, labels and ids, recent scores and last probe verdicts);
 - ``manifest.json``: ``format``, ``backend: "onnx_engine"``, ``settings`` (what builds the
   :class:`~taste_cl.engine.loop.EngineLearner`: lr, num_classes, strategy, replay, capacity, batch
-  sizes, clipping, strategy weights, seed), ``loop`` (the plain part of
+  sizes, clipping, strategy weights, seed, and ``monitor``: the
+  :class:`~taste_cl.engine.monitor.LoopMonitor`'s settings, defaults when absent), ``loop`` (the plain part of
   :meth:`~taste_cl.engine.loop.EngineLearner.state`: counters, generator, replay counts, guard
-  history), ``counters`` and what the export recorded (``export``).
+  history, the monitor's state), ``counters`` and what the export recorded (``export``).
 
 Loading checks everything before it builds anything: the manifest and every hash, each setting
 against its bounds, the engine's shapes, and every array's dtype and shape from its ``.npy``
@@ -41,11 +43,17 @@ from taste_cl.adapters.onnx_engine.engine import GRAPHS, OnnxEngine
 from taste_cl.adapters.onnx_engine.engine import MANIFEST as ENGINE_MANIFEST
 from taste_cl.adapters.onnxruntime.manifest import MAX_CAPACITY, MAX_CLASSES, MAX_ITERATIONS, MAX_REPLAY_BATCH, manifest_error, manifest_int
 from taste_cl.adapters.onnxruntime.replay import MAX_REPLAY_BYTES, npz_headers
+from taste_cl.engine.adapt import ArrayCollapseGuard, EngineAdapter
 from taste_cl.engine.loop import BUFFERS, STRATEGIES, EngineLearner, EngineStats
+from taste_cl.engine.monitor import LoopMonitor
 from taste_cl.exceptions import ArtifactError, CheckpointError, InvalidBatchError
 from taste_cl.guards.device import DeviceUpdateGuard
+from taste_cl.state.files import read_regular_file
 
-__all__ = ["BACKEND", "ENGINE_FILES", "FORMAT", "LOOP_FILE", "OnnxEngineLearner"]
+__all__ = ["ADAPTER_FILE", "BACKEND", "ENGINE_FILES", "FORMAT", "LOOP_FILE", "OnnxEngineLearner", "load_adapter"]
+
+ADAPTER_FILE = "adapter.json"
+ADAPTER_FORMAT = "taste_cl.onnx_engine.adapter/1"
 
 BACKEND = "onnx_engine"
 FORMAT = 1
@@ -72,7 +80,7 @@ def _number(settings: Mapping[str, Any], key: str, *, low: float, high: float = 
 def parse_settings(settings: Any, guard: DeviceUpdateGuard) -> dict[str, Any]:
     """The manifest's ``settings`` checked against their bounds (``ArtifactError`` naming the first bad one),
     as the keyword arguments of :class:`~taste_cl.engine.loop.EngineLearner`."""
-    if not isinstance(settings, Mapping) or set(settings) != set(_SETTINGS):
+    if not isinstance(settings, Mapping) or set(settings) - {"monitor"} != set(_SETTINGS):
         given = sorted(settings) if isinstance(settings, Mapping) else type(settings).__name__
         raise ArtifactError(f"manifest `settings` must be an object with exactly the keys {sorted(_SETTINGS)}; got {given}")
     strategy, replay = settings["strategy"], settings["replay"]
@@ -97,7 +105,34 @@ def parse_settings(settings: Any, guard: DeviceUpdateGuard) -> dict[str, Any]:
         "temperature": _number(settings, "temperature", low=0.0, open_low=True),
         "lwf_every": manifest_int(settings, "lwf_every", 1, MAX_LWF_EVERY, "settings."),
         "seed": manifest_int(settings, "seed", 0, 2**63 - 1, "settings."),
+        "monitor": _monitor(settings.get("monitor")),
     }
+
+
+def _monitor(settings: Any) -> LoopMonitor:
+    """The monitor the manifest's ``settings.monitor`` describes (folders written before the loop had one: the default)."""
+    if settings is None:
+        return LoopMonitor()
+    try:
+        return LoopMonitor.from_settings(settings)
+    except ValueError as error:
+        raise ArtifactError(f"manifest `settings`: {error}") from None
+
+
+def _monitor_expected(
+    monitor: LoopMonitor, loop: Mapping[str, Any], dtype: np.dtype, row: tuple[int, ...]
+) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """The ``monitor.*`` arrays the plain monitor state in ``loop`` names (none for a state without one); the probe within the device bound."""
+    row_bytes = dtype.itemsize * math.prod(row) + 16
+    if monitor.probe_capacity * row_bytes > MAX_REPLAY_BYTES:
+        bound = f"at most {MAX_REPLAY_BYTES // row_bytes} rows of {row_bytes} bytes"
+        raise manifest_error("settings.monitor.probe_capacity", monitor.probe_capacity, bound)
+    if "monitor" not in loop:
+        return {}
+    try:
+        return monitor.expected_arrays(loop["monitor"], dtype, row)
+    except ValueError as error:
+        raise ArtifactError(f"manifest `loop`: {error}") from None
 
 
 def _engine_shapes(data: bytes) -> tuple[np.dtype, tuple[int, ...], int, dict[str, tuple[int, ...]]]:
@@ -181,16 +216,17 @@ def _loop_expected(
                 "replay.y": (np.dtype(np.int64), (size,)),
                 "replay.outputs": (np.dtype(np.float32), (size, settings["num_classes"])),
             }
-    return expected
+    return expected | _monitor_expected(settings["monitor"], loop, dtype, row)
 
 
 def _loop_arrays(arrays: Mapping[str, np.ndarray], num_classes: int) -> None:
-    """Values the headers cannot show: labels in range, finite rows and teacher (``ArtifactError`` naming the array)."""
+    """Values the headers cannot show: labels in range, finite rows and teacher (``ArtifactError`` naming the array);
+    the monitor's arrays are its own to check (:meth:`~taste_cl.engine.monitor.LoopMonitor.check_state`)."""
     y = arrays.get("replay.y")
     if y is not None and y.size and (y.min() < 0 or y.max() >= num_classes):
         raise ArtifactError(f"{LOOP_FILE}: `replay.y` holds labels in [{y.min()}, {y.max()}], must be in [0, {num_classes})")
     for key, value in arrays.items():
-        if value.dtype.kind == "f" and not np.isfinite(value).all():
+        if value.dtype.kind == "f" and not key.startswith("monitor.") and not np.isfinite(value).all():
             raise ArtifactError(f"{LOOP_FILE}: `{key}` holds NaN or infinite values")
 
 
@@ -265,6 +301,11 @@ class OnnxEngineLearner(EngineLearner):
         _check_headers(LOOP_FILE, data, expected)
         arrays = _load_npz(LOOP_FILE, data)
         _loop_arrays(arrays, settings["num_classes"])
+        if isinstance(loop, Mapping) and "monitor" in loop:
+            try:
+                settings["monitor"].check_state(loop["monitor"], arrays, settings["num_classes"])
+            except ValueError as error:
+                raise ArtifactError(f"manifest `loop` or {LOOP_FILE}: {error}") from None
         try:
             engine = OnnxEngine(folder, threads=threads)
         except ArtifactError:
@@ -313,7 +354,7 @@ class OnnxEngineLearner(EngineLearner):
             "capacity": self.capacity if self.replay is None else self.replay.capacity,
             "replay_batch_size": self.replay_batch_size, "train_iterations": self.train_iterations,
             "max_grad_norm": self.max_grad_norm, "alpha": self.alpha, "beta": self.beta,
-            "temperature": self.temperature, "lwf_every": self.lwf_every, "seed": self.seed,
+            "temperature": self.temperature, "lwf_every": self.lwf_every, "seed": self.seed, "monitor": self.monitor.settings(),
         }  # fmt: skip
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
@@ -341,3 +382,34 @@ class OnnxEngineLearner(EngineLearner):
             }
             write_manifest(stage, manifest)
         return Path(directory).absolute()
+
+
+def load_adapter(directory: str | os.PathLike[str], *, threads: int = 1) -> EngineAdapter:
+    """The test-time adapter of a folder written by :func:`~taste_cl.adapters.onnx_engine.adapt_export.export_adapter`:
+    an :class:`~taste_cl.engine.adapt.EngineAdapter` over its :class:`OnnxEngine`, torch-free. ``ArtifactError`` naming
+    the field for an ``adapter.json`` that is not one, or settings the adapter or its guard refuse."""
+    folder = Path(directory)
+    try:
+        record = json.loads(read_regular_file(folder / ADAPTER_FILE, _MAX_ENGINE_JSON))
+    except (OSError, ValueError) as error:
+        raise ArtifactError(f"{folder} has no readable {ADAPTER_FILE}: {error}") from None
+    keys = {"format", "method", "lr", "min_batch", "backoff", "guard"}
+    if not isinstance(record, dict) or record.get("format") != ADAPTER_FORMAT or set(record) != keys:
+        raise ArtifactError(f"{folder / ADAPTER_FILE} is not an adapter record (format {ADAPTER_FORMAT!r} and exactly the keys {sorted(keys)})")
+    guard = record["guard"]
+    if guard is not None and not isinstance(guard, dict):
+        raise manifest_error("guard", guard, "null or an object of CollapseGuard settings")
+    engine = OnnxEngine(folder, threads=threads)
+    if not engine.adaptable:
+        raise ArtifactError(f"{folder} has no batch-statistics graphs (export it with export_adapter)")
+    try:
+        return EngineAdapter(
+            engine,
+            record["method"],
+            lr=record["lr"],
+            guard=None if guard is None else ArrayCollapseGuard(**guard),
+            min_batch=record["min_batch"],
+            backoff=record["backoff"],
+        )
+    except (TypeError, ValueError) as error:
+        raise ArtifactError(f"{folder / ADAPTER_FILE} does not build an adapter: {error}") from None

@@ -6,12 +6,18 @@ with its state and live learning rate, ``num_classes`` (the output width), the s
 ER-ACE, DER++ with ``alpha``/``beta``, LwF with ``alpha``/``temperature``, its teacher and its
 snapshot period), ``max_grad_norm``, ``replay_batch_size``, ``train_iterations``, the replay
 buffer (``ReservoirReplay`` -> ``"reservoir"``, ``ClassBalancedReplay`` -> ``"class_balanced"``:
-its capacity and rows, labels and, for DER++, the stored logits) and a seed for the device loop's
-generator. The folder is written by
+its capacity, rows, labels, counts and, for DER++, the stored logits) and the buffer's generator
+(:mod:`taste_cl.replay.draws`), so the device keeps and replays exactly the rows the torch learner
+would have (or a fresh one from ``seed=``), and the monitor (its settings, its Page-Hinkley test
+with its state, its probe's rows, ids and generator, its scores and events: the device's
+:class:`~taste_cl.engine.monitor.LoopMonitor` goes on with the same drift and forgetting events;
+it scores with the eval-mode forward, which is what a torch monitor's ``prequential="auto"``
+uses for a model whose output depends on the mode). The folder is written by
 :meth:`~taste_cl.adapters.onnx_engine.learner.OnnxEngineLearner.save` (staged and hashed).
 
 Refused before anything is written, with :class:`~taste_cl.exceptions.ExportError` naming what:
-another optimizer, a custom strategy or buffer, a loss other than plain mean cross-entropy, a
+another optimizer, a custom strategy or buffer, a monitor whose drift detector is not a ``PageHinkley``,
+a loss other than plain mean cross-entropy, a
 task other than classification, structured inputs (dicts, tuples) or a model output that is not
 ``(n, classes)``, a callable ``output=`` selection, a learner that has not settled its input
 (never observed and no ``input_shape=``), and ``batchnorm="batch"``.
@@ -48,9 +54,13 @@ from taste_cl.adapters.onnx_engine.engine import OnnxEngine
 from taste_cl.adapters.onnx_engine.export import export_engine
 from taste_cl.adapters.onnx_engine.learner import OnnxEngineLearner
 from taste_cl.adapters.onnxruntime.manifest import MAX_CAPACITY
+from taste_cl.engine.monitor import SETTINGS as MONITOR_SETTINGS
+from taste_cl.engine.monitor import LoopMonitor
 from taste_cl.exceptions import BatchNormModeWarning, ExportError
 from taste_cl.learner import OnlineLearner
+from taste_cl.monitor import PageHinkley, StabilityPlasticityMonitor
 from taste_cl.replay import ClassBalancedReplay, ReplayStrategy, ReservoirReplay
+from taste_cl.replay.draws import decode_rng
 from taste_cl.strategies import ERACE, DERPlusPlus, ExperienceReplay, LwF, Strategy
 
 __all__ = ["DEFAULT_BATCH", "DEFAULT_LWF_EVERY", "export"]
@@ -126,6 +136,64 @@ def _refusals(learner: OnlineLearner, batchnorm: str) -> tuple[str, str | None, 
     return strategy, replay, float(lr)
 
 
+def _replay_counts(state: dict[str, Any], size: int, seen: int) -> dict[str, Any]:
+    """The device loop's replay counts (:meth:`~taste_cl.engine.loop.LoopReplay.counts`) for a torch buffer's state."""
+    if "classes" not in state:
+        return {"size": size, "seen": seen}
+    class_seen = list(state["seen"])
+    return {"size": size, "seen": sum(class_seen), "classes": list(state["classes"]), "class_seen": class_seen,
+            "slots": [[int(i) for i in slots.tolist()] for slots in state["slots"]]}  # fmt: skip
+
+
+def _monitor_settings(monitor: StabilityPlasticityMonitor) -> LoopMonitor:
+    """The device loop's monitor with the torch monitor's settings (``ExportError`` for what it cannot run)."""
+    detector = monitor.drift_detector
+    if type(detector) is not PageHinkley:
+        raise ExportError(f"the onnx_engine backend's monitor runs PageHinkley; this learner's drift detector is {type(detector).__name__}")
+    settings = monitor.settings()
+    drift = {"min_instances": detector.min_instances, "delta": detector.delta, "threshold": detector.threshold, "alpha": detector.alpha}
+    try:
+        return LoopMonitor.from_settings({key: settings[key] for key in MONITOR_SETTINGS[:-1]} | {"drift": drift})
+    except ValueError as error:
+        raise ExportError(f"the learner's monitor does not fit the device loop: {error}") from None
+
+
+def _monitor_state(state: dict[str, Any], dtype: np.dtype) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The device monitor's state (:meth:`~taste_cl.engine.monitor.LoopMonitor.state`) for a torch monitor's
+    ``state_dict``: the same probe rows, ids and generator, drift test, scores and events (details that are not
+    plain finite values stay behind)."""
+    probe: dict[str, Any] = state["probe"]
+    ids, flags = state["last_correct"]
+    storage = probe["storage"]
+    size = storage["size"]
+    arrays = {
+        "monitor.recent": np.asarray(state["recent"], dtype=np.float64).reshape(-1, 3),
+        "monitor.last_ids": np.asarray(ids, dtype=np.int64),
+        "monitor.last_correct": np.asarray(flags, dtype=np.bool_),
+    }
+    if size:
+        arrays |= {
+            "monitor.probe.x": storage["x"].detach().cpu().numpy().astype(dtype),
+            "monitor.probe.y": storage["y"].cpu().numpy().astype(np.int64),
+            "monitor.probe.sid": storage["fields"]["sid"].cpu().numpy().astype(np.int64),
+        }
+    counts = {key: value for key, value in _replay_counts(probe, size, 0).items() if key != "seen"}
+    plain = {key: state[key] for key in ("steps", "samples_seen", "class_accuracy", "best_class_accuracy", "stability", "forgetting",
+                                         "anytime", "flips", "last_drift_step", "event_counts")}  # fmt: skip
+    plain |= {
+        "recent": len(state["recent"]),
+        "last_correct": len(ids),
+        "events": [{**event, "details": {k: v for k, v in event["details"].items() if _plain(v)}} for event in state["events"]],
+        "drift": state["drift_detector"],
+        "probe": counts | {"rng": decode_rng(probe["generator"].numpy()).bit_generator.state},
+    }
+    return plain, arrays
+
+
+def _plain(value: Any) -> bool:
+    return isinstance(value, (str, int, bool, type(None))) or (isinstance(value, float) and math.isfinite(value))
+
+
 def _batch_trained(model: nn.Module, frozen: list[str]) -> list[str]:
     """The BatchNorm modules the learner trains with batch statistics (those outside its frozen parts)."""
     return [
@@ -150,7 +218,8 @@ def export(
     ``trainable``: parameter names or an attached ElasticTrainer (as for the other backends).
     ``include_replay=False`` ships an empty buffer of the same capacity. ``batch_size``: the graphs'
     fixed batch (default: the tuned micro-batch, else 32; other sizes run as padded chunks).
-    ``seed``: the device loop's generator (default: the buffer's seed). ``lwf_every``: LwF's
+    ``seed``: seeds a fresh generator for the device loop (default: the loop continues the buffer's
+    generator, the same draws the torch learner would make). ``lwf_every``: LwF's
     snapshot period in observes (default: the strategy's ``every``, else 50: the device loop does
     not detect drift, so an LwF that snapshots only on drift snapshots every 50 observes there).
     """
@@ -187,6 +256,7 @@ def export(
             "seed": int(replay_state.get("seed", 0)) if seed is None else seed,
         }
         counters = {"samples_seen": learner.samples_seen, "steps": learner.steps}
+        monitor, monitor_state = _monitor_settings(learner.monitor), learner.monitor.state_dict()
     if batch_size is None:
         batch_size = plan.micro_batch_size if plan is not None else DEFAULT_BATCH
     freeze_untrained(model, chosen)
@@ -218,13 +288,17 @@ def export(
         engine_folder = export_engine(model, x, work / "engine", trainable=chosen, optimizer=optimizer, output=output)
         engine = OnnxEngine(engine_folder)
         settings["num_classes"] = engine.output_shape[-1]
-        device = OnnxEngineLearner(engine, info=info, **settings)
+        device = OnnxEngineLearner(engine, info=info, monitor=monitor, **settings)
         plain, arrays = device.state()
+        plain["monitor"], monitor_arrays = _monitor_state(monitor_state, device.input_dtype)
+        arrays |= monitor_arrays
         if rows is not None and len(rows):
             rx = rows.x.detach().cpu().numpy().astype(device.input_dtype)
             outputs = stored.detach().cpu().float().numpy() if stored is not None else engine.forward(rx, train=False)
             arrays |= {"replay.x": rx, "replay.y": rows.y.detach().cpu().numpy().astype(np.int64), "replay.outputs": outputs}
-            plain["replay"] = {"size": len(rows), "seen": rows.seen}
+            plain["replay"] = _replay_counts(replay_state, len(rows), rows.seen)
+        if seed is None and "generator" in replay_state:  # the device continues the torch buffer's draws
+            plain["rng"] = decode_rng(replay_state["generator"].numpy()).bit_generator.state
         if teacher is not None:
             arrays |= {f"teacher.{name}": teacher[name] for name in engine.trainable}
             plain["teacher"] = True

@@ -4,7 +4,10 @@
 LwF, and plain replay from a class-balanced buffer) on a class-incremental stream, once on
 :class:`~taste_cl.engine.torch_engine.TorchEngine` and once on
 :class:`~taste_cl.adapters.onnx_engine.engine.OnnxEngine` (extra ``[onnx]``) exported from the
-same initial weights, for ``--seeds`` seeds. Reported per variant: the mean final accuracy on
+same initial weights, for ``--seeds`` seeds; on the digits MLP also on the SDK's torch learner,
+``OnlineLearner``, with the same strategy, buffer, seed and learning rates (its buffers take their
+decisions from the same seeded stream, :mod:`taste_cl.replay.draws`, so it keeps and replays the
+same rows; "same buffer as learner" checks its final buffer against the ONNX engine's). Reported per variant: the mean final accuracy on
 each engine, their difference, and the spread of torch's own accuracy across the seeds (what
 "within 1 point" is measured against); whether every step replayed the same rows on both;
 and, on a stream whose observes ``--poison`` run at a learning rate 1e5 times too large, the
@@ -36,7 +39,10 @@ from taste_cl.datasets import Task, make_pattern_images, split_digits
 from taste_cl.engine.base import Engine
 from taste_cl.engine.loop import EngineLearner
 from taste_cl.engine.torch_engine import TorchEngine
+from taste_cl.learner import OnlineLearner
+from taste_cl.replay import ClassBalancedReplay, ReservoirReplay, SeededStrategy
 from taste_cl.report import format_table
+from taste_cl.strategies import ERACE, DERPlusPlus, ExperienceReplay, LwF, Strategy
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "replay": {"strategy": "er"},
@@ -84,10 +90,11 @@ def _stream(tasks: Sequence[Task], batch: int) -> list[tuple[np.ndarray, np.ndar
     ]
 
 
-def _accuracy(learner: EngineLearner, tasks: Sequence[Task]) -> float:
+def _accuracy(learner: EngineLearner | OnlineLearner, tasks: Sequence[Task]) -> float:
     x = np.concatenate([t.x_test.numpy() for t in tasks])
     y = np.concatenate([t.y_test.numpy() for t in tasks])
-    return float((learner.predict(x).argmax(1) == y).mean())
+    outputs = learner.predict(torch.from_numpy(x)).numpy() if isinstance(learner, OnlineLearner) else learner.predict(x)
+    return float((outputs.argmax(1) == y).mean())
 
 
 def run_variant(
@@ -99,6 +106,31 @@ def run_variant(
     for i, (x, y) in enumerate(stream):
         learner.lr = lr * 1e5 if i in poison else lr
         if learner.observe(x, y).refused:
+            refused.append(i)
+    return learner, refused
+
+
+_LEARNER_STRATEGIES: dict[str, Callable[[dict[str, Any]], Strategy]] = {
+    "er": lambda v: ExperienceReplay(),
+    "er_ace": lambda v: ERACE(),
+    "der++": lambda v: DERPlusPlus(alpha=v.get("alpha", 1.0), beta=v.get("beta", 1.0)),
+    "lwf": lambda v: LwF(alpha=v.get("alpha", 1.0), temperature=v.get("temperature", 2.0), every=v.get("lwf_every", 50), on_drift=False),
+}
+
+
+def run_learner(
+    model: nn.Module, variant: dict[str, Any], stream: list[tuple[np.ndarray, np.ndarray]], *, lr: float, seed: int, poison: set[int]
+) -> tuple[OnlineLearner, list[int]]:
+    """The stream on the SDK's torch learner (``OnlineLearner``) with the variant's strategy and buffer; the observes it skipped."""
+    buffer = ClassBalancedReplay if variant.get("replay") == "class_balanced" else ReservoirReplay
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    learner = OnlineLearner(model, optimizer=optimizer, replay=buffer(200, seed=seed), replay_batch_size=10,
+                            strategy=_LEARNER_STRATEGIES[variant["strategy"]](variant))  # fmt: skip
+    refused = []
+    for i, (x, y) in enumerate(stream):
+        for group in optimizer.param_groups:
+            group["lr"] = lr * 1e5 if i in poison else lr
+        if learner.observe((torch.from_numpy(x), torch.from_numpy(y))).skipped:
             refused.append(i)
     return learner, refused
 
@@ -125,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = [(m, s) for m in models for s in seeds]
     accuracy: dict[tuple[str, str, str], list[float]] = {}
     same_draws: dict[tuple[str, str], bool] = {}
+    same_buffer: dict[tuple[str, str], bool] = {}
     refusals: dict[tuple[str, str], list[Any]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for (name, build, make_tasks, lr, batch), seed in progress_bar(jobs, enabled=not args.no_progress, desc="engines"):
@@ -147,6 +180,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     refusals.setdefault((name, label), []).append({engine_name: refused})
                 draws = all(np.array_equal(a, b) for a, b in zip(runs["torch"].replay_draws, runs["onnxruntime"].replay_draws))
                 same_draws[(name, label)] = same_draws.get((name, label), True) and draws
+                if name == "digits MLP":  # the SDK's torch learner on the same stream (MobileNet's BatchNorm trains there)
+                    sdk, refused = run_learner(build(seed, tasks), variant, stream, lr=lr, seed=seed, poison=set(args.poison))
+                    accuracy.setdefault((name, label, "learner"), []).append(_accuracy(sdk, tasks))
+                    refusals[(name, label)].append({"learner": refused})
+                    stored = runs["onnxruntime"].replay
+                    held = sdk.replay.labels.numpy() if isinstance(sdk.replay, SeededStrategy) else np.zeros(0, np.int64)
+                    same_buffer[(name, label)] = (
+                        same_buffer.get((name, label), True) and stored is not None and np.array_equal(stored.rows(np.arange(len(stored)))[1], held)
+                    )
     for name, *_ in models:
         for label in variants:
             torch_acc, ort_acc = accuracy[(name, label, "torch")], accuracy[(name, label, "onnxruntime")]
@@ -155,41 +197,54 @@ def main(argv: Sequence[str] | None = None) -> int:
             per_run = refusals[(name, label)]
             torch_refused = sorted({i for r in per_run for i in r.get("torch", [])})
             ort_refused = sorted({i for r in per_run for i in r.get("onnxruntime", [])})
+            sdk_acc = accuracy.get((name, label, "learner"))
+            sdk_refused = sorted({i for r in per_run for i in r.get("learner", [])})
+            sdk_gap = None if sdk_acc is None else 100 * (statistics.fmean(ort_acc) - statistics.fmean(sdk_acc))
             rows.append(
                 [
                     name,
                     label,
+                    None if sdk_acc is None else statistics.fmean(sdk_acc),
                     statistics.fmean(torch_acc),
                     statistics.fmean(ort_acc),
+                    sdk_gap,
                     100 * gap,
                     100 * spread,
                     same_draws[(name, label)],
+                    same_buffer.get((name, label)),
+                    str(sdk_refused) if sdk_acc is not None else None,
                     str(torch_refused),
                     str(ort_refused),
                 ]
             )
             results[f"{name} / {label}"] = {
-                "torch": torch_acc, "onnxruntime": ort_acc, "gap_points": 100 * gap, "torch_spread_points": 100 * spread,
-                "same_replay_draws": same_draws[(name, label)], "refused_torch": torch_refused, "refused_onnxruntime": ort_refused,
+                "learner": sdk_acc, "torch": torch_acc, "onnxruntime": ort_acc, "gap_points": 100 * gap, "gap_to_learner_points": sdk_gap,
+                "torch_spread_points": 100 * spread, "same_replay_draws": same_draws[(name, label)],
+                "same_buffer_as_learner": same_buffer.get((name, label)), "refused_learner": sdk_refused if sdk_acc is not None else None,
+                "refused_torch": torch_refused, "refused_onnxruntime": ort_refused,
             }  # fmt: skip
     headers = [
         "model",
         "variant",
-        "torch acc",
+        "OnlineLearner acc",
+        "torch engine acc",
         "ORT engine acc",
-        "gap (points)",
+        "ORT - learner (points)",
+        "ORT - torch engine (points)",
         "torch spread (points)",
         "same draws",
-        "refused (torch)",
+        "same buffer as learner",
+        "skipped (learner)",
+        "refused (torch engine)",
         "refused (ORT)",
     ]
     print(format_table(headers, rows))
-    worst = max(abs(float(r[4])) for r in rows)
+    worst = max(abs(float(r[6])) for r in rows)
     save_result(
         args.out,
         "engines",
         {"seeds": len(seeds), "poison": args.poison, "results": results},
         summary=f"one loop on torch eager and the standard-ONNX engine, {len(seeds)} seed(s): largest accuracy gap {worst:.2f} points, "
-        + ("the same replay draws in every run" if all(r[6] for r in rows) else "replay draws differ in some runs"),
+        + ("the same replay draws in every run" if all(r[8] for r in rows) else "replay draws differ in some runs"),
     )
     return 0
