@@ -111,6 +111,61 @@ def test_a_class_with_fewer_samples_than_the_buffer_share_keeps_all_of_them() ->
     assert sample_x.shape == (20, 2, gestures.length) and sample_y.shape == (20,)
 
 
+def test_digit_strings_are_class_names_not_numbers() -> None:
+    vowels = load_recorded("JapaneseVowels")  # speakers labelled "1" .. "9"
+    assert vowels.class_names == tuple(str(i) for i in range(1, 10))
+    assert vowels.train.y.min() == 0 and vowels.train.y.max() == 8  # indices into class_names, not int("9")
+    assert vowels.class_names[int(vowels.train.y[0])] == "1"
+
+
+def test_an_imbalanced_training_split_is_kept_and_the_buffer_balances_what_it_holds() -> None:
+    leaves = load_recorded("OSULeaf")  # 15 to 53 training outlines per species
+    counts = leaves.class_counts()["train"]
+    assert min(counts.values()) == 15 and max(counts.values()) == 53 and sum(counts.values()) == len(leaves.train) == 200
+    tasks = class_incremental_tasks(leaves, 2, seed=0)
+    assert {c: int((t.y_train == c).sum()) for t in tasks for c in t.classes} == {leaves.class_names.index(k): v for k, v in counts.items()}
+    replay = ClassBalancedReplay(60, seed=0)  # a share of 10 per class over 6 classes
+    x, y = torch.from_numpy(leaves.train.with_mask_channel()), torch.from_numpy(leaves.train.y)
+    for rows in torch.arange(len(y)).split(10):
+        replay.add(x[rows], y[rows])
+    assert replay.class_counts() == dict.fromkeys(range(6), 10)  # the rarest class keeps its share
+
+
+def _tiny_dataset(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, train_rows: str) -> None:
+    """A two-class ``.ts`` dataset "Tiny" standing in for the bundled ones."""
+    import taste_cl.recorded as recorded
+
+    header = "@problemName Tiny\n@timeStamps false\n@missing true\n@univariate true\n@equalLength false\n@classLabel true up down\n@data\n"
+    (tmp_path / "Tiny_TRAIN.ts").write_text(header + train_rows)
+    (tmp_path / "Tiny_TEST.ts").write_text(header + "1.0,2.0:up\n")
+    monkeypatch.setattr(recorded, "_bundled", lambda: {"Tiny": (tmp_path / "Tiny_TRAIN.ts", tmp_path / "Tiny_TEST.ts")})
+
+
+@pytest.mark.parametrize(
+    ("rows", "match"),
+    [
+        ("1.0,2.0,3.0:up\n1.0,?,3.0:down\n", r"Tiny_TRAIN\.ts: series 1 has missing or non-finite values; these loaders refuse them"),
+        (
+            "1.0,2.0,3.0:up\n1.0,2.0:sideways\n",
+            r"Tiny_TRAIN\.ts: labels \['sideways'\] are not among the classes its header declares \['up', 'down'\]",
+        ),
+    ],
+)
+def test_missing_values_and_undeclared_labels_are_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, rows: str, match: str) -> None:
+    _tiny_dataset(monkeypatch, tmp_path, rows)
+    with pytest.raises(ValueError, match=match):
+        load_recorded("Tiny")
+
+
+def test_a_small_variable_length_file_loads_padded_with_string_labels(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    _tiny_dataset(monkeypatch, tmp_path, "1.0,2.0,3.0:down\n4.0:up\n")
+    tiny = load_recorded("Tiny")
+    assert tiny.class_names == ("up", "down") and tiny.train.y.tolist() == [1, 0] and tiny.length == 3
+    np.testing.assert_array_equal(tiny.train.x[:, 0], [[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    np.testing.assert_array_equal(tiny.train.mask, [[True, True, True], [True, False, False]])
+    assert tiny.train.lengths.tolist() == [3, 1] and tiny.test.x.shape == (1, 1, 3)
+
+
 def test_class_incremental_tasks_follow_a_seeded_order() -> None:
     vowels = load_recorded("JapaneseVowels")
     tasks = class_incremental_tasks(vowels, 3, seed=1)
