@@ -74,8 +74,9 @@ class TestTimeAdapter:
     Parameters
     ----------
     method:
-        ``"tent"`` (default), ``"eata"``, ``"bn"``, or an
-        :class:`~taste_cl.adaptation.methods.AdaptationMethod`.
+        ``"tent"`` (default; the device runs it too), ``"eata"`` (the guarded default of
+        ``taste-cl bench adapt``: never worse than the source on its collapsing stream), ``"bn"``,
+        or an :class:`~taste_cl.adaptation.methods.AdaptationMethod`.
     guard:
         A :class:`~taste_cl.adaptation.guard.CollapseGuard` (default: one with its default
         settings), or None for the unguarded method.

@@ -29,36 +29,18 @@ count and the window itself (each batch's adapted probabilities, and the source'
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from taste_cl._checks import INT_LIMIT, check_int, check_positive
+from taste_cl._checks import INT_LIMIT
+from taste_cl.engine.adapt import CollapseRule, GuardVerdict, normalised_prior
 from taste_cl.state.restore import Apply, check_keys, check_tensor, refusing
 from taste_cl.state.restore import check_int as check_int_in
 
 __all__ = ["CollapseGuard", "GuardVerdict"]
-
-
-@dataclass(frozen=True)
-class GuardVerdict:
-    """The guard's reading after a batch: its signals (None until measurable) and whether to reset."""
-
-    reset: bool
-    reason: str | None
-    marginal_ratio: float | None
-    agreement: float | None
-    entropy: float
-    rows: int
-
-
-def _marginal_entropy(probs: torch.Tensor) -> float:
-    mean = probs.mean(dim=0).clamp_min(1e-12)
-    return float(-(mean * mean.log()).sum())
 
 
 def _probabilities(where: str, value: Any, shape: tuple[int, ...] | None) -> torch.Tensor:
@@ -72,8 +54,9 @@ def _probabilities(where: str, value: Any, shape: tuple[int, ...] | None) -> tor
     return tensor
 
 
-class CollapseGuard:
-    """Reset adaptation to the anchor when label-free signals say it collapses (see the module)."""
+class CollapseGuard(CollapseRule):
+    """Reset adaptation to the anchor when label-free signals say it collapses (see the module): the torch-free
+    :class:`~taste_cl.engine.adapt.CollapseRule` (its settings and decision, the device guard's too) on torch predictions."""
 
     def __init__(
         self,
@@ -85,71 +68,25 @@ class CollapseGuard:
         confident: float = 0.9,
         class_prior: Sequence[float] | None = None,
     ) -> None:
-        self.window = check_int("window", window, 1)
-        self.min_rows = check_int("min_rows", min_rows, 1)
-        if min_rows > window:
-            raise ValueError(f"`min_rows == {min_rows}`, must be <= window ({window})")
-        self.min_marginal_ratio = check_positive("min_marginal_ratio", min_marginal_ratio, upper=1.0)
-        self.min_agreement = None if min_agreement is None else check_positive("min_agreement", min_agreement, upper=1.0)
-        self.confident = check_positive("confident", confident, upper=1.0)
+        super().__init__(window=window, min_rows=min_rows, min_marginal_ratio=min_marginal_ratio, min_agreement=min_agreement, confident=confident)
         self.class_prior: torch.Tensor | None = None
         if class_prior is not None:
             self.set_class_prior(class_prior)
-        self.resets = 0
-        self._batches: deque[tuple[torch.Tensor, torch.Tensor | None]] = deque()
-        self._rows = 0
 
     def set_class_prior(self, prior: Sequence[float]) -> None:
         """The class frequencies the marginal is compared with (normalised here), e.g. label counts."""
-        values = torch.as_tensor(list(prior), dtype=torch.float64)
-        if values.dim() != 1 or values.numel() < 2 or not bool(torch.isfinite(values).all()) or bool((values < 0).any()) or float(values.sum()) <= 0:
-            raise ValueError("`class_prior` must be at least 2 finite, non-negative frequencies with a positive sum")
-        self.class_prior = (values / values.sum()).float()
-
-    def clear(self) -> None:
-        """Start the window over (after a reset, or when the anchor moves)."""
-        self._batches.clear()
-        self._rows = 0
-
-    @property
-    def needs_source(self) -> bool:
-        """Whether :meth:`update` needs the source model's predictions (only for ``min_agreement``)."""
-        return self.min_agreement is not None
+        self.class_prior = torch.from_numpy(normalised_prior(prior)).float()
 
     def update(self, adapted_logits: torch.Tensor, source_logits: torch.Tensor | None = None) -> GuardVerdict:
         """Add one batch's predictions (adapted, and the source's on the same rows if known) and read the signals."""
         adapted = adapted_logits.detach().float().softmax(dim=1)
         source = None if source_logits is None else source_logits.detach().float().softmax(dim=1)
-        self._batches.append((adapted, source))
-        self._rows += adapted.shape[0]
-        while self._batches and self._rows - self._batches[0][0].shape[0] >= self.window:
-            self._rows -= self._batches.popleft()[0].shape[0]
+        self._admit(adapted, source)
         all_adapted = torch.cat([a for a, _ in self._batches])
         sources = [s for _, s in self._batches if s is not None]
-        all_source = torch.cat(sources) if len(sources) == len(self._batches) else None
-        classes = all_adapted.shape[1]
-        ent = float(-(all_adapted * all_adapted.clamp_min(1e-12).log()).sum(dim=1).mean()) / math.log(classes)
-        if self.class_prior is not None and self.class_prior.numel() == classes:
-            prior_entropy = float(-(self.class_prior * self.class_prior.clamp_min(1e-12).log()).sum())
-        else:
-            prior_entropy = math.log(classes)
-        ratio = _marginal_entropy(all_adapted) / prior_entropy if prior_entropy > 1e-6 else None
-        agreement = None
-        if all_source is not None:
-            confident = all_source.max(dim=1).values >= self.confident
-            if bool(confident.any()):
-                agreement = float((all_adapted.argmax(1) == all_source.argmax(1))[confident].float().mean())
-        reason = None
-        if self._rows >= self.min_rows:
-            if ratio is not None and ratio < self.min_marginal_ratio:
-                reason = f"marginal ratio {ratio:.2f} < {self.min_marginal_ratio}"
-            elif self.min_agreement is not None and agreement is not None and agreement < self.min_agreement:
-                reason = f"confident agreement {agreement:.2f} < {self.min_agreement}"
-        verdict = GuardVerdict(reason is not None, reason, ratio, agreement, ent, self._rows)
-        if reason is not None:
-            self.resets += 1
-            self.clear()
-        return verdict
+        all_source = torch.cat(sources).cpu().numpy() if len(sources) == len(self._batches) else None
+        prior = None if self.class_prior is None else self.class_prior.cpu().numpy()
+        return self.judge(all_adapted.cpu().numpy(), all_source, prior)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
