@@ -20,9 +20,9 @@ import taste_cl.engine.loop
 import taste_cl.replay.buffers
 from taste_cl import ClassBalancedReplay, OnlineLearner, ReservoirReplay
 from taste_cl.datasets import split_digits
-from taste_cl.replay import draws
 from taste_cl.engine.loop import EngineLearner, LoopReplay
 from taste_cl.engine.torch_engine import TorchEngine
+from taste_cl.replay import draws
 from taste_cl.strategies import ERACE, DERPlusPlus, ExperienceReplay, LwF
 
 TASKS = split_digits(5, seed=0)
@@ -171,3 +171,24 @@ def test_an_exported_device_learner_continues_with_the_torch_learners_draws(
         np.testing.assert_array_equal(a, b, err_msg=f"step {step} after the export")
     assert device.replay is not None and learner.replay is not None
     np.testing.assert_array_equal(device.replay.rows(np.arange(len(device.replay)))[1], learner.replay.contents()[1].numpy())
+    for name, value in learner.model.named_parameters():  # SGD's momentum continues across the export (it used to restart there)
+        np.testing.assert_allclose(device.engine.parameters()[name], value.detach().numpy(), atol=1e-4, err_msg=name)
+
+
+def test_lwf_snapshots_on_the_monitors_drift_on_both_learners() -> None:
+    """LwF(on_drift=True) without a period: torch snapshots on drift_detected, and so does the loop's monitor."""
+    model, twin = mlp(), mlp()
+    learner = OnlineLearner(twin, optimizer=torch.optim.SGD(twin.parameters(), lr=0.05), replay=None,
+                            strategy=LwF(alpha=1.0, temperature=2.0, on_drift=True))  # fmt: skip
+    engine = TorchEngine(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    loop = EngineLearner(engine, lr=0.05, num_classes=10, strategy="lwf", replay=None, lwf_every=None, lwf_on_drift=True)
+    drifts = []
+    loop.monitor.subscribe(lambda event: drifts.append(loop.observes), "drift_detected")
+    for x, y in batches(120):
+        learner.observe((x, y))
+        loop.observe(x.numpy(), y.numpy())
+    assert drifts and loop.teacher is not None
+    for name, value in learner.model.named_parameters():
+        np.testing.assert_allclose(loop.engine.parameters()[name], value.detach().numpy(), atol=1e-4, err_msg=name)
+    with pytest.raises(ValueError, match="snapshot"):
+        EngineLearner(engine, lr=0.05, num_classes=10, strategy="lwf", replay=None, lwf_every=None)

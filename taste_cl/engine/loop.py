@@ -10,7 +10,8 @@ step. The same seeds give the same replay draws on every engine, so two engines 
 on the model's numbers agree on the whole run.
 
 Strategies: ``"er"``, ``"er_ace"``, ``"der++"`` (the buffer stores each row's outputs) and
-``"lwf"`` (a teacher snapshot of the parameters, taken every ``lwf_every`` observes).
+``"lwf"`` (a teacher snapshot of the parameters, taken every ``lwf_every`` observes and/or, with
+``lwf_on_drift``, when the monitor reports drift, as torch's ``LwF(every=, on_drift=)``).
 Buffers: ``"reservoir"`` or ``"class_balanced"`` (equal quotas per class), whose decisions
 (:mod:`taste_cl.replay.draws`) are the torch buffers' own. The monitor
 (:class:`~taste_cl.engine.monitor.LoopMonitor`) records every observe and evaluates its probe when the
@@ -30,6 +31,7 @@ from taste_cl._checks import INT_LIMIT, check_finite_positive, check_int
 from taste_cl.engine import losses
 from taste_cl.engine.base import Engine
 from taste_cl.engine.monitor import LoopMonitor
+from taste_cl.engine.probe_guard import LoopProbeGuard
 from taste_cl.exceptions import InvalidBatchError
 from taste_cl.guards.device import DeviceUpdateGuard, StepMeasure, check_finite_outputs, measure_arrays
 from taste_cl.replay.draws import ClassQuotaIndex, ReservoirIndex, apply_plan, draw_rows, new_rng
@@ -161,7 +163,9 @@ class EngineLearner:
     ``lr`` is the learning rate every step uses; ``seed`` seeds the one generator that draws
     replay (and evicts); ``guard`` is the update guard (default: ``DeviceUpdateGuard()``);
     ``monitor`` measures stability, plasticity, forgetting and drift and emits their events, the guard's
-    refusals as ``numerical_fault`` (default: ``LoopMonitor()``, as the torch learner's default monitor).
+    refusals as ``numerical_fault`` (default: ``LoopMonitor()``, as the torch learner's default monitor);
+    ``probe_guard`` rolls back update windows that made the model worse on its probe
+    (:class:`~taste_cl.engine.probe_guard.LoopProbeGuard`; default None: off, as torch's ``ProbeGuard`` plugin).
     """
 
     def __init__(
@@ -179,10 +183,12 @@ class EngineLearner:
         alpha: float = 1.0,
         beta: float = 1.0,
         temperature: float = 2.0,
-        lwf_every: int = 50,
+        lwf_every: int | None = 50,
+        lwf_on_drift: bool = False,
         guard: DeviceUpdateGuard | None = None,
         seed: int = 0,
         monitor: LoopMonitor | None = None,
+        probe_guard: LoopProbeGuard | None = None,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"`strategy == {strategy!r}`, must be one of {STRATEGIES}")
@@ -196,7 +202,10 @@ class EngineLearner:
         self.train_iterations = check_int("train_iterations", train_iterations, 1)
         self.max_grad_norm = None if max_grad_norm is None else check_finite_positive("max_grad_norm", max_grad_norm)
         self.alpha, self.beta, self.temperature = float(alpha), float(beta), check_finite_positive("temperature", temperature)
-        self.lwf_every = check_int("lwf_every", lwf_every, 1)
+        self.lwf_every = None if lwf_every is None else check_int("lwf_every", lwf_every, 1)
+        self.lwf_on_drift = bool(lwf_on_drift)
+        if strategy == "lwf" and self.lwf_every is None and not self.lwf_on_drift:
+            raise ValueError("LwF needs a moment to take its snapshot: set lwf_every=N or lwf_on_drift=True")
         self.guard = guard if guard is not None else DeviceUpdateGuard()
         self.rng = new_rng(seed)
         self.replay = None if replay is None else LoopReplay(capacity, replay, self.rng)
@@ -204,6 +213,11 @@ class EngineLearner:
         self.observes = 0
         self.replay_draws: list[np.ndarray] = []  # the indices each step replayed (the last 1000)
         self.monitor = monitor if monitor is not None else LoopMonitor()
+        if strategy == "lwf" and self.lwf_on_drift:  # as torch's LwF(on_drift=True): a snapshot when the monitor reports drift
+            self.monitor.subscribe(lambda event: self._snapshot_teacher(), "drift_detected")
+        self.probe_guard = probe_guard
+        if probe_guard is not None:
+            probe_guard.attach(self)
 
     # ---------------------------------------------------------------- checks
     def _check(self, x: np.ndarray, y: Any) -> np.ndarray:
@@ -241,8 +255,10 @@ class EngineLearner:
             self.replay.add(x, labels, outputs)
         self._monitor(x, labels, scored, store=finite)
         self.observes += 1
-        if self.strategy == "lwf" and self.observes % self.lwf_every == 0:
-            self.teacher = self.engine.parameters()
+        if self.strategy == "lwf" and self.lwf_every is not None and self.observes % self.lwf_every == 0:
+            self._snapshot_teacher()
+        if self.probe_guard is not None:  # after the buffer and the monitor took the batch, as torch's plugins
+            self.probe_guard.after_observe(self, x, labels)
         self.monitor.dispatch()
         return EngineStats(total / self.train_iterations, accuracy, steps, refused)
 
@@ -284,6 +300,9 @@ class EngineLearner:
             return losses.lwf(outputs, y, n_stream, teacher, alpha=self.alpha, temperature=self.temperature)
         return losses.experience_replay(outputs, y, n_stream)
 
+    def _snapshot_teacher(self) -> None:
+        self.teacher = self.engine.parameters()
+
     def _teacher_outputs(self, x: np.ndarray) -> np.ndarray:
         assert self.teacher is not None
         current = self.engine.parameters()
@@ -314,7 +333,8 @@ class EngineLearner:
         }
         monitor_plain, monitor_arrays = self.monitor.state()
         plain["monitor"] = monitor_plain
-        return plain, arrays | monitor_arrays
+        plain["probe_guard"], guard_arrays = self.probe_guard.state() if self.probe_guard is not None else (None, {})
+        return plain, arrays | monitor_arrays | guard_arrays
 
     def load_state(self, plain: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
         """Restore :meth:`state` of a learner built with the same settings on the same engine: every value is
@@ -348,6 +368,7 @@ class EngineLearner:
         probe.load_state_dict(plain.get("guard"))
         if "monitor" in plain:  # states saved before the loop had a monitor carry none: it is left as it is
             self.monitor.check_state(plain["monitor"], arrays, self.num_classes)
+        guard_state = self._check_probe_guard(plain, arrays)
         snapshot = self.engine.parameters(), self.engine.optimizer_state()
         try:
             self.engine.load_parameters(params)
@@ -364,6 +385,16 @@ class EngineLearner:
         self.observes = observes
         if "monitor" in plain:
             self.monitor.load_state(plain["monitor"], arrays, self.num_classes)
+        if self.probe_guard is not None and guard_state is not None:
+            self.probe_guard.load_state(guard_state, arrays)
+
+    def _check_probe_guard(self, plain: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> dict[str, Any] | None:
+        """The saved probe guard's state checked (``ValueError``); None for a state saved before the loop had one."""
+        if "probe_guard" not in plain:
+            return None
+        if (plain["probe_guard"] is None) != (self.probe_guard is None):
+            raise ValueError("the saved state and this learner disagree on having a probe guard")
+        return None if self.probe_guard is None else self.probe_guard.check_state(plain["probe_guard"], arrays, self)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Outputs for ``x``; :class:`~taste_cl.exceptions.NonFiniteOutputError` rather than NaN."""

@@ -37,7 +37,7 @@ import numpy as np
 from taste_cl._checks import INT_LIMIT, check_int
 from taste_cl.engine import losses
 from taste_cl.monitor.drift import PageHinkley
-from taste_cl.monitor.events import EVENT_NAMES, MonitorEvent, Subscriber, negative_flips, probe_outcome
+from taste_cl.monitor.events import EventBus, MonitorEvent, negative_flips, probe_outcome
 from taste_cl.replay.draws import ClassQuotaIndex, apply_plan, new_rng
 
 __all__ = ["LoopMonitor", "ProbeRows"]
@@ -50,10 +50,12 @@ _PLAIN = (str, int, float, bool, type(None))
 
 class ProbeRows:
     """The probe's rows ``x``, labels ``y`` and stream ids ``sid``, kept class-balanced by
-    :class:`~taste_cl.replay.draws.ClassQuotaIndex` from a generator seeded with ``seed`` (the torch probe's decisions)."""
+    :class:`~taste_cl.replay.draws.ClassQuotaIndex` from a generator seeded with ``seed`` (the torch probe's decisions);
+    ``name`` prefixes its saved arrays and the fields a refused state names (the monitor's, or the probe guard's)."""
 
-    def __init__(self, capacity: int, seed: int) -> None:
+    def __init__(self, capacity: int, seed: int, name: str = "monitor.probe") -> None:
         self.capacity = check_int("probe_capacity", capacity, 1)
+        self.name = name
         self.rng = new_rng(seed)
         self.index = ClassQuotaIndex(capacity, self.rng)
         self.size = 0
@@ -86,42 +88,42 @@ class ProbeRows:
                 "slots": [list(index.slots[c]) for c in index.classes], "rng": self.rng.bit_generator.state}  # fmt: skip
 
     def check_state(self, counts: Any, arrays: Mapping[str, np.ndarray], samples_seen: int, num_classes: int) -> np.random.Generator:
-        """``ValueError`` naming what in ``counts`` and the ``monitor.probe.*`` arrays cannot be this probe's state
-        (after ``samples_seen`` stream rows); the saved generator, as a new one. Nothing changes."""
+        """``ValueError`` naming what in ``counts`` and the ``<name>.*`` arrays cannot be this probe's state
+        (ids below ``samples_seen``); the saved generator, as a new one. Nothing changes."""
         keys = {"size", "classes", "class_seen", "slots", "rng"}
         if not isinstance(counts, Mapping) or set(counts) != keys:
-            raise ValueError(f"`monitor.probe` must be an object with exactly the keys {sorted(keys)}")
+            raise ValueError(f"`{self.name}` must be an object with exactly the keys {sorted(keys)}")
         size = counts["size"]
         if type(size) is not int or not 0 <= size <= self.capacity:
-            raise ValueError(f"`monitor.probe.size == {size!r}`, must be an int in [0, {self.capacity}]")
+            raise ValueError(f"`{self.name}.size == {size!r}`, must be an int in [0, {self.capacity}]")
         rng = np.random.default_rng()
         try:
             rng.bit_generator.state = counts["rng"]
         except (TypeError, ValueError, KeyError) as error:
-            raise ValueError(f"`monitor.probe.rng` is not a PCG64 state: {error}") from None
-        x, y, sid = (arrays.get(f"monitor.probe.{k}") for k in ("x", "y", "sid"))
+            raise ValueError(f"`{self.name}.rng` is not a PCG64 state: {error}") from None
+        x, y, sid = (arrays.get(f"{self.name}.{k}") for k in ("x", "y", "sid"))
         if size and (x is None or y is None or sid is None):
-            raise ValueError("the saved state lacks `monitor.probe.x`, `.y` or `.sid`")
+            raise ValueError(f"the saved state lacks `{self.name}.x`, `.y` or `.sid`")
         labels: list[int] = []
         if size:
             assert x is not None and y is not None and sid is not None
             if x.shape[0] != size or y.shape != (size,) or sid.shape != (size,) or y.dtype != np.int64 or sid.dtype != np.int64:
-                raise ValueError(f"`monitor.probe.x`, `.y`, `.sid` must hold {size} rows, `.y` and `.sid` int64")
+                raise ValueError(f"`{self.name}.x`, `.y`, `.sid` must hold {size} rows, `.y` and `.sid` int64")
             if x.dtype.kind == "f" and not np.isfinite(x).all():
-                raise ValueError("`monitor.probe.x` holds NaN or infinite values")
+                raise ValueError(f"`{self.name}.x` holds NaN or infinite values")
             if self._x is not None and (x.shape[1:] != self._x.shape[1:] or x.dtype != self._x.dtype):
-                raise ValueError(f"`monitor.probe.x` rows must be {self._x.dtype} {self._x.shape[1:]}; got {x.dtype} {x.shape[1:]}")
+                raise ValueError(f"`{self.name}.x` rows must be {self._x.dtype} {self._x.shape[1:]}; got {x.dtype} {x.shape[1:]}")
             if y.min() < 0 or y.max() >= num_classes:
-                raise ValueError(f"`monitor.probe.y` must hold labels in [0, {num_classes})")
+                raise ValueError(f"`{self.name}.y` must hold labels in [0, {num_classes})")
             if sid.min() < 0 or sid.max() >= samples_seen or np.unique(sid).size != size:
-                raise ValueError(f"`monitor.probe.sid` must hold distinct ids of rows seen, in [0, {samples_seen})")
+                raise ValueError(f"`{self.name}.sid` must hold distinct ids of rows seen, in [0, {samples_seen})")
             labels = y.tolist()
         try:
             self.index.check_state(counts["classes"], counts["class_seen"], counts["slots"], labels)
         except ValueError as error:
-            raise ValueError(f"`monitor.probe`: {error}") from None
+            raise ValueError(f"`{self.name}`: {error}") from None
         if sum(counts["class_seen"]) > samples_seen:
-            raise ValueError(f"`monitor.probe.class_seen` must add up to at most `monitor.samples_seen` ({samples_seen})")
+            raise ValueError(f"`{self.name}.class_seen` must add up to at most the rows seen ({samples_seen})")
         return rng
 
     def load_state(self, counts: Mapping[str, Any], arrays: Mapping[str, np.ndarray], rng: np.random.Generator) -> None:
@@ -130,12 +132,12 @@ class ProbeRows:
         self.rng.bit_generator.state = rng.bit_generator.state  # the index shares this generator
         self.size = size = counts["size"]
         if size:
-            x = arrays["monitor.probe.x"]
+            x = arrays[f"{self.name}.x"]
             self._x = np.empty((self.capacity, *x.shape[1:]), dtype=x.dtype)
-            self._x[:size], self._y[:size], self._sid[:size] = x, arrays["monitor.probe.y"], arrays["monitor.probe.sid"]
+            self._x[:size], self._y[:size], self._sid[:size] = x, arrays[f"{self.name}.y"], arrays[f"{self.name}.sid"]
 
 
-class LoopMonitor:
+class LoopMonitor(EventBus):
     """Stability, plasticity, forgetting and drift of an engine loop (see the module); the torch monitor's
     settings and defaults, with the drift test's settings in ``drift_detector`` (a
     :class:`~taste_cl.monitor.drift.PageHinkley`)."""
@@ -163,8 +165,7 @@ class LoopMonitor:
         self.seed = check_int("seed", seed)
         self.drift_detector = drift_detector if drift_detector is not None else PageHinkley()
         self.probe = ProbeRows(probe_capacity, seed)
-        self._subscribers: list[tuple[str | None, Subscriber]] = []
-        self._pending: list[MonitorEvent] = []
+        self._open_bus(max_events)
         self.steps = self.samples_seen = 0
         self._recent: deque[tuple[int, int, float]] = deque(maxlen=window)  # (correct, n, loss) of recent records
         self._class_accuracy: dict[int, float] = {}
@@ -175,8 +176,6 @@ class LoopMonitor:
         self._flips: tuple[float, float] | None = None
         self._last_correct = (np.zeros(0, np.int64), np.zeros(0, np.bool_))  # probe ids and whether each was right last time
         self._last_drift_step: int | None = None
-        self._events: deque[MonitorEvent] = deque(maxlen=max_events)
-        self._event_counts: Counter[str] = Counter()
 
     def settings(self) -> dict[str, Any]:
         """The constructor arguments, the drift test's as a plain object: what an exported folder's manifest keeps."""
@@ -211,35 +210,6 @@ class LoopMonitor:
         return cls(**{k: settings[k] for k in SETTINGS[:-1]}, drift_detector=detector)
 
     # ----------------------------------------------------------------- events
-    def subscribe(self, callback: Subscriber, event: str | None = None) -> Callable[[], None]:
-        """Call ``callback(event)`` for every event (or only those named ``event``); returns a function that unsubscribes."""
-        if event is not None and event not in EVENT_NAMES:
-            raise ValueError(f"unknown event {event!r}; known events: {', '.join(EVENT_NAMES)}")
-        entry = (event, callback)
-        self._subscribers.append(entry)
-        return lambda: self._subscribers.remove(entry) if entry in self._subscribers else None
-
-    def emit(self, name: str, **details: Any) -> None:
-        """Queue an event at the current step; subscribers hear it at :meth:`dispatch`."""
-        self._pending.append(MonitorEvent(name, self.steps, details))
-
-    def dispatch(self) -> list[MonitorEvent]:
-        """Record the queued events and call their subscribers; return them."""
-        events, self._pending = self._pending, []
-        for event in events:
-            self._events.append(event)
-            self._event_counts[event.name] += 1
-        for event in events:
-            for wanted, callback in list(self._subscribers):
-                if wanted is None or wanted == event.name:
-                    callback(event)
-        return events
-
-    @property
-    def events(self) -> list[MonitorEvent]:
-        """Recent events, oldest first (at most ``max_events``)."""
-        return list(self._events)
-
     @property
     def event_counts(self) -> dict[str, int]:
         """How many of each event were dispatched, all told."""

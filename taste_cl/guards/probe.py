@@ -54,7 +54,7 @@ from taste_cl._batch import (
     map_leaves,
     to_inputs,
 )
-from taste_cl._checks import check_int
+from taste_cl.guards.probe_rule import check_probe_settings, lowered_lr, regressed, window_verdict
 from taste_cl.monitor.monitor import sample_correct
 from taste_cl.plugins import LearnerPlugin
 from taste_cl.replay import ClassBalancedReplay, ReservoirReplay
@@ -64,14 +64,6 @@ if TYPE_CHECKING:
     from taste_cl.learner import ObserveStats, OnlineLearner
 
 __all__ = ["ProbeGuard"]
-
-
-def _check_fraction(name: str, value: float | None, *, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ValueError(f"`{name} == {value!r}`, must be a number in [0, 1]" + (" or None" if allow_none else ""))
-    return float(value)
 
 
 def _check_task(task: Task | None) -> Task:
@@ -124,22 +116,14 @@ class ProbeGuard(LearnerPlugin):
         warmup: int = 0,
         seed: int = 0,
     ) -> None:
-        check_int("window", window, 1)
-        check_int("probe_capacity", probe_capacity, 1)
-        if isinstance(lr_factor, bool) or not isinstance(lr_factor, (int, float)) or not 0 < lr_factor <= 1:
-            raise ValueError(f"`lr_factor == {lr_factor!r}`, must be a number in (0, 1]")
+        checked = check_probe_settings(window=window, max_drop=max_drop, max_flip_rate=max_flip_rate, probe_capacity=probe_capacity,
+                                       lr_factor=lr_factor, min_lr=min_lr, warmup=warmup, seed=seed)  # fmt: skip
         if probe is not None and (not isinstance(probe, (tuple, list)) or len(probe) != 2):
             raise ValueError("probe must be a pair (x, y) of held-out samples or None")
-        check_int("warmup", warmup, 0)
-        self.window = window
-        self.warmup = warmup
-        if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) or not max_drop >= 0:
-            raise ValueError(f"`max_drop == {max_drop!r}`, must be a number >= 0")
-        self.max_drop = float(max_drop)
-        self.max_flip_rate = _check_fraction("max_flip_rate", max_flip_rate, allow_none=True)
+        self.window, self.warmup = window, warmup
+        self.max_drop, self.max_flip_rate = checked["max_drop"], checked["max_flip_rate"]
         self.probe_capacity = probe_capacity
-        self.lr_factor = float(lr_factor)
-        self.min_lr = float(min_lr)
+        self.lr_factor, self.min_lr = checked["lr_factor"], checked["min_lr"]
         self.restore_replay = bool(restore_replay)
         self.seed = seed
         self._fixed = probe
@@ -184,15 +168,9 @@ class ProbeGuard(LearnerPlugin):
         """Judge the update window that just ended; return True if it was kept, False if rolled back."""
         self.windows += 1
         scored = self._score(learner)
-        common = [i for i in scored[0] if i in self._baseline]
-        drop, flips = 0.0, 0.0
-        if common:
-            drop = sum(self._baseline[i] - scored[0][i] for i in common) / len(common)
-            if scored[1]:
-                flips = sum(self._baseline_correct[i] and not scored[1][i] for i in common) / len(common)
-        regressed = self.windows > self.warmup and (drop > self.max_drop or (self.max_flip_rate is not None and flips > self.max_flip_rate))
-        if regressed:
-            self._rollback(learner, drop=drop, negative_flip_rate=flips, probe_samples=len(common))
+        drop, flips, common = window_verdict(self._baseline, self._baseline_correct, *scored)
+        if regressed(windows=self.windows, warmup=self.warmup, drop=drop, flips=flips, max_drop=self.max_drop, max_flip_rate=self.max_flip_rate):
+            self._rollback(learner, drop=drop, negative_flip_rate=flips, probe_samples=common)
             return False
         self._snapshot = self._take(learner)
         self._baseline, self._baseline_correct = scored
@@ -250,7 +228,7 @@ class ProbeGuard(LearnerPlugin):
         snapshot = self._snapshot
         # deep copies: the optimizer would alias the snapshot's tensors and update them in place
         assert self.accepted_model is not None
-        lrs = [max(self.min_lr, group["lr"] * self.lr_factor) for group in learner.optimizer.param_groups]
+        lrs = [lowered_lr(group["lr"], self.lr_factor, self.min_lr) for group in learner.optimizer.param_groups]
         learner.model.load_state_dict(self.accepted_model.state_dict())
         learner.optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
         if snapshot["replay"] is not None and learner.replay is not None:
@@ -293,6 +271,11 @@ class ProbeGuard(LearnerPlugin):
         self._snapshot = state["snapshot"]
         if self.accepted_model is not None:
             self.accepted_model.load_state_dict(state["accepted_model"])
+
+    @property
+    def fixed_probe(self) -> tuple[Any, Any] | None:
+        """The fixed probe ``(x, y)`` given at construction (None: the guard's probe fills from accepted windows)."""
+        return self._fixed
 
     @property
     def lost_updates(self) -> float:

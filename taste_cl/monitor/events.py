@@ -6,13 +6,14 @@ score a probe alike and emit the same events.
 from __future__ import annotations
 
 import math
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-__all__ = ["EVENT_NAMES", "MonitorEvent", "Subscriber", "negative_flips", "probe_outcome"]
+__all__ = ["EVENT_NAMES", "EventBus", "MonitorEvent", "Subscriber", "negative_flips", "probe_outcome"]
 
 EVENT_NAMES = (
     "drift_detected",
@@ -39,6 +40,56 @@ class MonitorEvent:
 
 
 Subscriber = Callable[[MonitorEvent], None]
+
+
+class EventBus:
+    """A monitor's events: subscribers, the events queued during an observe, and the log of recent ones.
+
+    Both monitors are one; ``steps`` (the owner's observe count) stamps each event. :meth:`_open_bus`
+    starts it, :meth:`_clear_log` empties the log (at most ``max_events`` kept)."""
+
+    steps: int
+
+    def _open_bus(self, max_events: int) -> None:
+        self._subscribers: list[tuple[str | None, Subscriber]] = []
+        self._pending: list[MonitorEvent] = []
+        self._clear_log(max_events)
+
+    def _clear_log(self, max_events: int) -> None:
+        self._events: deque[MonitorEvent] = deque(maxlen=max_events)
+        self._event_counts: Counter[str] = Counter()
+
+    def subscribe(self, callback: Subscriber, event: str | None = None) -> Callable[[], None]:
+        """Call ``callback(event)`` for every event (or only those named ``event``).
+
+        Returns a function that unsubscribes.
+        """
+        if event is not None and event not in EVENT_NAMES:
+            raise ValueError(f"unknown event {event!r}; known events: {', '.join(EVENT_NAMES)}")
+        entry = (event, callback)
+        self._subscribers.append(entry)
+        return lambda: self._subscribers.remove(entry) if entry in self._subscribers else None
+
+    def emit(self, name: str, **details: Any) -> None:
+        """Queue an event; subscribers hear it at the end of the current ``observe``."""
+        self._pending.append(MonitorEvent(name, self.steps, details))
+
+    def dispatch(self) -> list[MonitorEvent]:
+        """Record queued events and call their subscribers; return them."""
+        events, self._pending = self._pending, []
+        for event in events:
+            self._events.append(event)
+            self._event_counts[event.name] += 1
+        for event in events:
+            for wanted, callback in list(self._subscribers):
+                if wanted is None or wanted == event.name:
+                    callback(event)
+        return events
+
+    @property
+    def events(self) -> list[MonitorEvent]:
+        """Recent events, oldest first (at most ``max_events``)."""
+        return list(self._events)
 
 
 def negative_flips(last_ids: np.ndarray, last_correct: np.ndarray, ids: np.ndarray, correct: np.ndarray) -> tuple[float, float] | None:

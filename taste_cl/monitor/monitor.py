@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -45,7 +45,7 @@ import torch
 from taste_cl._batch import leaves
 from taste_cl._checks import INT_LIMIT
 from taste_cl.monitor.drift import PageHinkley
-from taste_cl.monitor.events import EVENT_NAMES, MonitorEvent, Subscriber, negative_flips, probe_outcome
+from taste_cl.monitor.events import EventBus, MonitorEvent, negative_flips, probe_outcome
 from taste_cl.replay import ClassBalancedReplay, ReservoirReplay
 from taste_cl.report import MonitorReport
 from taste_cl.tasks import Classification, MultiLabel, Task, TokenClassification, resolve_task
@@ -71,7 +71,7 @@ def sample_correct(task: Task, outputs: torch.Tensor, y: torch.Tensor) -> torch.
     return None
 
 
-class StabilityPlasticityMonitor:
+class StabilityPlasticityMonitor(EventBus):
     """Measure stability, plasticity, forgetting and drift of an online learner.
 
     Parameters
@@ -136,8 +136,7 @@ class StabilityPlasticityMonitor:
         self._forget_unoffered()
         if task is not None:
             self.set_task(task)
-        self._subscribers: list[tuple[str | None, Subscriber]] = []
-        self._pending: list[MonitorEvent] = []
+        self._open_bus(self.max_events)
         self._reset_measurements()
 
     def _reset_measurements(self) -> None:
@@ -148,8 +147,7 @@ class StabilityPlasticityMonitor:
         self._best_class_accuracy: dict[int, float] = {}
         self._stability: float | None = None
         self._forgetting = 0.0
-        self._events: deque[MonitorEvent] = deque(maxlen=self.max_events)
-        self._event_counts: Counter[str] = Counter()
+        self._clear_log(self.max_events)
         self._last_drift_step: int | None = None
         self._anytime = [0.0, 0]  # sum of probe scores over evaluations, evaluations
         self._last_correct = (_NO_IDS, _NO_FLAGS)  # probe sample ids and whether each was right at the last evaluation
@@ -173,38 +171,6 @@ class StabilityPlasticityMonitor:
         return probe(self.probe_capacity, seed=self.seed)
 
     # ----------------------------------------------------------------- events
-    def subscribe(self, callback: Subscriber, event: str | None = None) -> Callable[[], None]:
-        """Call ``callback(event)`` for every event (or only those named ``event``).
-
-        Returns a function that unsubscribes.
-        """
-        if event is not None and event not in EVENT_NAMES:
-            raise ValueError(f"unknown event {event!r}; known events: {', '.join(EVENT_NAMES)}")
-        entry = (event, callback)
-        self._subscribers.append(entry)
-        return lambda: self._subscribers.remove(entry) if entry in self._subscribers else None
-
-    def emit(self, name: str, **details: Any) -> None:
-        """Queue an event; subscribers hear it at the end of the current ``observe``."""
-        self._pending.append(MonitorEvent(name, self.steps, details))
-
-    def dispatch(self) -> list[MonitorEvent]:
-        """Record queued events and call their subscribers; return them."""
-        events, self._pending = self._pending, []
-        for event in events:
-            self._events.append(event)
-            self._event_counts[event.name] += 1
-        for event in events:
-            for wanted, callback in list(self._subscribers):
-                if wanted is None or wanted == event.name:
-                    callback(event)
-        return events
-
-    @property
-    def events(self) -> list[MonitorEvent]:
-        """Recent events, oldest first (at most ``max_events``)."""
-        return list(self._events)
-
     # ----------------------------------------------------------- measurements
     def record(self, x: Any, y: torch.Tensor, outputs: torch.Tensor, *, validated: bool = False, store: bool = True) -> tuple[float, ...]:
         """Score a stream batch with outputs computed *before* training on it, then store it in the probe.

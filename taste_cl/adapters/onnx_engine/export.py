@@ -155,6 +155,9 @@ def _optimizer_state(spec: OptimizerSpec, optimizer: Any, model: nn.Module, trai
             stored = entry.get(keys[prefix])
             shape = tuple(dict(model.named_parameters())[name].shape)
             state[state_name] = np.zeros(shape, np.float32) if stored is None else stored.detach().numpy().astype(np.float32)
+            if stored is not None and prefix == "momentum." and not state["step"]:
+                # torch's SGD counts no steps; the graph starts its momentum afresh at step 0, so a held buffer means step 1
+                state["step"] = np.ones((), np.float32)
         if "step" in entry:
             state["step"] = np.asarray(float(entry["step"]), np.float32)
     return state

@@ -46,6 +46,7 @@ from taste_cl.adapters.onnxruntime.replay import MAX_REPLAY_BYTES, npz_headers
 from taste_cl.engine.adapt import ArrayCollapseGuard, EngineAdapter
 from taste_cl.engine.loop import BUFFERS, STRATEGIES, EngineLearner, EngineStats
 from taste_cl.engine.monitor import LoopMonitor
+from taste_cl.engine.probe_guard import LoopProbeGuard
 from taste_cl.exceptions import ArtifactError, CheckpointError, InvalidBatchError
 from taste_cl.guards.device import DeviceUpdateGuard
 from taste_cl.state.files import read_regular_file
@@ -80,7 +81,7 @@ def _number(settings: Mapping[str, Any], key: str, *, low: float, high: float = 
 def parse_settings(settings: Any, guard: DeviceUpdateGuard) -> dict[str, Any]:
     """The manifest's ``settings`` checked against their bounds (``ArtifactError`` naming the first bad one),
     as the keyword arguments of :class:`~taste_cl.engine.loop.EngineLearner`."""
-    if not isinstance(settings, Mapping) or set(settings) - {"monitor"} != set(_SETTINGS):
+    if not isinstance(settings, Mapping) or set(settings) - {"monitor", "lwf_on_drift", "probe_guard"} != set(_SETTINGS):
         given = sorted(settings) if isinstance(settings, Mapping) else type(settings).__name__
         raise ArtifactError(f"manifest `settings` must be an object with exactly the keys {sorted(_SETTINGS)}; got {given}")
     strategy, replay = settings["strategy"], settings["replay"]
@@ -90,7 +91,11 @@ def parse_settings(settings: Any, guard: DeviceUpdateGuard) -> dict[str, Any]:
         raise manifest_error("settings.replay", replay, f"null or one of {list(BUFFERS)}")
     if strategy == "der++" and replay is None:
         raise manifest_error("settings.replay", replay, "a buffer for DER++, which replays stored outputs")
-    clip = settings["max_grad_norm"]
+    clip, on_drift, every = settings["max_grad_norm"], settings.get("lwf_on_drift", False), settings["lwf_every"]
+    if not isinstance(on_drift, bool):
+        raise manifest_error("settings.lwf_on_drift", on_drift, "a bool")
+    if every is None and not on_drift:
+        raise manifest_error("settings.lwf_every", every, "an int when settings.lwf_on_drift is false")
     return {
         "lr": _number(settings, "lr", low=0.0, high=guard.max_lr, open_low=True),
         "num_classes": manifest_int(settings, "num_classes", 2, MAX_CLASSES, "settings."),
@@ -103,9 +108,11 @@ def parse_settings(settings: Any, guard: DeviceUpdateGuard) -> dict[str, Any]:
         "alpha": _number(settings, "alpha", low=0.0),
         "beta": _number(settings, "beta", low=0.0),
         "temperature": _number(settings, "temperature", low=0.0, open_low=True),
-        "lwf_every": manifest_int(settings, "lwf_every", 1, MAX_LWF_EVERY, "settings."),
+        "lwf_every": None if every is None else manifest_int(settings, "lwf_every", 1, MAX_LWF_EVERY, "settings."),
+        "lwf_on_drift": on_drift,
         "seed": manifest_int(settings, "seed", 0, 2**63 - 1, "settings."),
         "monitor": _monitor(settings.get("monitor")),
+        "probe_guard": _probe_guard(settings.get("probe_guard")),
     }
 
 
@@ -133,6 +140,42 @@ def _monitor_expected(
         return monitor.expected_arrays(loop["monitor"], dtype, row)
     except ValueError as error:
         raise ArtifactError(f"manifest `loop`: {error}") from None
+
+
+def _probe_guard(settings: Any) -> LoopProbeGuard | None:
+    """The probe guard the manifest's ``settings.probe_guard`` describes (null, or absent in older folders: none)."""
+    if settings is None:
+        return None
+    try:
+        return LoopProbeGuard.from_settings(settings)
+    except ValueError as error:
+        raise ArtifactError(f"manifest `settings`: {error}") from None
+
+
+def _guard_expected(
+    settings: Mapping[str, Any], loop: Mapping[str, Any], dtype: np.dtype, row: tuple[int, ...],
+    shapes: Mapping[str, tuple[int, ...]], optimizer: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
+) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:  # fmt: skip
+    """The ``probe_guard.*`` arrays the plain guard state in ``loop`` names, its probe, window rows and snapshot
+    buffer within the device bounds (none without a guard; ``ArtifactError`` naming the field)."""
+    guard: LoopProbeGuard | None = settings["probe_guard"]
+    if guard is None or loop.get("probe_guard") is None:  # a state without one is refused when it loads
+        return {}
+    row_bytes = dtype.itemsize * math.prod(row) + 16
+    if guard.probe_capacity * row_bytes > MAX_REPLAY_BYTES:
+        raise manifest_error("settings.probe_guard.probe_capacity", guard.probe_capacity, f"at most {MAX_REPLAY_BYTES // row_bytes} rows")
+    plain = loop.get("probe_guard")
+    try:
+        expected = guard.expected_arrays(plain, dtype, row, shapes, optimizer, settings["num_classes"])
+    except ValueError as error:
+        raise ArtifactError(f"manifest `loop`: {error}") from None
+    pending = expected.get("probe_guard.pending.y", (None, (0,)))[1][0]
+    if pending * row_bytes > MAX_REPLAY_BYTES:
+        raise manifest_error("loop.probe_guard.pending", pending, f"at most {MAX_REPLAY_BYTES // row_bytes} rows")
+    held = expected.get("probe_guard.snapshot.replay.y", (None, (0,)))[1][0]
+    if held > settings["capacity"]:
+        raise manifest_error("loop.probe_guard.snapshot.replay.size", held, f"at most settings.capacity ({settings['capacity']})")
+    return expected
 
 
 def _engine_shapes(data: bytes) -> tuple[np.dtype, tuple[int, ...], int, dict[str, tuple[int, ...]]]:
@@ -292,11 +335,11 @@ class OnnxEngineLearner(EngineLearner):
         state_shapes = {"step": (float32, ())} | {
             f"{kind}.{n}": (float32, s) for n, s in shapes.items() for kind in ("momentum", "exp_avg", "exp_avg_sq")
         }
-        _check_headers(
-            "optimizer_state.npz", read_verified(folder, manifest, "optimizer_state.npz", max_bytes=_MAX_STATE_BYTES), state_shapes, exact=False
-        )
+        optimizer_data = read_verified(folder, manifest, "optimizer_state.npz", max_bytes=_MAX_STATE_BYTES)
+        _check_headers("optimizer_state.npz", optimizer_data, state_shapes, exact=False)
         loop = manifest.get("loop")
         expected = _loop_expected(loop, settings, dtype, row, shapes)  # type: ignore[arg-type]  # checked there
+        expected |= _guard_expected(settings, loop, dtype, row, shapes, npz_headers(optimizer_data))  # type: ignore[arg-type]
         data = read_verified(folder, manifest, LOOP_FILE, max_bytes=_MAX_STATE_BYTES)
         _check_headers(LOOP_FILE, data, expected)
         arrays = _load_npz(LOOP_FILE, data)
@@ -354,7 +397,9 @@ class OnnxEngineLearner(EngineLearner):
             "capacity": self.capacity if self.replay is None else self.replay.capacity,
             "replay_batch_size": self.replay_batch_size, "train_iterations": self.train_iterations,
             "max_grad_norm": self.max_grad_norm, "alpha": self.alpha, "beta": self.beta,
-            "temperature": self.temperature, "lwf_every": self.lwf_every, "seed": self.seed, "monitor": self.monitor.settings(),
+            "temperature": self.temperature, "lwf_every": self.lwf_every, "lwf_on_drift": self.lwf_on_drift, "seed": self.seed,
+            "monitor": self.monitor.settings(),
+            "probe_guard": None if self.probe_guard is None else self.probe_guard.settings(),
         }  # fmt: skip
 
     def save(self, directory: str | os.PathLike[str]) -> Path:

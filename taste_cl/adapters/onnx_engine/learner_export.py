@@ -56,7 +56,10 @@ from taste_cl.adapters.onnx_engine.learner import OnnxEngineLearner
 from taste_cl.adapters.onnxruntime.manifest import MAX_CAPACITY
 from taste_cl.engine.monitor import SETTINGS as MONITOR_SETTINGS
 from taste_cl.engine.monitor import LoopMonitor
+from taste_cl.engine.probe_guard import SETTINGS as PROBE_GUARD_SETTINGS
+from taste_cl.engine.probe_guard import LoopProbeGuard
 from taste_cl.exceptions import BatchNormModeWarning, ExportError
+from taste_cl.guards.probe import ProbeGuard
 from taste_cl.learner import OnlineLearner
 from taste_cl.monitor import PageHinkley, StabilityPlasticityMonitor
 from taste_cl.replay import ClassBalancedReplay, ReplayStrategy, ReservoirReplay
@@ -162,22 +165,13 @@ def _monitor_state(state: dict[str, Any], dtype: np.dtype) -> tuple[dict[str, An
     """The device monitor's state (:meth:`~taste_cl.engine.monitor.LoopMonitor.state`) for a torch monitor's
     ``state_dict``: the same probe rows, ids and generator, drift test, scores and events (details that are not
     plain finite values stay behind)."""
-    probe: dict[str, Any] = state["probe"]
     ids, flags = state["last_correct"]
-    storage = probe["storage"]
-    size = storage["size"]
-    arrays = {
+    counts, arrays = _probe_rows(state["probe"], "monitor.probe", dtype)
+    arrays |= {
         "monitor.recent": np.asarray(state["recent"], dtype=np.float64).reshape(-1, 3),
         "monitor.last_ids": np.asarray(ids, dtype=np.int64),
         "monitor.last_correct": np.asarray(flags, dtype=np.bool_),
     }
-    if size:
-        arrays |= {
-            "monitor.probe.x": storage["x"].detach().cpu().numpy().astype(dtype),
-            "monitor.probe.y": storage["y"].cpu().numpy().astype(np.int64),
-            "monitor.probe.sid": storage["fields"]["sid"].cpu().numpy().astype(np.int64),
-        }
-    counts = {key: value for key, value in _replay_counts(probe, size, 0).items() if key != "seen"}
     plain = {key: state[key] for key in ("steps", "samples_seen", "class_accuracy", "best_class_accuracy", "stability", "forgetting",
                                          "anytime", "flips", "last_drift_step", "event_counts")}  # fmt: skip
     plain |= {
@@ -185,9 +179,70 @@ def _monitor_state(state: dict[str, Any], dtype: np.dtype) -> tuple[dict[str, An
         "last_correct": len(ids),
         "events": [{**event, "details": {k: v for k, v in event["details"].items() if _plain(v)}} for event in state["events"]],
         "drift": state["drift_detector"],
-        "probe": counts | {"rng": decode_rng(probe["generator"].numpy()).bit_generator.state},
+        "probe": counts,
     }
     return plain, arrays
+
+
+def _probe_rows(probe: dict[str, Any], name: str, dtype: np.dtype) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The counts and ``<name>.x/.y/.sid`` arrays of a :class:`~taste_cl.engine.monitor.ProbeRows` for a torch probe
+    buffer's ``state_dict`` (a class-balanced one, or an empty reservoir: a probe before its first batch)."""
+    storage = probe["storage"]
+    size = storage["size"]
+    arrays = {}
+    if size:
+        arrays = {
+            f"{name}.x": storage["x"].detach().cpu().numpy().astype(dtype),
+            f"{name}.y": storage["y"].cpu().numpy().astype(np.int64),
+            f"{name}.sid": storage["fields"]["sid"].cpu().numpy().astype(np.int64),
+        }
+    counts = {"size": size, "classes": [], "class_seen": [], "slots": []}
+    if "classes" in probe or size:
+        counts = {key: value for key, value in _replay_counts(probe, size, 0).items() if key != "seen"}
+    return counts | {"rng": decode_rng(probe["generator"].numpy()).bit_generator.state}, arrays
+
+
+def _probe_guard(learner: OnlineLearner) -> tuple[LoopProbeGuard | None, dict[str, Any]]:
+    """The device loop's probe guard with the learner's ``ProbeGuard`` settings and that guard's state (None, {}: none);
+    ``ExportError`` for what the device cannot carry: two guards, a fixed probe, a window half done."""
+    guards = [plugin for plugin in learner.plugins if isinstance(plugin, ProbeGuard)]
+    if not guards:
+        return None, {}
+    if len(guards) > 1:
+        raise ExportError(f"the onnx_engine backend runs one ProbeGuard; this learner has {len(guards)}")
+    guard = guards[0]
+    if guard.fixed_probe is not None:
+        raise ExportError("the onnx_engine backend's probe guard fills its probe from accepted windows; this ProbeGuard has a fixed probe")
+    state = guard.state_dict()
+    if state["calls"] % guard.window:
+        left = guard.window - state["calls"] % guard.window
+        raise ExportError(
+            f"the ProbeGuard's update window is half done ({state['calls'] % guard.window} of {guard.window} observes): export when it "
+            f"closes, after {left} more observe(s), so the device starts from an accepted snapshot"
+        )
+    settings = {key: getattr(guard, key) for key in PROBE_GUARD_SETTINGS}  # the torch guard's attributes of those names
+    try:
+        return LoopProbeGuard(**settings), state
+    except ValueError as error:
+        raise ExportError(f"the learner's ProbeGuard does not fit the device loop: {error}") from None
+
+
+def _carry_guard(device: OnnxEngineLearner, state: dict[str, Any]) -> None:
+    """Give the device's probe guard the torch guard's counters, probe and baseline, with the device as it is now as
+    the accepted snapshot (the export is at a window's end, where torch's snapshot is the learner itself)."""
+    guard = device.probe_guard
+    assert guard is not None
+    guard.attach(device)
+    plain, arrays = guard.state()
+    counts, rows = _probe_rows(state["probe"], "probe_guard.probe", device.input_dtype)
+    ids, correct = state["baseline_correct"]
+    arrays = {k: v for k, v in arrays.items() if not k.startswith("probe_guard.probe.")} | rows
+    arrays |= {"probe_guard.baseline.ids": np.asarray(ids, np.int64), "probe_guard.baseline.correct": np.asarray(correct, np.bool_)}
+    plain |= {key: state[key] for key in ("windows", "rollbacks", "calls", "next_id")} | {"probe": counts, "baseline": len(ids)}
+    try:
+        guard.load_state(guard.check_state(plain, arrays, device), arrays)
+    except ValueError as error:
+        raise ExportError(f"the learner's ProbeGuard state does not fit the device loop: {error}") from None
 
 
 def _plain(value: Any) -> bool:
@@ -220,8 +275,8 @@ def export(
     fixed batch (default: the tuned micro-batch, else 32; other sizes run as padded chunks).
     ``seed``: seeds a fresh generator for the device loop (default: the loop continues the buffer's
     generator, the same draws the torch learner would make). ``lwf_every``: LwF's
-    snapshot period in observes (default: the strategy's ``every``, else 50: the device loop does
-    not detect drift, so an LwF that snapshots only on drift snapshots every 50 observes there).
+    snapshot period in observes (default: the strategy's ``every``); an LwF that snapshots on drift
+    does so on the device too, on its monitor's ``drift_detected``.
     """
     if not isinstance(learner, OnlineLearner):
         raise TypeError(f"learner must be a taste_cl.OnlineLearner; got {type(learner).__name__}")
@@ -252,11 +307,13 @@ def export(
             "alpha": float(getattr(learner.strategy, "alpha", 1.0)),
             "beta": float(getattr(learner.strategy, "beta", 1.0)),
             "temperature": float(getattr(learner.strategy, "temperature", 2.0)),
-            "lwf_every": lwf_every or (lwf.every if lwf is not None and lwf.every else DEFAULT_LWF_EVERY),
+            "lwf_every": lwf_every or (lwf.every if lwf is not None else DEFAULT_LWF_EVERY),
+            "lwf_on_drift": lwf is not None and lwf.on_drift,
             "seed": int(replay_state.get("seed", 0)) if seed is None else seed,
         }
         counters = {"samples_seen": learner.samples_seen, "steps": learner.steps}
         monitor, monitor_state = _monitor_settings(learner.monitor), learner.monitor.state_dict()
+        probe_guard, guard_state = _probe_guard(learner)
     if batch_size is None:
         batch_size = plan.micro_batch_size if plan is not None else DEFAULT_BATCH
     freeze_untrained(model, chosen)
@@ -288,8 +345,10 @@ def export(
         engine_folder = export_engine(model, x, work / "engine", trainable=chosen, optimizer=optimizer, output=output)
         engine = OnnxEngine(engine_folder)
         settings["num_classes"] = engine.output_shape[-1]
-        device = OnnxEngineLearner(engine, info=info, monitor=monitor, **settings)
+        device = OnnxEngineLearner(engine, info=info, monitor=monitor, probe_guard=probe_guard, **settings)
         plain, arrays = device.state()
+        plain.pop("probe_guard")  # carried after the rest loads: its snapshot is the loaded state (_carry_guard)
+        arrays = {k: v for k, v in arrays.items() if not k.startswith("probe_guard.")}
         plain["monitor"], monitor_arrays = _monitor_state(monitor_state, device.input_dtype)
         arrays |= monitor_arrays
         if rows is not None and len(rows):
@@ -307,6 +366,8 @@ def export(
             device.load_state(plain, arrays)
         except ValueError as error:
             raise ExportError(f"the learner's state does not fit the device loop: {error}") from None
+        if probe_guard is not None:
+            _carry_guard(device, guard_state)
         device.samples_seen = counters["samples_seen"]
         return device.save(directory)
     finally:
