@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,53 @@ def test_an_export_goes_on_with_the_same_rollbacks_on_the_device_and_resumes_fro
     assert device.probe_guard.rollbacks == resumed.probe_guard.rollbacks == 1
     for name, value in device.engine.parameters().items():
         np.testing.assert_array_equal(value, resumed.engine.parameters()[name])
-    # not compared with torch's parameters: the export ships SGD's momentum with step 0, so the device's first step restarts it
+    for name, value in learner.model.named_parameters():
+        np.testing.assert_allclose(device.engine.parameters()[name], value.detach().numpy(), atol=1e-4, err_msg=name)
+
+
+def _guarded_folder(tmp_path: Path) -> Path:
+    from taste_cl.adapters.onnx_engine.learner import OnnxEngineLearner
+
+    learner = torch_learner(mlp())
+    run([learner], stream(55))
+    device = OnnxEngineLearner.from_artifacts(learner.export(tmp_path / "art", backend="onnx_engine"))
+    run([device], stream(7, 55))  # a window half done: the folder holds its pending rows and snapshot
+    return device.save(tmp_path / "saved")
+
+
+def _edit(folder: Path, path: str, value: Any) -> None:
+    """Set the manifest value at dotted ``path`` and re-hash, as an attacker who can write the folder would."""
+    from taste_cl.adapters.device.artifacts import MANIFEST_FILE, write_manifest
+
+    manifest = {k: v for k, v in json.loads((folder / MANIFEST_FILE).read_text()).items() if k != "files"}
+    *parents, key = path.split(".")
+    node = manifest
+    for part in parents:
+        node = node[part]
+    node[key] = value
+    write_manifest(folder, manifest)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "match"),
+    [
+        ("settings.probe_guard.window", 0, "window"),
+        ("settings.probe_guard.probe_capacity", 2**40, "probe_capacity"),
+        ("loop.probe_guard", "x", "probe_guard"),
+        ("loop.probe_guard.windows", -1, "windows"),
+    ],
+)
+def test_hostile_guard_folders_are_refused_naming_the_field(tmp_path: Path, path: str, value: Any, match: str) -> None:
+    pytest.importorskip("onnxscript")
+    pytest.importorskip("onnxruntime")
+    from taste_cl.adapters.device import load_learner
+    from taste_cl.exceptions import ArtifactError
+
+    folder = _guarded_folder(tmp_path)
+    assert load_learner(folder).probe_guard is not None
+    _edit(folder, path, value)
+    with pytest.raises(ArtifactError, match=match):
+        load_learner(folder)
 
 
 def test_the_loop_probe_guard_imports_and_runs_without_torch() -> None:
