@@ -279,3 +279,14 @@ def test_a_strategy_the_training_runtimes_cannot_carry_is_refused_not_dropped(tm
     with pytest.raises(ExportError, match=rf"strategy is .*'{re.escape(strategy)}'.*backend='onnx_engine'"):
         check_device_trains_alike(learner)
     check_device_trains_alike(OnlineLearner(model, replay=ReservoirReplay(8)))  # plain replay passes
+
+
+def test_a_probe_guard_the_training_runtimes_cannot_carry_is_refused_not_dropped():
+    from taste_cl import OnlineLearner, ReservoirReplay
+    from taste_cl.adapters.device.learner_data import check_device_trains_alike
+    from taste_cl.exceptions import ExportError
+    from taste_cl.guards.probe import ProbeGuard
+
+    learner = OnlineLearner(torch.nn.Sequential(torch.nn.Linear(4, 3)), replay=ReservoirReplay(8), plugins=[ProbeGuard()])
+    with pytest.raises(ExportError, match=r"ProbeGuard.*backend='onnx_engine'"):
+        check_device_trains_alike(learner)

@@ -17,6 +17,7 @@ import torch
 
 from taste_cl._batch import Spec, batch_len, unflatten
 from taste_cl.adapters.device.artifacts import ExportError
+from taste_cl.guards.probe import ProbeGuard
 from taste_cl.replay import ReplayStrategy
 from taste_cl.strategies import ExperienceReplay
 from taste_cl.tasks import Task
@@ -92,7 +93,8 @@ def check_device_trains_alike(learner: OnlineLearner) -> None:
     Gradient clipping (``max_grad_norm``) is not in the exported training graphs: the device
     would train unclipped, unlike the learner it was exported from. The ONNX Runtime training and
     ExecuTorch learners train plain replay only: a learner with ER-ACE, DER++, LwF or a strategy of
-    its own would continue as plain replay there, so it is refused, naming the backend that carries it.
+    its own would continue as plain replay there, and one with a ``ProbeGuard`` would keep the windows
+    it rolls back, so both are refused, naming the backend that carries them.
     """
     if type(learner.strategy) is not ExperienceReplay:
         raise ExportError(
@@ -104,5 +106,13 @@ def check_device_trains_alike(learner: OnlineLearner) -> None:
     if learner.max_grad_norm is not None:
         raise ExportError(
             f"this learner clips its gradients (max_grad_norm={learner.max_grad_norm:g}) and the device runtimes do not: "
-            "they would train unclipped; set learner.max_grad_norm = None before export to accept that"
+            "they would train unclipped; export with backend='onnx_engine', which clips, or set learner.max_grad_norm = None "
+            "before export to accept that"
+        )
+    guards = [type(plugin).__name__ for plugin in learner.plugins if isinstance(plugin, ProbeGuard)]
+    if guards:
+        raise ExportError(
+            f"this learner rolls back harmful windows ({guards[0]}) and the ONNX Runtime training and ExecuTorch device learners "
+            "do not: the device would keep them; export with backend='onnx_engine', whose loop carries the probe guard, or "
+            "remove the plugin before export to accept that"
         )
