@@ -1,5 +1,6 @@
-"""``taste-cl bench personalize``: a tiny run yields every column for every method, and each
-method trains exactly what it claims (frozen tensors stay bit-identical)."""
+"""``taste-cl bench personalize``: a tiny run yields every column for every method, each
+method trains exactly what it claims (frozen tensors stay bit-identical), and the device rows
+(the clipped learner exported with ``onnx_engine`` before the stream) train as torch does."""
 
 from __future__ import annotations
 
@@ -9,8 +10,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from taste_cl.adapters.device import load_learner
+from taste_cl.adapters.device.artifacts import read_manifest
 from taste_cl.benchmarks import personalize
-from taste_cl.benchmarks.personalize import METHODS, _artifact_cell, build_cnn, choose_lr, criteria, parse_args, prepare, trainable_count
+from taste_cl.benchmarks.personalize import (
+    METHODS,
+    _artifact_cell,
+    build_cnn,
+    choose_lr,
+    criteria,
+    device_criteria,
+    device_table,
+    export_devices,
+    parse_args,
+    prepare,
+    trainable_count,
+)
 
 pytest.importorskip("peft")
 
@@ -28,7 +43,7 @@ def _run(tmp_path: Path, *extra: str) -> dict:
 
 
 def test_tiny_run_reports_every_number_for_every_method(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    result = _run(tmp_path, "--backends", "onnxruntime")
+    result = _run(tmp_path, "--backends", "onnxruntime", "--device-methods", "none")  # the device rows: tested below
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("method"))
     assert all(column in header for column in COLUMNS)
@@ -60,11 +75,81 @@ def test_tiny_run_reports_every_number_for_every_method(tmp_path: Path, capsys: 
     assert len(result["per_user"]) == 2 and result["users"][0]["own_label"] in (8, 9)
     assert result["summary"].startswith("lift over the pretrained CNN")  # the README row
     assert "not run" in out  # the ExecuTorch column says it was not exported
+    assert result["device"]["methods"] == {} and "device rows" not in out and "issue #44" not in out
+
+
+def _needs_engine() -> None:
+    for module in ("onnx", "onnxscript", "onnxruntime"):
+        pytest.importorskip(module)
+
+
+def test_device_rows_train_the_exported_clipped_learner_as_torch_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The quick path of the device rows: full and LoRA, clipped, exported before the stream, trained on the device."""
+    _needs_engine()
+    result = _run(tmp_path, "--methods", "full,lora", "--backends", "none")
+    out = capsys.readouterr().out
+    assert "device row full: exported to onnx_engine" in out and "device row lora: exported to onnx_engine" in out
+    table_lines = out[out.index("== device rows (onnx_engine") :].splitlines()
+    assert table_lines[1].startswith("device row") and [line.split()[0] for line in table_lines[3:5]] == ["full", "lora"]
+    device = result["device"]["methods"]
+    for method in ("full", "lora"):
+        row = device[method]
+        assert row["export"]["refused"] is None and row["export"]["bytes"] > 0 and row["export"]["warnings"] == []  # no BatchNorm here
+        assert row["trainable_params"] == result["methods"][method]["trainable_params"]  # the device trains what torch trains
+        assert abs(row["gap_points"]) <= 1 and row["torch_lift_points"] == result["methods"][method]["lift_points"]
+        for user, torch_user in zip(result["device"]["per_user"], result["per_user"]):
+            assert abs(user[method]["accuracy_after"] - torch_user[method]["accuracy_after"]) <= 0.01
+    assert [c["holds"] for c in result["device"]["criteria"]] == [True, True]
+    assert "issue #44's targets" in out and "full, clipped to norm 1, exports to onnx_engine" in out
+
+
+def test_the_device_export_carries_clipping_and_continues_as_torch(tmp_path: Path) -> None:
+    """The exported learner keeps the rate and the clipping, and three clipped steps on the device match torch's to float noise."""
+    _needs_engine()
+    args = parse_args(["--device-methods", "full", "--max-grad-norm", "0.5"])
+    torch.manual_seed(0)
+    pretrained = build_cnn(4)
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.rand(8, 3, 32, 32, generator=generator), torch.randint(0, 10, (8,), generator=generator)) for _ in range(3)]
+    (entry,) = export_devices(pretrained, {"full": 0.05}, batches[0], args, tmp_path).values()
+    assert entry["refused"] is None
+    settings = read_manifest(entry["path"])["settings"]
+    assert settings["max_grad_norm"] == 0.5 and settings["lr"] == 0.05 and settings["replay"] is None
+    device, learner = load_learner(entry["path"]), prepare("full", pretrained, 0.05, args, None)
+    for batch in batches:
+        learner.observe(batch)
+        device.observe(batch)
+    x = batches[0][0]
+    with torch.no_grad():
+        expected = learner.model.eval()(x).numpy()
+    assert abs(device.predict(x.numpy()) - expected).max() < 1e-4
+
+
+def test_a_refused_device_export_is_a_cell_and_fails_its_target() -> None:
+    refused = {"export": {"bytes": None, "refused": "ExportError: the onnx_engine backend steps torch.optim.SGD or AdamW; ..."}}
+    table_text = device_table({"lora": refused})
+    assert "refused (ExportError)" in table_text and table_text.splitlines()[2].split()[:2] == ["lora", "-"]
+    (found,) = device_criteria({"lora": refused}, 1.0)
+    assert found["holds"] is False and found["numbers"] == "export refused: ExportError"
+
+
+def test_device_methods_follow_the_methods_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = parse_args(["--methods", "full,last_layer", "--device-methods", "full,lora"])
+    assert args.device_methods == ["full"] and args.notes == ["no lora device row: lora is not run"]
+    assert parse_args([]).device_methods == ["full", "lora"] and parse_args(["--device-methods", "none"]).device_methods == []
+    monkeypatch.setattr(personalize, "find_spec", lambda name: None)  # peft not installed: lora left out, saying why
+    args = parse_args([])
+    assert "lora" not in args.methods and args.device_methods == ["full"]
+    assert args.notes[0] == "lora left out: peft is not installed: pip install 'taste-cl[peft]'"
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["--methods", "full,adapters"], "unknown methods"), (["--backends", "tflite"], "choose from onnxruntime")],
+    [
+        (["--methods", "full,adapters"], "unknown methods"),
+        (["--backends", "tflite"], "choose from onnxruntime"),
+        (["--device-methods", "elastic_0.5"], "choose from last_layer, bias_only, lora, elastic_0.5_ort, full or 'none'"),
+    ],
 )
 def test_bad_options_are_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:

@@ -44,7 +44,17 @@ their share of full fine-tuning's, and the on-device artifact size of the first 
 personalized learner exported with ``backend="onnxruntime"`` and ``"executorch"`` (sum of
 the folder's files; a refusal is reported in the table, its whole message in the JSON).
 Then :func:`criteria` says which of the issue's targets this run meets (computed from the
-table). Writes ``personalize.json`` and ``personalize.png``.
+table).
+
+Device rows (``--device-methods``, default ``full,lora``): each method's learner as it starts
+the stream (the pretrained copy, its chosen rate, momentum and the clipping) is exported once
+with ``backend="onnx_engine"``, which carries ``max_grad_norm``; every user's stream is then
+trained on a fresh :func:`~taste_cl.adapters.device.load_learner` of that folder (numpy and
+plain onnxruntime), its observes alternating with the torch methods'. The device table puts
+each device row's lift and retention beside its torch row's, with the gap in points (device
+minus torch, mean over users, and the largest of one user); an export refused is a cell with
+the error's type, its whole message in the JSON. :func:`device_criteria` judges issue #44's
+target: within 1 point of torch's. Writes ``personalize.json`` and ``personalize.png``.
 Run: ``taste-cl bench personalize [--quick]``.
 """
 
@@ -58,10 +68,11 @@ import tempfile
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -71,18 +82,31 @@ from taste_cl.benchmarks._common import alternating_rounds, base_parser, parse, 
 from taste_cl.benchmarks.elastic import arrangements, render
 from taste_cl.elastic import measure_training_memory
 from taste_cl.elastic.cycle import OPTIMIZER_STATE_POLICIES
+from taste_cl.exceptions import TasteCLWarning
 from taste_cl.plotting import PLOT_HINT, plotting_available, pyplot, save_figure
 from taste_cl.report import format_number, format_table
 
 __all__ = [
-    "METHODS", "SHIFTS", "User", "build_cnn", "choose_lr", "criteria", "main", "make_users", "parse_args", "prepare", "run", "trainable_count",
+    "DEVICE_BACKEND", "DEVICE_METHODS", "METHODS", "SHIFTS", "User", "build_cnn", "choose_lr", "criteria", "device_criteria",
+    "device_table", "export_devices", "main", "make_users", "parse_args", "prepare", "run", "trainable_count",
 ]  # fmt: skip
 
 BASE_CLASSES = 8  # trained in pretraining; outputs 8 and 9 are reserved for the users' own classes
 OUTPUTS = 10
 METHODS = ("last_layer", "bias_only", "lora", "elastic_0.5", "elastic_0.3", "elastic_0.5_ort", "full")
 BACKENDS = ("onnxruntime", "executorch")
+# the device rows: a method's learner exported with this backend before the stream, then trained on the device on the same
+# stream; the backend carries clipping, so only the methods with a fixed trainable set (no ElasticTrainer re-selecting)
+DEVICE_BACKEND = "onnx_engine"
+DEVICE_METHODS = ("last_layer", "bias_only", "lora", "elastic_0.5_ort", "full")
+DEVICE_SUFFIX = "@device"
 MOMENTUM = 0.9
+
+
+class _Observer(Protocol):
+    """What the timed stream drives: a torch :class:`OnlineLearner` or a device learner."""
+
+    def observe(self, batch: Any, /) -> Any: ...
 
 
 def _rotate(x: torch.Tensor, degrees: float = 25.0) -> torch.Tensor:
@@ -217,8 +241,14 @@ def _lora(model: nn.Module, rank: int, seed: int) -> nn.Module:
     return wrapped
 
 
-def prepare(method: str, pretrained: nn.Module, lr: float, args: argparse.Namespace, cache_dir: str | None) -> OnlineLearner:
-    """A learner personalizing a copy of ``pretrained`` with ``method`` (see the module docstring)."""
+def prepare(
+    method: str, pretrained: nn.Module, lr: float, args: argparse.Namespace, cache_dir: str | None, *, input_shape: Sequence[int] | None = None
+) -> OnlineLearner:
+    """A learner personalizing a copy of ``pretrained`` with ``method`` (see the module docstring).
+
+    ``input_shape``: the learner is settled before it observes anything (that row shape, ``OUTPUTS`` classes),
+    so it exports as it starts the stream (the device rows).
+    """
     model = copy.deepcopy(pretrained)
     plugins: list[ElasticTrainer] = []
     if method in ("last_layer", "bias_only"):
@@ -236,7 +266,8 @@ def prepare(method: str, pretrained: nn.Module, lr: float, args: argparse.Namesp
     elif method != "full":
         raise ValueError(f"`method == {method!r}`, must be one of {list(METHODS)}")
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=MOMENTUM)
-    return OnlineLearner(model, optimizer=optimizer, plugins=plugins, max_grad_norm=args.max_grad_norm)
+    settled: dict[str, Any] = {} if input_shape is None else {"input_shape": input_shape, "num_classes": OUTPUTS}
+    return OnlineLearner(model, optimizer=optimizer, plugins=plugins, max_grad_norm=args.max_grad_norm, **settled)
 
 
 def ort_selection(pretrained: nn.Module, validation: User, args: argparse.Namespace) -> dict[str, Any]:
@@ -276,12 +307,12 @@ def trainable_count(learner: OnlineLearner) -> int:
 
 
 def _personalize(
-    methods: dict[str, OnlineLearner], batches: list[tuple[torch.Tensor, torch.Tensor]]
+    methods: Mapping[str, _Observer], batches: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Every method observes the same batches, alternating round by round; wall and CPU seconds per observe."""
     cpu: dict[str, list[float]] = {name: [] for name in methods}
 
-    def step(name: str, learner: OnlineLearner) -> Callable[[], None]:
+    def step(name: str, learner: _Observer) -> Callable[[], None]:
         stream = iter(batches)
 
         def observe() -> None:
@@ -296,13 +327,20 @@ def _personalize(
 
 
 def _export_size(learner: OnlineLearner, backend: str, example: tuple[torch.Tensor, torch.Tensor], folder: Path) -> dict[str, Any]:
-    """Bytes of the artifact folder and how many tensors it trains, or why the export was refused."""
+    """Bytes of the artifact folder and how many tensors it trains, or why the export was refused; ``path``: the folder,
+    ``warnings``: what the export warned (e.g. a ``BatchNormModeWarning``). ONNX Runtime and ExecuTorch do not clip (their
+    export refuses a clipping learner), so they export it unclipped (sizes are alike); ``onnx_engine`` carries the clipping."""
+    clip = learner.max_grad_norm
+    options: dict[str, Any] = {"example": example} if backend in BACKENDS else {"batch_size": example[0].shape[0]}
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             warnings.simplefilter("ignore", UserWarning)  # ExecuTorch's memory planner warns once per convolution_backward output
-            clip, learner.max_grad_norm = learner.max_grad_norm, None  # device runtimes do not clip (export refuses); sizes are alike
+            warnings.simplefilter("always", TasteCLWarning)  # ours are kept (e.g. BatchNormModeWarning)
+            if backend in BACKENDS:
+                learner.max_grad_norm = None
             try:
-                path = learner.export(folder / backend, backend=backend, example=example)
+                path = learner.export(folder / backend, backend=backend, **options)
             finally:
                 learner.max_grad_norm = clip
     except Exception as error:  # noqa: BLE001 - any refusal (not installed, unsupported, parity) is a table cell
@@ -312,7 +350,53 @@ def _export_size(learner: OnlineLearner, backend: str, example: tuple[torch.Tens
     manifest = read_manifest(path)
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     trainable = manifest.get("trainable")  # the ExecuTorch manifest lists none
-    return {"bytes": size, "trainable_tensors": None if trainable is None else len(trainable), "refused": None}
+    notes = [f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, TasteCLWarning)]
+    return {"bytes": size, "trainable_tensors": None if trainable is None else len(trainable), "refused": None, "path": str(path),
+            "warnings": list(dict.fromkeys(notes))}  # fmt: skip
+
+
+def export_devices(
+    pretrained: nn.Module, lrs: Mapping[str, float], example: tuple[torch.Tensor, torch.Tensor], args: argparse.Namespace, folder: Path
+) -> dict[str, dict[str, Any]]:
+    """Per device method: its learner as it starts the stream (a copy of ``pretrained``, its rate, clipping), exported with
+    ``DEVICE_BACKEND`` (graphs batched like ``example``) once for every user (see :func:`_export_size`)."""
+    shape = tuple(example[0].shape[1:])
+    return {
+        method: _export_size(prepare(method, pretrained, lrs[method], args, None, input_shape=shape), DEVICE_BACKEND, example, folder / method)
+        for method in args.device_methods
+    }
+
+
+def _device_accuracy(learner: Any, x: torch.Tensor, y: torch.Tensor) -> float:
+    """A device learner's accuracy (its eval-mode forward, as :func:`_accuracy`)."""
+    return float((learner.predict(x.numpy()).argmax(1) == y.numpy()).mean())
+
+
+def _device_rows(
+    learners: Mapping[str, Any], torch_rows: Mapping[str, dict[str, Any]], user: User, base: dict[str, torch.Tensor],
+    wall: Mapping[str, list[float]], cpu: Mapping[str, list[float]],
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """The device learners' numbers after the stream, beside their torch rows' (gaps in points: device minus torch)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for method, learner in learners.items():
+        torch_row = torch_rows[method]
+        after = _device_accuracy(learner, user.test_x, user.test_y)
+        retention = _device_accuracy(learner, base["test_x"], base["test_y"])
+        rows[method] = {
+            "lr": torch_row["lr"],
+            "accuracy_after": after,
+            "lift_points": 100 * (after - torch_row["accuracy_before"]),
+            "retention": retention,
+            "torch_lift_points": torch_row["lift_points"],
+            "torch_retention": torch_row["retention"],
+            "gap_points": 100 * (after - torch_row["accuracy_after"]),
+            "retention_gap_points": 100 * (retention - torch_row["retention"]),
+            "median_step_s": statistics.median(wall[method + DEVICE_SUFFIX]),
+            "cpu_median_step_s": statistics.median(cpu[method + DEVICE_SUFFIX]),
+            "torch_median_step_s": torch_row["median_step_s"],
+            "trainable_params": sum(v.size for v in learner.engine.parameters().values()),
+        }
+    return rows
 
 
 def personalize_user(
@@ -324,16 +408,22 @@ def personalize_user(
     *,
     cache_dir: str | None,
     export_to: Path | None,
-) -> dict[str, dict[str, Any]]:
-    """Personalize every method on ``user``'s stream; per-method results."""
+    devices: Mapping[str, dict[str, Any]] | None = None,
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Personalize every method on ``user``'s stream; per-method results, and the device rows' (:func:`_device_rows`):
+    each published folder of ``devices`` (:func:`export_devices`) loaded fresh and trained on the same stream, its
+    observes alternating with the torch methods'."""
+    from taste_cl.adapters.device import load_learner
+
     before = _accuracy(pretrained, user.test_x, user.test_y)
     full_params = sum(p.numel() for p in pretrained.parameters())  # what full fine-tuning trains
     learners = {method: prepare(method, pretrained, lrs[method], args, cache_dir) for method in lrs}
     candidates = {method: trainable_count(learner) for method, learner in learners.items()}
+    on_device = {method: load_learner(entry["path"]) for method, entry in (devices or {}).items() if entry["refused"] is None}
     batches = _batches(user, args, args.seed + 1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        wall, cpu = _personalize(learners, batches)
+        wall, cpu = _personalize({**learners, **{m + DEVICE_SUFFIX: learner for m, learner in on_device.items()}}, batches)
     notes = list(dict.fromkeys(str(w.message) for w in caught))
     for note in notes:
         if not note.startswith("ElasticTrainer"):
@@ -368,7 +458,7 @@ def personalize_user(
         if export_to is not None:
             example = (probe[0][:8], probe[1][:8])
             results[method]["artifacts"] = {b: _export_size(learner, b, example, export_to / method) for b in args.backends}
-    return results
+    return results, _device_rows(on_device, results, user, base, wall, cpu)
 
 
 def choose_lr(accuracy: dict[float, float], samples: int) -> float:
@@ -397,9 +487,14 @@ def choose_lrs(validation: User, pretrained: nn.Module, args: argparse.Namespace
     return scores
 
 
+def _means(users: Sequence[Mapping[str, dict[str, Any]]], keys: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per method of the first user's rows, the mean over users of each of ``keys``."""
+    return {m: {k: statistics.fmean(u[m][k] for u in users) for k in keys} for m in users[0]}
+
+
 def summarize(users: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Mean over users of each method's numbers; speedups: full's mean step time over the method's."""
-    pooled: dict[str, dict[str, Any]] = {m: {k: statistics.fmean(u[m][k] for u in users) for k in _MEANS} for m in users[0]}
+    pooled = _means(users, _MEANS)
     for m, row in pooled.items():
         for name, key in (("speedup", "median_step_s"), ("speedup_with_probes", "mean_step_s"), ("cpu_speedup", "cpu_median_step_s")):
             row[name] = pooled["full"][key] / row[key] if "full" in pooled else None
@@ -413,6 +508,22 @@ _MEANS = (
     "lift_points", "retention", "accuracy_before", "accuracy_after", "median_step_s", "mean_step_s", "cpu_median_step_s",
     "cpu_mean_step_s", "trainable_params", "trainable_share", "candidate_params", "training_memory_bytes",
 )  # fmt: skip
+_DEVICE_MEANS = (
+    "lift_points", "retention", "accuracy_after", "torch_lift_points", "torch_retention", "gap_points", "retention_gap_points",
+    "median_step_s", "cpu_median_step_s", "torch_median_step_s", "trainable_params",
+)  # fmt: skip
+
+
+def summarize_devices(users: list[dict[str, dict[str, Any]]], exports: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per device method: its export (size, or the refusal's whole message) and, when it trained, the mean over users of
+    its numbers and the largest gap of one user (``max_abs_gap_points``)."""
+    pooled = _means(users, _DEVICE_MEANS) if users and users[0] else {}
+    summary: dict[str, dict[str, Any]] = {}
+    for method, entry in exports.items():
+        summary[method] = {"export": {k: v for k, v in entry.items() if k != "path"}}  # the folder was temporary
+        if method in pooled:
+            summary[method] |= pooled[method] | {"lr": users[0][method]["lr"], "max_abs_gap_points": max(abs(u[method]["gap_points"]) for u in users)}
+    return summary
 
 
 def _artifact_cell(artifacts: dict[str, Any] | None, backend: str) -> str:
@@ -422,6 +533,29 @@ def _artifact_cell(artifacts: dict[str, Any] | None, backend: str) -> str:
     if entry["bytes"] is not None:
         return f"{entry['bytes'] / 1024:.0f} KiB"
     return f"refused ({entry['refused'].split(':', 1)[0]})"  # the error's type; its message is in the JSON
+
+
+def device_table(summary: Mapping[str, dict[str, Any]]) -> str:
+    """The aligned table of :func:`summarize_devices`'s output: each device row beside its torch row (gaps: device minus torch)."""
+    headers = [
+        "device row", "lr", "trainable", "torch lift", "device lift", "gap (pts)", "max |gap|", "torch retention", "device retention",
+        "ms/step", "torch ms/step", DEVICE_BACKEND,
+    ]  # fmt: skip
+    rows = []
+    for method, s in summary.items():
+        ran = "gap_points" in s  # a refused export has only its cell
+        rows.append([
+            method, s.get("lr"), f"{s['trainable_params']:,.0f}" if ran else None,
+            *(_signed(s.get(k)) for k in ("torch_lift_points", "lift_points", "gap_points")),
+            s.get("max_abs_gap_points"), s.get("torch_retention"), s.get("retention"),
+            *(1000 * s[k] if ran else None for k in ("median_step_s", "torch_median_step_s")),
+            _artifact_cell({DEVICE_BACKEND: s["export"]}, DEVICE_BACKEND),
+        ])  # fmt: skip
+    return format_table(headers, rows)
+
+
+def _signed(points: float | None) -> str | None:
+    return None if points is None else f"{round(points, 1) + 0.0:+.1f}"  # + 0.0: no "-0.0" from float noise
 
 
 def _times(ratio: float | None) -> str | None:
@@ -480,9 +614,32 @@ def criteria(summary: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return found
 
 
-def _criteria_block(found: list[dict[str, Any]]) -> str:
+def device_criteria(summary: Mapping[str, dict[str, Any]], max_grad_norm: float | None) -> list[dict[str, Any]]:
+    """Issue #44's target for each device row of :func:`summarize_devices`'s output: the learner, clipped, exports and
+    trains on the device, and its lift is within 1 point of its torch row's (mean over users); a refusal fails it.
+
+    >>> row = {"export": {"bytes": 1, "refused": None}, "gap_points": -0.4, "lift_points": 50.0, "torch_lift_points": 50.4,
+    ...        "max_abs_gap_points": 0.8}
+    >>> [(c["holds"], c["numbers"]) for c in device_criteria({"full": row}, 1.0)]
+    [(True, 'device +50.0 vs torch +50.4 pts (gap -0.4; largest of one user 0.8)')]
+    """
+    clipped = f"clipped to norm {max_grad_norm:g}" if max_grad_norm is not None else "unclipped (--max-grad-norm 0)"
+    found = []
+    for method, s in summary.items():
+        what = f"{method}, {clipped}, exports to {DEVICE_BACKEND} and trains on the device within 1 point of torch's {method}"
+        refused = s["export"]["refused"]
+        if refused is not None:
+            found.append({"criterion": what, "holds": False, "numbers": f"export refused: {refused.split(':', 1)[0]}"})
+            continue
+        numbers = (f"device {_signed(s['lift_points'])} vs torch {_signed(s['torch_lift_points'])} pts (gap {_signed(s['gap_points'])}; "
+                   f"largest of one user {s['max_abs_gap_points']:.1f})")  # fmt: skip
+        found.append({"criterion": what, "holds": max_grad_norm is not None and abs(s["gap_points"]) <= 1, "numbers": numbers})
+    return found
+
+
+def _criteria_block(found: list[dict[str, Any]], issue: str = "#31") -> str:
     verdicts = {True: "holds", False: "FAILS", None: "n/a"}
-    return "\n".join(["issue #31's targets (this run):"] + [f"  {verdicts[c['holds']]:<5}  {c['criterion']}: {c['numbers']}" for c in found])
+    return "\n".join([f"issue {issue}'s targets (this run):"] + [f"  {verdicts[c['holds']]:<5}  {c['criterion']}: {c['numbers']}" for c in found])
 
 
 def _plot(summary: dict[str, dict[str, Any]], path: Path) -> Path:
@@ -516,9 +673,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The benchmark's options, checked (``--quick`` applied, lists split)."""
     parser = base_parser("personalize", __doc__.splitlines()[0])
     parser.add_argument(
-        "--quick", action="store_true", help="a small configuration (2 users, 24 steps, 2 learning rates, ONNX Runtime only) for a smoke test"
+        "--quick", action="store_true", help="a small configuration (2 users, 24 steps, 2 learning rates, ORT artifacts only; device rows too)"
     )
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated from {', '.join(METHODS)}")
+    parser.add_argument("--methods", help=f"comma-separated from {', '.join(METHODS)} (default: all; lora only with peft installed)")
     parser.add_argument("--users", type=int, default=4, help="simulated users (their mean is reported)")
     parser.add_argument("--user-classes", type=int, default=4, help="base classes each user uses (plus their own class)")
     parser.add_argument("--user-samples", type=int, default=256, help="training samples each user has")
@@ -536,14 +693,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="ElasticTrainer: whether a unit leaving the selection keeps its momentum for when it rejoins")  # fmt: skip
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="ElasticTrainer's profiling clock")
     parser.add_argument("--backends", default="onnxruntime,executorch", help="device backends to export with ('none': no export)")
+    parser.add_argument("--device-methods", default="full,lora",
+                        help=f"methods also trained on the device: exported with {DEVICE_BACKEND} before the stream, from "
+                             f"{', '.join(DEVICE_METHODS)} ('none': no device rows)")  # fmt: skip
     args = parse(parser, argv)
     if args.quick:
         args.users, args.steps, args.lrs, args.backends = min(args.users, 2), min(args.steps, 24), "0.01,0.03", "onnxruntime"
         args.pretrain_steps, args.test_samples = min(args.pretrain_steps, 200), min(args.test_samples, 300)
-    args.methods = [m for m in args.methods.split(",") if m]
+    methods_given = args.methods is not None
+    args.methods = [m for m in (args.methods or ",".join(METHODS)).split(",") if m]
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         parser.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    args.notes = []
+    if "lora" in args.methods and not methods_given and find_spec("peft") is None:
+        args.methods.remove("lora")
+        args.notes.append("lora left out: peft is not installed: pip install 'taste-cl[peft]'")
+    requested = [] if args.device_methods == "none" else [m for m in args.device_methods.split(",") if m]
+    if any(m not in DEVICE_METHODS for m in requested):
+        parser.error(f"`--device-methods {','.join(requested)}`: choose from {', '.join(DEVICE_METHODS)} or 'none'")
+    args.device_methods = [m for m in requested if m in args.methods]
+    args.notes += [f"no {m} device row: {m} is not run" for m in requested if m not in args.methods]
     args.lrs = [float(v) for v in args.lrs.split(",")]
     args.max_grad_norm = args.max_grad_norm or None
     args.backends = [] if args.backends == "none" else args.backends.split(",")
@@ -566,6 +736,8 @@ def run(args: argparse.Namespace) -> int:
     pretrain(pretrained, data["x"], data["y"], steps=args.pretrain_steps, batch_size=64, seed=args.seed)
     base_accuracy = _accuracy(pretrained, data["test_x"], data["test_y"])
     print(f"pretrained on {BASE_CLASSES} base classes: held-out accuracy {base_accuracy:.3f} ({time.perf_counter() - start:.0f} s)")
+    for note in args.notes:
+        print(f"note: {note}")
     with tempfile.TemporaryDirectory(prefix="taste_cl_personalize_") as scratch:
         cache_dir = str(Path(scratch) / "elastic_cache")
         if "elastic_0.5_ort" in args.methods:
@@ -580,12 +752,17 @@ def run(args: argparse.Namespace) -> int:
         else:
             sweep, lrs = {}, dict.fromkeys(args.methods, args.lrs[0])
         print("learning rates (validation user): " + ", ".join(f"{m} {lr:g}" for m, lr in lrs.items()))
+        example = (validation.train_x[: args.batch_size], validation.train_y[: args.batch_size])  # the graphs' batch (the host has no user data)
+        devices = export_devices(pretrained, lrs, example, args, Path(scratch) / "device")
+        for method, entry in devices.items():
+            print(f"device row {method}: " + (f"exported to {DEVICE_BACKEND}" if entry["refused"] is None else f"export refused: {entry['refused']}"))
         exports = Path(scratch) / "artifacts" if args.backends else None  # the first user's learners are exported
-        per_user = [
-            personalize_user(user, pretrained, data, lrs, args, cache_dir=cache_dir, export_to=exports if i == 0 else None)
+        per_user, per_user_device = zip(*[
+            personalize_user(user, pretrained, data, lrs, args, cache_dir=cache_dir, export_to=exports if i == 0 else None, devices=devices)
             for i, user in enumerate(users)
-        ]
-    summary = summarize(per_user)
+        ])  # fmt: skip
+    summary = summarize(list(per_user))
+    device_summary = summarize_devices(list(per_user_device), devices)
     print(f"\n== mean over {len(users)} users ({', '.join(u.shift for u in users)}); pretrained base accuracy {base_accuracy:.3f}")
     print(table(summary))
     for method, row in summary.items():
@@ -593,6 +770,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {method}: {note}")
     targets = criteria(summary)
     print(_criteria_block(targets))
+    device_targets = device_criteria(device_summary, args.max_grad_norm)
+    if device_summary:
+        print(f"\n== device rows ({DEVICE_BACKEND}, exported before the stream, same stream; mean over {len(users)} users; gaps: device minus torch)")
+        print(device_table(device_summary))
+        for method, row in device_summary.items():
+            for note in row["export"].get("warnings") or []:
+                print(f"  {method}: {note}")
+        print(_criteria_block(device_targets, "#44"))
     print(f"total {time.perf_counter() - start:.0f} s")
     if plotting_available():
         print(f"plot written to {_plot(summary, Path(args.out) / 'personalize.png')}")
@@ -605,9 +790,10 @@ def run(args: argparse.Namespace) -> int:
         "pretrained_base_accuracy": base_accuracy,
         "lr_sweep": sweep,
         "users": users_info,
-        "per_user": per_user,
+        "per_user": list(per_user),
         "methods": summary,
         "criteria": targets,
+        "device": {"backend": DEVICE_BACKEND, "methods": device_summary, "per_user": list(per_user_device), "criteria": device_targets},
         "ort_selection": getattr(args, "ort_selection", None),
     }
     save_result(args.out, "personalize", result, summary=headline(summary, len(users)))
