@@ -18,6 +18,7 @@ import numpy as np
 from taste_cl.adapters.device.artifacts import ArtifactError
 from taste_cl.adapters.onnxruntime.batches import bad_ids, bad_labels
 from taste_cl.adapters.onnxruntime.manifest import REPLAY_FILE, DeviceSpec, manifest_error
+from taste_cl.replay.draws import ReservoirIndex, apply_plan, draw_rows, new_rng
 
 __all__ = ["MAX_REPLAY_BYTES", "NumpyReplay", "check_replay_memory", "npz_headers"]
 
@@ -65,33 +66,28 @@ class NumpyReplay:
     """A reservoir buffer of numpy rows (one array per graph input, plus targets), seeded."""
 
     def __init__(self, capacity: int, spec: DeviceSpec, *, seed: int = 0) -> None:
-        self.capacity, self.seed, self.seen, self.size = capacity, seed, 0, 0
+        self.capacity, self.seed, self.size = capacity, seed, 0
         self._spec = spec
         self._x = [np.zeros((capacity, *item.shape), item.dtype) for item in spec.inputs]
         self._y = np.zeros((capacity, *spec.labels.shape), spec.labels.dtype)
-        self._rng = np.random.Generator(np.random.PCG64(seed))
+        self._rng = new_rng(seed)
+        self._index = ReservoirIndex(capacity, self._rng)  # the torch ReservoirReplay's decisions (taste_cl.replay.draws)
 
     def __len__(self) -> int:
         return self.size
 
+    @property
+    def seen(self) -> int:
+        """Rows offered so far."""
+        return self._index.seen
+
     def add(self, x: list[np.ndarray], y: np.ndarray) -> None:
         """Offer every row of a validated batch to the reservoir."""
-        for i in range(y.shape[0]):
-            self.seen += 1
-            if self.size < self.capacity:
-                slot = self.size
-                self.size += 1
-            else:
-                slot = int(self._rng.integers(0, self.seen))
-                if slot >= self.capacity:
-                    continue
-            for store, leaf in zip(self._x, x):
-                store[slot] = leaf[i]
-            self._y[slot] = y[i]
+        self.size = apply_plan(self._index.offer(y.shape[0]), [*self._x, self._y], [*x, y], self.size)
 
     def sample(self, n: int) -> tuple[list[np.ndarray], np.ndarray]:
         """``n`` distinct stored rows, drawn at random."""
-        idx = np.sort(self._rng.choice(self.size, size=min(n, self.size), replace=False))
+        idx = draw_rows(self._rng, self.size, n)
         return [store[idx] for store in self._x], self._y[idx]
 
     def rows(self, n: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -159,7 +155,7 @@ class NumpyReplay:
         for store, rows in zip(self._x, x):
             store[:size] = rows
         self._y[:size] = y
-        self.size, self.seen = size, seen
+        self.size, self._index.seen = size, seen
         if rng is not None:
             self._rng.bit_generator.state = {
                 "bit_generator": "PCG64",
