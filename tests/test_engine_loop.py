@@ -211,3 +211,43 @@ def test_a_damaged_saved_state_is_refused_and_nothing_changes(damage, match, tas
     after = learner.state()
     assert json.dumps(before[0]) == json.dumps(after[0])
     assert before[1].keys() == after[1].keys() and all(np.array_equal(before[1][k], after[1][k]) for k in before[1])
+
+
+class _OneTensor:
+    """A guarded session over one numpy parameter, whose step is whatever ``apply`` does to it."""
+
+    def __init__(self) -> None:
+        self.p = np.ones(100, np.float32)
+
+    def save_step_state(self) -> np.ndarray:
+        return self.p.copy()
+
+    def measure_step(self, saved: np.ndarray):
+        from taste_cl.guards.device import measure_arrays
+
+        return measure_arrays([(saved, self.p)])
+
+    def restore_step_state(self, saved: np.ndarray) -> None:
+        self.p = saved.copy()
+
+
+def test_a_step_at_a_new_learning_rate_is_measured_even_when_its_gradient_is_tiny():
+    """A momentum buffer moves at the new rate: lr x gradient does not bound the step, so, as the torch guard
+    does, the device guard measures the first step at a changed learning rate (it used to apply it unmeasured)."""
+    from taste_cl.guards.device import DeviceUpdateGuard
+
+    guard, session = DeviceUpdateGuard(), _OneTensor()
+
+    def move(by: float):
+        def apply() -> None:
+            session.p = session.p + by
+
+        return apply
+
+    for _ in range(30):  # ordinary steps at lr 0.1
+        assert guard.step(session, move(1e-3), lr=0.1, grad_norm=0.5, loss=1.0) is None
+    before = session.p.copy()
+    cause = guard.step(session, move(1e3), lr=1e4, grad_norm=1e-7, loss=1e-7)  # lr x 1e5, a momentum-sized step
+    assert cause is not None and "rolled back" in cause
+    np.testing.assert_array_equal(session.p, before)
+    assert guard.step(session, move(1e-3), lr=0.1, grad_norm=0.5, loss=1.0) is None

@@ -97,6 +97,7 @@ class DeviceUpdateGuard:
         self.refused_steps = 0
         self.skipped_in_row = 0
         self.last_cause: str | None = None
+        self.stepped_lr: float | None = None  # the learning rate of the last applied step
 
     def step(self, session: GuardedSession, apply: Callable[[], None], *, lr: float, grad_norm: float, loss: float) -> str | None:
         """Take the step ``apply`` makes on ``session``'s model unless unsafe; return why it was not
@@ -106,17 +107,17 @@ class DeviceUpdateGuard:
         if cause is None:
             log_proxy = log_clamped(lr * grad_norm)
             ordinary = lr * max(1.0, grad_norm) <= self.update_bound
-            protect = (
-                self.mode == "always"
-                or self.steps_seen <= self.protect_first
-                or (self.mode == "auto" and not (ordinary and self.sizes.usual(log_proxy)))
-            )
+            # as the torch guard: a step at another learning rate than the last applied one is not usual
+            # (its size is not lr x gradient alone: a momentum buffer moves at the new rate too)
+            usual = ordinary and self.sizes.usual(log_proxy) and lr == self.stepped_lr
+            protect = self.mode == "always" or self.steps_seen <= self.protect_first or (self.mode == "auto" and not usual)
             if protect:
                 cause = self._protected(session, apply)
             else:
                 apply()
             if cause is None:
                 self.sizes.applied(log_proxy, measured=protect)
+                self.stepped_lr = lr
         self.skipped_in_row = 0 if cause is None else self.skipped_in_row + 1
         if cause is not None:
             self.refused_steps += 1
@@ -145,18 +146,21 @@ class DeviceUpdateGuard:
     # ------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
         """The update-size history, which a saved device folder keeps so a resumed run decides alike."""
-        return {"sizes": self.sizes.state_dict(), "steps_seen": self.steps_seen}
+        return {"sizes": self.sizes.state_dict(), "steps_seen": self.steps_seen, "stepped_lr": self.stepped_lr}
 
     def load_state_dict(self, state: Any, *, where: str = "the guard state") -> None:
         """Restore :meth:`state_dict` (validated first: ``ValueError`` naming the field, nothing changed)."""
-        if not isinstance(state, dict) or set(state) != {"sizes", "steps_seen"}:
-            raise ValueError(f"{where} must be an object with keys ['sizes', 'steps_seen']")
+        if not isinstance(state, dict) or set(state) - {"stepped_lr"} != {"sizes", "steps_seen"}:
+            raise ValueError(f"{where} must be an object with keys ['sizes', 'steps_seen'] (and 'stepped_lr')")
         sizes = StepSizeHistory.parse_state(state["sizes"], where)
-        seen = state["steps_seen"]
+        seen, stepped = state["steps_seen"], state.get("stepped_lr")  # states saved before it had none: the next step is protected
         if isinstance(seen, bool) or not isinstance(seen, int) or not 0 <= seen <= 2**53:
             raise ValueError(f"{where}: `steps_seen == {seen!r}`, must be an int in [0, 2**53]")
+        if stepped is not None and (isinstance(stepped, bool) or not isinstance(stepped, (int, float)) or not 0 <= stepped <= self.max_lr):
+            raise ValueError(f"{where}: `stepped_lr == {stepped!r}`, must be null or a number in [0, max_lr]")
         self.sizes.load_state_dict(sizes)
         self.steps_seen = seen
+        self.stepped_lr = None if stepped is None else float(stepped)
 
 
 def check_finite_outputs(outputs: np.ndarray, guard: DeviceUpdateGuard) -> None:
