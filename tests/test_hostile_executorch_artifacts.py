@@ -270,7 +270,7 @@ def _replay(**options: Any) -> Callable[[Path], None]:
         # headers claiming terabytes over a few hundred bytes of data: np.load would allocate them first
         (_replay(claims={"x": (10**9, 6)}), r"array 'x' is float32 \(1000000000, 6\), must be numbers for \d+ samples of float32 \[6\]"),
         (_replay(claims={"y": (2**40,)}), r"array 'y' holds 1099511627776 samples; the manifest's replay.size is \d+"),
-        (_replay(claims={"generator": (2**40,)}), r"array 'generator' is uint8 \(1099511627776,\), must be a torch generator state"),
+        (_replay(claims={"generator": (2**40,)}), r"array 'generator' is uint8 \(1099511627776,\), must be a generator state, uint8 of a shape in"),
         (_replay(change=lambda a: a.update(capacity=np.int64(2**40))), r"array 'capacity' is 1099511627776; the manifest's replay.capacity is 40"),
         # a deflated member may expand far beyond the file: np.savez stores them
         (_replay(compressed=True), r"member '\w+.npy' is not an uncompressed .npy array"),
