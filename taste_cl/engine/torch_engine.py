@@ -74,6 +74,10 @@ class TorchEngine:
     def forward(self, x: Inputs, *, train: bool) -> np.ndarray:
         inputs = self._tensors(x)
         self.model.train(train and self.train_mode)
+        return self._run(inputs, train=train)
+
+    def _run(self, inputs: Any, *, train: bool) -> np.ndarray:
+        """The model's outputs on ``inputs`` in its current mode; with ``train`` kept (with their graph) for :meth:`backward`."""
         if train:
             outputs = call_model(self.model, inputs, output=self.output, call=self.call)
             self._outputs = outputs
@@ -140,16 +144,9 @@ class TorchEngine:
         for module in self._batch_norms().values():
             module.train()
         try:
-            if train:
-                outputs = call_model(self.model, inputs, output=self.output, call=self.call)
-                self._outputs = outputs
-            else:
-                self._outputs = None
-                with torch.no_grad():
-                    outputs = call_model(self.model, inputs, output=self.output, call=self.call)
+            return self._run(inputs, train=train)
         finally:
             self.model.eval()
-        return outputs.detach().cpu().numpy()
 
     def norm_statistics(self) -> dict[str, np.ndarray]:
         buffers = dict(self.model.named_buffers())
