@@ -15,7 +15,8 @@ from test_shared_draws import batches, mlp, torch_learner
 
 from taste_cl import OnlineLearner
 from taste_cl.engine.loop import EngineLearner
-from taste_cl.engine.monitor import LoopMonitor, MonitorEvent
+from taste_cl.engine.monitor import LoopMonitor
+from taste_cl.monitor.events import MonitorEvent
 from taste_cl.engine.torch_engine import TorchEngine
 
 

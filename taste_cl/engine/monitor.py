@@ -36,8 +36,9 @@ import numpy as np
 
 from taste_cl._checks import INT_LIMIT, check_int
 from taste_cl.engine import losses
+from taste_cl.monitor import saved
 from taste_cl.monitor.drift import PageHinkley
-from taste_cl.monitor.events import EventBus, MonitorEvent, negative_flips, probe_outcome
+from taste_cl.monitor.events import EventBus, negative_flips, probe_outcome
 from taste_cl.replay.draws import ClassQuotaIndex, apply_plan, new_rng
 
 __all__ = ["LoopMonitor", "ProbeRows"]
@@ -45,7 +46,6 @@ __all__ = ["LoopMonitor", "ProbeRows"]
 SETTINGS = ("probe_capacity", "eval_every", "window", "forgetting_threshold", "regression_threshold", "max_events", "seed", "drift")
 DRIFT_SETTINGS = ("min_instances", "delta", "threshold", "alpha")
 MAX_WINDOW = MAX_EVENTS = 1_000_000
-_PLAIN = (str, int, float, bool, type(None))
 
 
 class ProbeRows:
@@ -327,9 +327,9 @@ class LoopMonitor(EventBus):
         if not isinstance(plain, Mapping) or not isinstance(plain.get("probe"), Mapping):
             raise ValueError("`monitor` must be an object with a `probe` object")  # noqa: TRY004 (a bad state is a ValueError)
         recent, last, size = (
-            _count(plain, "recent", self.window),
-            _count(plain, "last_correct", self.probe_capacity),
-            _count(plain["probe"], "size", self.probe_capacity, "probe."),
+            saved.count("recent", plain.get("recent"), self.window),
+            saved.count("last_correct", plain.get("last_correct"), self.probe_capacity),
+            saved.count("probe.size", plain["probe"].get("size"), self.probe_capacity),
         )
         expected = {
             "monitor.recent": (np.dtype(np.float64), (recent, 3)),
@@ -352,7 +352,7 @@ class LoopMonitor(EventBus):
             value = arrays.get(key)
             if value is None or (not key.startswith("monitor.probe.x") and (value.dtype != dtype or value.shape != shape)):
                 raise ValueError(f"`{key}` must be {dtype} {shape}")
-        steps, seen = _count(plain, "steps", INT_LIMIT), _count(plain, "samples_seen", INT_LIMIT)
+        steps, seen = saved.count("steps", plain["steps"]), saved.count("samples_seen", plain["samples_seen"])
         recent = arrays["monitor.recent"]
         correct, n = recent[:, 0], recent[:, 1]
         if not (np.isfinite(recent[:, :2]).all() and (correct >= 0).all() and (correct <= n).all() and (n == np.round(n)).all()):
@@ -361,13 +361,6 @@ class LoopMonitor(EventBus):
         if ids.size and (ids.min() < 0 or ids.max() >= seen or np.unique(ids).size != ids.size):
             raise ValueError(f"`monitor.last_ids` must hold distinct ids of rows seen, in [0, {seen})")
         stability = plain["stability"]
-        anytime, flips, last_drift = plain["anytime"], plain["flips"], plain["last_drift_step"]
-        if not (isinstance(anytime, list) and len(anytime) == 2):
-            raise ValueError(f"`monitor.anytime == {anytime!r}`, must be [score sum, evaluations]")
-        if flips is not None and not (isinstance(flips, list) and len(flips) == 2 and all(_fraction(f) for f in flips)):
-            raise ValueError(f"`monitor.flips == {flips!r}`, must be null or two numbers in [0, 1]")
-        if last_drift is not None:
-            _count(plain, "last_drift_step", steps)
         detector = PageHinkley(min_instances=self.drift_detector.min_instances, delta=self.drift_detector.delta,
                                threshold=self.drift_detector.threshold, alpha=self.drift_detector.alpha)  # fmt: skip
         try:
@@ -379,15 +372,15 @@ class LoopMonitor(EventBus):
             "samples_seen": seen,
             "recent": [(int(c), int(k), float(loss)) for c, k, loss in recent.tolist()],
             "last_correct": (ids.copy(), right.copy()),
-            "class_accuracy": _pairs(plain, "class_accuracy"),
-            "best_class_accuracy": _pairs(plain, "best_class_accuracy"),
-            "stability": None if stability is None else _score(plain, "stability"),
-            "forgetting": _score(plain, "forgetting", low=-1.0),
-            "anytime": (_score({"anytime": anytime[0]}, "anytime", high=INT_LIMIT), _count({"anytime": anytime[1]}, "anytime", INT_LIMIT)),
-            "flips": None if flips is None else (float(flips[0]), float(flips[1])),
-            "last_drift_step": last_drift,
-            "events": _events(plain["events"], steps, self.max_events),
-            "event_counts": _event_counts(plain["event_counts"]),
+            "class_accuracy": saved.pairs("class_accuracy", plain["class_accuracy"]),
+            "best_class_accuracy": saved.pairs("best_class_accuracy", plain["best_class_accuracy"]),
+            "stability": None if stability is None else saved.score("stability", stability),
+            "forgetting": saved.score("forgetting", plain["forgetting"], low=-1.0),
+            "anytime": saved.anytime(plain["anytime"]),
+            "flips": saved.flips(plain["flips"]),
+            "last_drift_step": saved.last_drift_step(plain["last_drift_step"], steps),
+            "events": saved.events(plain["events"], steps, self.max_events, plain_details=True),
+            "event_counts": saved.event_counts(plain["event_counts"]),
             "drift": detector,
             "rng": self.probe.check_state(plain["probe"], arrays, seen, num_classes),
         }
@@ -407,49 +400,3 @@ class LoopMonitor(EventBus):
         self._events.extend(parsed["events"])
         self._event_counts = Counter(parsed["event_counts"])
         self.drift_detector, self._pending = parsed["drift"], []
-
-
-def _count(plain: Mapping[str, Any], key: str, high: int, where: str = "") -> int:
-    value = plain.get(key)
-    if type(value) is not int or not 0 <= value <= high:
-        raise ValueError(f"`monitor.{where}{key} == {value!r}`, must be an int in [0, {high}]")
-    return value
-
-
-def _fraction(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0.0 <= value <= 1.0
-
-
-def _score(plain: Mapping[str, Any], key: str, *, low: float = 0.0, high: float = 1.0) -> float:
-    value = plain.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ValueError(f"`monitor.{key} == {value!r}`, must be a number in [{low:g}, {high:g}]")
-    return float(value)
-
-
-def _pairs(plain: Mapping[str, Any], key: str) -> dict[int, float]:
-    items = plain.get(key)
-    if not isinstance(items, list) or not all(
-        isinstance(p, list) and len(p) == 2 and type(p[0]) is int and 0 <= p[0] < INT_LIMIT and _fraction(p[1]) for p in items
-    ):
-        raise ValueError(f"`monitor.{key}` must be a list of [class, accuracy in [0, 1]] pairs")
-    return {c: float(a) for c, a in items}
-
-
-def _events(events: Any, steps: int, max_events: int) -> list[MonitorEvent]:
-    def plain_event(e: Any) -> bool:
-        return (
-            isinstance(e, Mapping) and set(e) == {"name", "step", "details"} and isinstance(e["name"], str) and len(e["name"]) <= 100
-            and type(e["step"]) is int and 0 <= e["step"] <= steps and isinstance(e["details"], Mapping)
-            and all(isinstance(k, str) and isinstance(v, _PLAIN) and (not isinstance(v, float) or math.isfinite(v)) for k, v in e["details"].items())
-        )  # fmt: skip
-
-    if not isinstance(events, list) or len(events) > max_events or not all(plain_event(e) for e in events):
-        raise ValueError(f"`monitor.events` must be a list of at most {max_events} {{name, step <= steps, details of plain values}} objects")
-    return [MonitorEvent(e["name"], e["step"], dict(e["details"])) for e in events]
-
-
-def _event_counts(counts: Any) -> dict[str, int]:
-    if not isinstance(counts, Mapping) or not all(isinstance(k, str) and type(v) is int and 0 <= v <= INT_LIMIT for k, v in counts.items()):
-        raise ValueError("`monitor.event_counts` must map event names to counts")
-    return dict(counts)

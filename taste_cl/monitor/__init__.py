@@ -3,9 +3,10 @@
 - :mod:`.monitor`: :class:`StabilityPlasticityMonitor`, its probe buffer and events;
 - :mod:`.drift`: Page-Hinkley change detection on the loss stream;
 - :mod:`.events`: the events and the arithmetic of a probe evaluation, which the engine loop's monitor shares;
+- :mod:`.saved`: the checks of the fields both monitors save;
 - :mod:`.evaluation`: task-sequence metrics (accuracy matrix, forgetting, backward transfer).
 
-The torch-free engine loop's monitor (:mod:`taste_cl.engine.monitor`) imports :mod:`.drift` and :mod:`.events`,
+The torch-free engine loop's monitor (:mod:`taste_cl.engine.monitor`) imports :mod:`.drift`, :mod:`.events` and :mod:`.saved`,
 so this package loads its names on first use: they are listed once, in ``__init__.pyi`` (``lazy_loader``).
 """
 

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from taste_cl._batch import leaves
-from taste_cl._checks import INT_LIMIT
+from taste_cl.monitor import saved
 from taste_cl.monitor.drift import PageHinkley
 from taste_cl.monitor.events import EventBus, MonitorEvent, negative_flips, probe_outcome
 from taste_cl.replay import ClassBalancedReplay, ReservoirReplay
@@ -385,81 +385,39 @@ class StabilityPlasticityMonitor(EventBus):
 
 
 def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, Any]:
-    """Validate a monitor state into plain values and new probe/detector objects (``monitor`` is untouched)."""
-
-    def fail(key: str, rule: str) -> ValueError:
-        value = state.get(key) if isinstance(state, dict) else None
-        return ValueError(f"monitor state `{key}` {rule}; got {str(value)[:80]}")
-
-    def count(key: str, value: Any = None) -> int:
-        value = state.get(key) if value is None else value
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < INT_LIMIT:
-            raise fail(key, "must be an int in [0, 2**62)")
-        return value
-
-    def score(key: str, value: Any) -> float:
-        """A task score: a fraction for accuracy-like tasks, a finite error >= 0 for regression."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise fail(key, "must hold finite numbers >= 0")
-        if task.higher_is_better and value > 1.0:
-            raise fail(key, "must hold numbers in [0, 1]")
-        return float(value)
-
-    def pairs(key: str) -> dict[int, float]:
-        items = state.get(key)
-        if not isinstance(items, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in items):
-            raise fail(key, "must be a list of [class, accuracy] pairs")
-        return {count(key, c): score(key, a) for c, a in items}
-
+    """Validate a monitor state into plain values and new probe/detector objects (``monitor`` is untouched);
+    the fields both monitors save are checked by :mod:`taste_cl.monitor.saved`."""
     if not isinstance(state, dict):
         raise ValueError(f"monitor state must be a dict; got {type(state).__name__}")  # noqa: TRY004 (a bad state is a ValueError)
     try:
         task = resolve_task(state.get("task", {"name": "classification"}))
     except ValueError as error:
-        raise fail("task", f"is not a known task ({error})") from error
+        raise saved.fail("task", state.get("task"), f"a known task ({error})") from error
+    high = 1.0 if task.higher_is_better else math.inf  # accuracy-like scores are fractions; errors are unbounded
     width = len(task.batch_stats(*_empty_batch(task))) + 1
     recent = state.get("recent")
     if not isinstance(recent, list) or not all(isinstance(r, (list, tuple)) and len(r) == width for r in recent):
-        raise fail("recent", f"must be a list of [*{task.name} statistics, loss] rows of length {width}")
+        raise saved.fail("recent", recent, f"a list of [*{task.name} statistics, loss] rows of length {width}")
     recent_items = []
     for row in recent:
         if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in row) or not all(math.isfinite(v) and v >= 0 for v in row[:-1]):
-            raise fail("recent", "needs finite, non-negative statistics and a numeric loss")
+            raise saved.fail("recent", row, "rows of finite, non-negative statistics and a numeric loss")
         stats = tuple(float(v) for v in row[:-1])
         primary = task.metrics(stats)[task.primary]
         if task.higher_is_better and not (math.isnan(primary) or 0.0 <= primary <= 1.0):
-            raise fail("recent", f"rows must score in [0, 1] (e.g. correct <= n); a row scores {primary}")
+            raise saved.fail("recent", row, f"rows that score in [0, 1] (e.g. correct <= n); a row scores {primary}")
         recent_items.append((stats, float(row[-1])))
-    stability, forgetting = state.get("stability"), state.get("forgetting")
-    if isinstance(forgetting, bool) or not isinstance(forgetting, (int, float)) or not math.isfinite(forgetting):
-        raise fail("forgetting", "must be a finite number")
-    if task.higher_is_better and not -1.0 <= forgetting <= 1.0:
-        raise fail("forgetting", "must be a number in [-1, 1]")
-    events = state.get("events")
-    if not isinstance(events, list) or not all(
-        isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("details"), dict) for e in events
-    ):
-        raise fail("events", "must be a list of {name, step, details} dicts")
-    event_counts = state.get("event_counts")
-    if not isinstance(event_counts, dict) or not all(isinstance(k, str) for k in event_counts):
-        raise fail("event_counts", "must map event names to counts")
-    last_drift = state.get("last_drift_step")
-    anytime = state.get("anytime", [0.0, 0])
-    if not isinstance(anytime, list) or len(anytime) != 2:
-        raise fail("anytime", "must be [score sum, count]")
-    anytime_sum, anytime_count = _finite(anytime[0], fail, "anytime"), count("anytime", anytime[1])
+    steps, seen = saved.count("steps", state.get("steps")), saved.count("samples_seen", state.get("samples_seen"))
+    stability = state.get("stability")
     last_correct = state.get("last_correct", [[], []])
     if not isinstance(last_correct, list) or len(last_correct) != 2 or not all(isinstance(v, list) for v in last_correct):
-        raise fail("last_correct", "must be [sample ids, correct flags]")
+        raise saved.fail("last_correct", last_correct, "[sample ids, correct flags]")
     ids, flags = last_correct
     if len(ids) != len(flags) or not all(isinstance(f, bool) for f in flags):
-        raise fail("last_correct", "needs one bool flag per sample id")
-    id_list, seen = [count("last_correct", i) for i in ids], count("samples_seen")
+        raise saved.fail("last_correct", last_correct, "one bool flag per sample id")
+    id_list = [saved.count("last_correct", i) for i in ids]
     if len(set(id_list)) != len(id_list) or any(i >= seen for i in id_list):
-        raise fail("last_correct", "must hold distinct ids of samples seen")
-    flips = state.get("flips")
-    if flips is not None and (not isinstance(flips, list) or len(flips) != 2):
-        raise fail("flips", "must be None or [negative flip rate, flip impact]")
+        raise saved.fail("last_correct", ids, "distinct ids of samples seen")
     probe = (ClassBalancedReplay if task.balances_classes else ReservoirReplay)(monitor.probe_capacity, seed=monitor.seed)
     probe.load_state_dict(state.get("probe", {}))  # atomic on the new probe
     _check_probe_ids(probe, seen)
@@ -467,21 +425,21 @@ def _parse_state(state: Any, monitor: StabilityPlasticityMonitor) -> dict[str, A
     detector.load_state_dict(state.get("drift_detector", {}))
     return {
         "task": task,
-        "steps": count("steps"),
-        "samples_seen": count("samples_seen"),
+        "steps": steps,
+        "samples_seen": seen,
         "recent": recent_items,
-        "class_accuracy": pairs("class_accuracy"),
-        "best_class_accuracy": pairs("best_class_accuracy"),
-        "stability": None if stability is None else score("stability", stability),
-        "forgetting": float(forgetting),
-        "events": [MonitorEvent(e["name"], count("events", e.get("step")), dict(e["details"])) for e in events],
-        "event_counts": {k: count("event_counts", v) for k, v in event_counts.items()},
-        "last_drift_step": None if last_drift is None else count("last_drift_step"),
+        "class_accuracy": saved.pairs("class_accuracy", state.get("class_accuracy"), high=high),
+        "best_class_accuracy": saved.pairs("best_class_accuracy", state.get("best_class_accuracy"), high=high),
+        "stability": None if stability is None else saved.score("stability", stability, high=high),
+        "forgetting": saved.score("forgetting", state.get("forgetting"), low=-high, high=high),
+        "events": saved.events(state.get("events"), steps, monitor.max_events, plain_details=False),
+        "event_counts": saved.event_counts(state.get("event_counts")),
+        "last_drift_step": saved.last_drift_step(state.get("last_drift_step"), steps),
         "probe": probe,
         "drift_detector": detector,
-        "anytime": [anytime_sum, anytime_count],
+        "anytime": list(saved.anytime(state.get("anytime", [0.0, 0]))),
         "last_correct": (np.asarray(id_list, dtype=np.int64), np.asarray(flags, dtype=np.bool_)),
-        "flips": None if flips is None else (_finite(flips[0], fail, "flips"), _finite(flips[1], fail, "flips")),
+        "flips": saved.flips(state.get("flips")),
     }
 
 
@@ -504,12 +462,6 @@ def _check_probe_ids(probe: ClassBalancedReplay | ReservoirReplay, samples_seen:
     repeated = len(probe) - int(ids.unique().numel())
     if repeated:
         raise ValueError(f"{where}.sid` must hold distinct ids; got {repeated} repeated (e.g. {int(ids.mode().values)})")
-
-
-def _finite(value: Any, fail: Callable[[str, str], ValueError], key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise fail(key, "must hold finite numbers")
-    return float(value)
 
 
 def _empty_batch(task: Task) -> tuple[torch.Tensor, torch.Tensor]:
