@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -19,4 +20,7 @@ def test_the_quick_run_shows_both_engines_replaying_alike_and_refusing_the_same_
         assert row["same_replay_draws"]
         assert abs(row["gap_points"]) <= 1.0
         assert row["refused_torch"] == row["refused_onnxruntime"] == [20, 21, 22]
+        if importlib.util.find_spec("executorch") is not None:  # the ExecuTorch engine, on the same stream
+            assert row["refused_executorch"] == [20, 21, 22]
+            assert abs(row["executorch_gap_points"]) <= 1.0
     assert "ORT engine acc" in capsys.readouterr().out

@@ -3,4 +3,6 @@ from .build import BACKEND as BACKEND
 from .build import UnsupportedModelError as UnsupportedModelError
 from .build import export as export
 from .build import export_model as export_model
+from .engine import ExecuTorchEngine as ExecuTorchEngine
+from .engine_export import export_engine as export_engine
 from .learner import EtOnlineLearner as EtOnlineLearner

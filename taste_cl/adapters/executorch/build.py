@@ -139,11 +139,29 @@ def _copy_parameter_views(program: Any) -> int:
     return rewritten
 
 
-def _lower(model: nn.Module, loss_fn: Callable[..., torch.Tensor], x: Any, y: torch.Tensor, max_batch: int, call: str = "auto") -> Any:
-    """``torch.export`` + joint forward-backward (``addmm`` split, :func:`_split_addmm`) + ``to_executorch`` with external weights."""
-    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge
-    from torch.export import Dim, export
+def joint_program(program: Any) -> Any:
+    """The joint forward-backward graph of an exported ``program`` whose first output is a scalar loss: the
+    gradients of the parameters that require them follow the outputs (ExecuTorch's training layout), with
+    ``addmm`` split (:func:`_split_addmm`) and parameter views copied (:func:`_copy_parameter_views`)."""
     from torch.export.experimental import _export_forward_backward
+
+    joint = _export_forward_backward(program)
+    _split_addmm(joint)
+    _copy_parameter_views(joint)
+    return joint
+
+
+def lower_programs(programs: Mapping[str, Any]) -> Any:
+    """``to_edge`` + ``to_executorch`` of exported methods by name, the weights in one external file (trainable ones mutable)."""
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge
+
+    edge = to_edge(dict(programs), compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    return edge.to_executorch(ExecutorchBackendConfig(external_constants=True, external_mutable_weights=True))
+
+
+def _lower(model: nn.Module, loss_fn: Callable[..., torch.Tensor], x: Any, y: torch.Tensor, max_batch: int, call: str = "auto") -> Any:
+    """``torch.export`` + joint forward-backward (:func:`joint_program`) + ``to_executorch`` with external weights."""
+    from torch.export import Dim, export
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     batch = Dim("batch", min=MIN_BATCH, max=max_batch)
@@ -154,18 +172,15 @@ def _lower(model: nn.Module, loss_fn: Callable[..., torch.Tensor], x: Any, y: to
         with sdpa_kernel(SDPBackend.MATH):
             program = export(_WithLoss(model, loss_fn, call), (x, y), dynamic_shapes=(x_dims, {0: batch}), strict=True)
             stage = "the joint forward-backward graph"
-            program = _export_forward_backward(program)
-            _split_addmm(program)
-            _copy_parameter_views(program)
+            program = joint_program(program)
         stage = "to_edge/to_executorch"
-        edge = to_edge(program, compile_config=EdgeCompileConfig(_check_ir_validity=False))
-        return edge.to_executorch(ExecutorchBackendConfig(external_constants=True, external_mutable_weights=True))
+        return lower_programs({"forward": program})
     except Exception as error:  # the exporters raise many unrelated types; name the step and keep the cause
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise UnsupportedModelError(f"ExecuTorch cannot train this model: {stage} failed: {first_line}") from error
 
 
-def _check_kernels(lowered: Any) -> None:
+def check_kernels(lowered: Any) -> None:
     """Refuse a program calling an operator the runtime has no kernel for (1.5: AvgPool2d's backward), naming it."""
     registered = set(executorch_runtime()._get_operator_names())
     used = {f"{op.name}.{op.overload}" if op.overload else op.name
@@ -178,14 +193,14 @@ def _check_kernels(lowered: Any) -> None:
         )
 
 
-def _write_program(lowered: Any, folder: Path) -> None:
-    """Write ``model.pte`` and the single external weight file as ``model.ptd``."""
-    (folder / PROGRAM).write_bytes(lowered.buffer)
+def write_program(lowered: Any, folder: Path, program: str = PROGRAM, weights: str = WEIGHTS) -> None:
+    """Write the program as ``program`` (``model.pte``) and its single external weight file as ``weights`` (``model.ptd``)."""
+    (folder / program).write_bytes(lowered.buffer)
     data = getattr(lowered, "_tensor_data", {})
     if len(data) != 1:
         raise UnsupportedModelError(f"expected one external weight file from ExecuTorch, got {sorted(data)}")
     lowered.write_tensor_data_to_file(str(folder))
-    (folder / f"{next(iter(data))}.ptd").rename(folder / WEIGHTS)
+    (folder / f"{next(iter(data))}.ptd").rename(folder / weights)
 
 
 def _cpu_example(example: tuple[Any, Any], limit: int) -> tuple[Any, torch.Tensor]:
@@ -223,7 +238,7 @@ def _parity_batches(example: tuple[Any, torch.Tensor], steps: int) -> list[tuple
     return batches
 
 
-def _prepare(model: nn.Module, trained: Sequence[str], transforms: Sequence[str]) -> tuple[nn.Module, list[str]]:
+def prepare_model(model: nn.Module, trained: Sequence[str], transforms: Sequence[str]) -> tuple[nn.Module, list[str]]:
     """A float32 CPU copy of ``model`` in training mode, only ``trained`` requiring gradients
     (the device's SGD never sees the rest), ``nn.EmbeddingBag`` rewritten (ExecuTorch 1.5 has no
     ``_embedding_bag_backward``; the rewrite is exact), ``nn.Conv1d`` computed as a 2-D convolution
@@ -256,7 +271,7 @@ def _torch_trainer(
     dtype: str | None = None,
 ) -> TorchTrainer:
     """Torch training ``model`` with other transforms or SGD settings, in ``dtype``: an alternative the gate tries."""
-    return _reference(_prepare(model, trained, transforms)[0], loss_fn, sgd, call, dtype)
+    return _reference(prepare_model(model, trained, transforms)[0], loss_fn, sgd, call, dtype)
 
 
 def _validate_options(max_batch_size: Any, transforms: Any, parity_steps: Any) -> list[str]:
@@ -313,7 +328,7 @@ def export_model(
     trained = trained_parameters(model, optimizer)
     if not trained:
         raise ValueError("no trainable parameters: the optimizer holds none of the model's with requires_grad")
-    prepared, applied = _prepare(model, trained, names)
+    prepared, applied = prepare_model(model, trained, names)
     left = needed_transforms(prepared)
     if "freeze_batchnorm" in left:
         raise UnsupportedModelError(
@@ -325,7 +340,7 @@ def export_model(
     spec = IOSpec.of(x, y, num_classes, index_bounds(prepared, partial(call_model, prepared, x, call=call), leaves))
     start = time.perf_counter()
     lowered = _lower(prepared, loss_fn, x, y, max_batch_size, call)
-    _check_kernels(lowered)
+    check_kernels(lowered)
     export_s = time.perf_counter() - start
     batches = _parity_batches(example, parity_steps)
     # settings torch tries on the gate's batches if its own training diverges there
@@ -334,7 +349,7 @@ def export_model(
         unfrozen = [name for name in names if name != "freeze_batchnorm"]
         alternatives["backend='onnxruntime' with batchnorm='batch'"] = partial(_torch_trainer, model, trained, unfrozen, loss_fn, sgd, call)
     with staged_folder(directory) as stage:
-        _write_program(lowered, stage)
+        write_program(lowered, stage)
         program, data = (stage / PROGRAM).read_bytes(), (stage / WEIGHTS).read_bytes()
         report = check_parity(
             _reference(prepared, loss_fn, sgd, call),

@@ -41,7 +41,9 @@ from taste_cl.exceptions import InvalidBatchError, MissingDependencyError
 if TYPE_CHECKING:
     from taste_cl.guards.device import DeviceUpdateGuard
 
-__all__ = ["BACKEND", "FORMAT", "MAX_FILE_BYTES", "PARAM_PREFIX", "EtTrainer", "IOSpec", "LeafSpec", "check_program", "executorch_runtime"]
+__all__ = [
+    "BACKEND", "FORMAT", "MAX_FILE_BYTES", "PARAM_PREFIX", "EtTrainer", "IOSpec", "LeafSpec", "check_program", "executorch_runtime", "load_program",
+]  # fmt: skip
 
 PARAM_PREFIX = "model."  # the exported wrapper holds the user's model as ``model``
 BACKEND = "executorch"
@@ -64,6 +66,15 @@ def executorch_runtime() -> Any:
     except ImportError as error:
         raise MissingDependencyError("executorch", "executorch") from error
     return portable_lib
+
+
+def load_program(program: bytes, data: bytes) -> Any:
+    """ExecuTorch's module for ``.pte`` bytes ``program`` and ``.ptd`` bytes ``data`` (the runtime reads from
+    them: the caller keeps both alive as long as the module). ``RuntimeError`` when ExecuTorch refuses them."""
+    runtime = executorch_runtime()
+    with warnings.catch_warnings():  # every ExecuTorch training API is marked experimental
+        warnings.simplefilter("ignore")
+        return runtime._load_for_executorch_from_buffer(program, data)
 
 
 @dataclass(frozen=True)
@@ -268,16 +279,16 @@ class EtTrainer:
     """
 
     def __init__(self, program: bytes, data: bytes, spec: IOSpec, sgd: dict[str, Any]) -> None:
-        runtime = executorch_runtime()
+        executorch_runtime()
         from executorch.extension.training import TrainingModule
 
         self._buffers = (program, data)
         self.spec = spec
         self.sgd = check_sgd(sgd)
+        loaded = load_program(program, data)
+        self.max_batch = check_program(loaded, spec)
         with warnings.catch_warnings():  # every ExecuTorch training API is marked experimental
             warnings.simplefilter("ignore")
-            loaded = runtime._load_for_executorch_from_buffer(program, data)
-            self.max_batch = check_program(loaded, spec)
             self.module = TrainingModule(loaded)
         warm = [
             torch.zeros((MIN_BATCH, *leaf.shape), dtype=_DTYPES[leaf.dtype]) for leaf in spec.inputs

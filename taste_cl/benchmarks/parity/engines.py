@@ -1,32 +1,41 @@
-"""One loop, several engines: the same stream, seeds and strategies on torch eager and on the standard-ONNX engine.
+"""One loop, several engines: the same stream, seeds and strategies on torch eager, the standard-ONNX engine and ExecuTorch.
 
 :class:`~taste_cl.engine.loop.EngineLearner` runs each variant (plain replay, ER-ACE, DER++,
 LwF, and plain replay from a class-balanced buffer) on a class-incremental stream, once on
-:class:`~taste_cl.engine.torch_engine.TorchEngine` and once on
-:class:`~taste_cl.adapters.onnx_engine.engine.OnnxEngine` (extra ``[onnx]``) exported from the
+:class:`~taste_cl.engine.torch_engine.TorchEngine`, once on
+:class:`~taste_cl.adapters.onnx_engine.engine.OnnxEngine` (extra ``[onnx]``) and, when the
+``[executorch]`` extra is installed, once on
+:class:`~taste_cl.adapters.executorch.engine.ExecuTorchEngine`, each exported from the
 same initial weights, for ``--seeds`` seeds; on the digits MLP also on the SDK's torch learner,
 ``OnlineLearner``, with the same strategy, buffer, seed and learning rate (its buffers take their
 decisions from the same seeded stream, :mod:`taste_cl.replay.draws`, so it keeps and replays the
 same rows; "same buffer as learner" checks its final buffer against the ONNX engine's).
 Reported per variant, from the clean stream: the mean final accuracy on each side, their
 differences, and the spread of torch's own accuracy across the seeds (what "within 1 point" is
-measured against), and whether every step replayed the same rows on both engines. From a copy
+measured against), and whether every step replayed the same rows on every engine. From a copy
 of the stream whose observes ``--poison`` run at a learning rate 1e5 times too large: the
 observes whose steps the update guard refused on each side, and whether each seed's refusals
 are the same on every side. (Accuracy after a poisoned window is chaotic: one side's float
 rounding can tip a borderline step, so it is not what the accuracy columns compare.)
 
 Models: the digits MLP (split digits, 5 tasks of 2 classes) and, with ``--mobilenet``,
-torchvision's MobileNetV3-small (random weights, BatchNorm frozen on both engines: the ONNX
-engine's graphs are captured in eval mode) on generated 32x32 images in 5 tasks. At 32x32,
-with its BatchNorm frozen, MobileNetV3-small learns nothing in the stream's 40 steps on either
-engine (0.098, chance, on both; in plain torch too, from random or briefly pretrained weights),
-so its rows show only that the two engines compute the same steps and refuse the same ones.
-ExecuTorch has no engine on this interface yet. Run: ``taste-cl bench engines``.
+torchvision's MobileNetV3-small on generated 32x32 images in 5 tasks. It is pretrained here, as
+personalization starts from a pretrained model: one epoch on 3,000 images of 20 other generated
+patterns, its BatchNorm statistics recomputed over them (torchvision builds MobileNetV3 with a
+BatchNorm momentum of 0.01, so a pass or an epoch leaves the running statistics near their
+initial values, and in eval mode such a model predicts one class: that is why the random-weight
+setup learned nothing), then a new 10-class head; BatchNorm is frozen on every engine (the ONNX
+engine's graphs are captured in eval mode), and the stream trains at lr 0.002 with momentum 0.9.
+A model
+ExecuTorch cannot train as an engine (its export refuses it) has no ExecuTorch numbers, and the
+table says why. Run: ``taste-cl bench engines``.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import importlib.util
 import statistics
 import tempfile
 from collections.abc import Callable, Sequence
@@ -42,6 +51,7 @@ from taste_cl.datasets import Task, make_pattern_images, split_digits
 from taste_cl.engine.base import Engine
 from taste_cl.engine.loop import EngineLearner
 from taste_cl.engine.torch_engine import TorchEngine
+from taste_cl.exceptions import UnsupportedModelError
 from taste_cl.learner import OnlineLearner
 from taste_cl.replay import ClassBalancedReplay, ReservoirReplay, SeededStrategy
 from taste_cl.report import format_table
@@ -61,19 +71,39 @@ def _mlp(seed: int, tasks: Sequence[Task]) -> nn.Module:
     return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-def _mobilenet(seed: int, tasks: Sequence[Task]) -> nn.Module:
-    """MobileNetV3-small, random weights, its BatchNorm statistics set from the stream's images
-    (one pass in train mode without gradients) before they are frozen. It still does not learn
-    here: see the module."""
+@functools.cache
+def _pretrained_mobilenet(seed: int) -> nn.Module:
+    """MobileNetV3-small pretrained on 20 generated patterns unlike the stream's (one epoch), its
+    BatchNorm statistics recomputed over them, with a new 10-class head; built once per seed."""
     import torchvision
 
     torch.manual_seed(seed)
-    model = torchvision.models.mobilenet_v3_small(weights=None, num_classes=10)
+    model = torchvision.models.mobilenet_v3_small(weights=None, num_classes=20)
+    x, y = make_pattern_images(3000, n_classes=20, size=32, seed=1000 + seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model.train()
+    for rows in torch.randperm(len(y)).split(64):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+        optimizer.step()
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    for norm in norms:  # a cumulative average over the pretraining images, not momentum 0.01's trickle
+        norm.reset_running_stats()
+        norm.momentum = None
     with torch.no_grad():
-        for task in tasks:
-            model(task.x_train)
+        for rows in torch.arange(1000).split(100):
+            model(x[rows])
+    for norm in norms:
+        norm.momentum = 0.01
+    head = model.classifier[-1]
+    assert isinstance(head, nn.Linear)
+    model.classifier[-1] = nn.Linear(head.in_features, 10)
     return model.eval()
+
+
+def _mobilenet(seed: int, tasks: Sequence[Task]) -> nn.Module:
+    """A copy of the pretrained MobileNetV3-small for ``seed`` (see :func:`_pretrained_mobilenet`)."""
+    return copy.deepcopy(_pretrained_mobilenet(seed))
 
 
 def _image_tasks(seed: int, rows: int) -> list[Task]:
@@ -148,13 +178,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from taste_cl.adapters.onnx_engine.engine import OnnxEngine
     from taste_cl.adapters.onnx_engine.export import export_engine
 
+    executorch = importlib.util.find_spec("executorch") is not None
+
     variants = dict(list(VARIANTS.items())[:2]) if args.quick else VARIANTS
     seeds = range(1 if args.quick else args.seeds)
     models: list[tuple[str, Callable[[int, Sequence[Task]], nn.Module], Callable[[int], list[Task]], float, int]] = [
         ("digits MLP", _mlp, lambda s: split_digits(5, seed=s), 0.1, 10),
     ]
     if args.mobilenet and not args.quick:
-        models.append(("MobileNetV3-small", _mobilenet, lambda s: _image_tasks(s, 400), 0.02, 10))
+        models.append(("MobileNetV3-small", _mobilenet, lambda s: _image_tasks(s, 400), 0.002, 10))
     rows: list[list[Any]] = []
     results: dict[str, Any] = {}
     jobs = [(m, s) for m in models for s in seeds]
@@ -162,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     same_draws: dict[tuple[str, str], bool] = {}
     same_buffer: dict[tuple[str, str], bool] = {}
     refusals: dict[tuple[str, str], list[Any]] = {}
+    et_refused: dict[str, str] = {}  # model -> why ExecuTorch's export refused it
     poison = set(args.poison)
     with tempfile.TemporaryDirectory() as scratch:
         for (name, build, make_tasks, lr, batch), seed in progress_bar(jobs, enabled=not args.no_progress, desc="engines"):
@@ -170,24 +203,42 @@ def main(argv: Sequence[str] | None = None) -> int:
             folder = Path(scratch) / f"{name}-{seed}".replace(" ", "_")
             model = build(seed, tasks)
             export_engine(model, torch.as_tensor(stream[0][0][:batch]), folder, optimizer=torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+            sides = ["torch", "onnxruntime"]
+            if executorch and name not in et_refused:
+                from taste_cl.adapters.executorch.engine import ExecuTorchEngine
+                from taste_cl.adapters.executorch.engine_export import export_engine as export_et
+
+                et_folder = folder.with_name(folder.name + "-executorch")
+                try:
+                    sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+                    export_et(model, torch.as_tensor(stream[0][0][:batch]), et_folder, optimizer=sgd)
+                    sides.append("executorch")
+                except UnsupportedModelError as error:
+                    et_refused[name] = str(error)
             for label, variant in variants.items():
                 runs: dict[str, EngineLearner] = {}
                 refused_by: dict[str, list[int]] = {}
-                for engine_name in ("torch", "onnxruntime"):
+                for engine_name in sides:
                     for poisoned in (False, True):  # accuracy from the clean stream, the guard's refusals from a poisoned copy
                         if engine_name == "torch":
                             fresh = build(seed, tasks)
                             optimizer = torch.optim.SGD(fresh.parameters(), lr=lr, momentum=0.9)
                             engine: Engine = TorchEngine(fresh, optimizer, train_mode=name == "digits MLP")
-                        else:
+                        elif engine_name == "onnxruntime":
                             engine = OnnxEngine(folder)
+                        else:
+                            engine = ExecuTorchEngine(et_folder)
                         learner, refused = run_variant(engine, variant, stream, lr=lr, seed=seed, poison=poison if poisoned else set())
                         if poisoned:
                             refused_by[engine_name] = refused
                         else:
                             runs[engine_name] = learner
                             accuracy.setdefault((name, label, engine_name), []).append(_accuracy(learner, tasks))
-                draws = all(np.array_equal(a, b) for a, b in zip(runs["torch"].replay_draws, runs["onnxruntime"].replay_draws))
+                reference = runs["torch"].replay_draws
+                draws = all(
+                    len(runs[side].replay_draws) == len(reference) and all(map(np.array_equal, reference, runs[side].replay_draws))
+                    for side in sides[1:]
+                )
                 same_draws[(name, label)] = same_draws.get((name, label), True) and draws
                 if name == "digits MLP":  # the SDK's torch learner on the same stream (MobileNet's BatchNorm trains there)
                     sdk, _ = run_learner(build(seed, tasks), variant, stream, lr=lr, seed=seed, poison=set())
@@ -211,6 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sdk_acc = accuracy.get((name, label, "learner"))
             sdk_refused = sorted({i for r in per_run for i in r.get("learner", [])})
             sdk_gap = None if sdk_acc is None else 100 * (statistics.fmean(ort_acc) - statistics.fmean(sdk_acc))
+            et_acc = accuracy.get((name, label, "executorch"))
+            et_gap = None if et_acc is None else 100 * (statistics.fmean(et_acc) - statistics.fmean(torch_acc))
+            et_refused_steps = sorted({i for r in per_run for i in r.get("executorch", [])})
             rows.append(
                 [
                     name,
@@ -218,19 +272,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                     None if sdk_acc is None else statistics.fmean(sdk_acc),
                     statistics.fmean(torch_acc),
                     statistics.fmean(ort_acc),
+                    None if et_acc is None else statistics.fmean(et_acc),
                     sdk_gap,
                     100 * gap,
+                    et_gap,
                     100 * spread,
                     same_draws[(name, label)],
                     same_buffer.get((name, label)),
                     str(sdk_refused) if sdk_acc is not None else None,
                     str(torch_refused),
                     str(ort_refused),
+                    None if et_acc is None else str(et_refused_steps),
                     same_refusals,
                 ]
             )
             results[f"{name} / {label}"] = {
                 "learner": sdk_acc, "torch": torch_acc, "onnxruntime": ort_acc, "gap_points": 100 * gap, "gap_to_learner_points": sdk_gap,
+                "executorch": et_acc, "executorch_gap_points": et_gap, "refused_executorch": None if et_acc is None else et_refused_steps,
+                "executorch_refused_export": et_refused.get(name),
                 "torch_spread_points": 100 * spread, "same_replay_draws": same_draws[(name, label)],
                 "same_buffer_as_learner": same_buffer.get((name, label)), "refused_learner": sdk_refused if sdk_acc is not None else None,
                 "refused_torch": torch_refused, "refused_onnxruntime": ort_refused, "same_refusals_every_seed": same_refusals,
@@ -242,23 +301,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         "OnlineLearner acc",
         "torch engine acc",
         "ORT engine acc",
+        "ET engine acc",
         "ORT - learner (points)",
         "ORT - torch engine (points)",
+        "ET - torch engine (points)",
         "torch spread (points)",
         "same draws",
         "same buffer as learner",
         "skipped (learner)",
         "refused (torch engine)",
         "refused (ORT)",
+        "refused (ET)",
         "same refusals, every seed",
     ]
     print(format_table(headers, rows))
-    worst = max(abs(float(r[6])) for r in rows)
+    for name, why in et_refused.items():
+        print(f"ExecuTorch, {name}: {why}")
+    if not executorch:
+        print("ExecuTorch: not installed (pip install 'taste-cl[executorch]'); its columns are empty")
+    worst = max(abs(float(gap)) for r in rows for gap in (r[7], r[8]) if gap is not None)
     save_result(
         args.out,
         "engines",
-        {"seeds": len(seeds), "poison": args.poison, "results": results},
-        summary=f"one loop on torch eager and the standard-ONNX engine, {len(seeds)} seed(s): largest accuracy gap {worst:.2f} points, "
-        + ("the same replay draws in every run" if all(r[8] for r in rows) else "replay draws differ in some runs"),
+        {"seeds": len(seeds), "poison": args.poison, "results": results, "executorch_refused_export": et_refused},
+        summary=f"one loop on torch eager, the standard-ONNX engine{' and ExecuTorch' if executorch else ''}, {len(seeds)} seed(s): "
+        f"largest accuracy gap to the torch engine {worst:.2f} points, "
+        + ("the same replay draws in every run" if all(r[10] for r in rows) else "replay draws differ in some runs"),
     )
     return 0
