@@ -2,7 +2,7 @@
 
 A symbolic link in the artifacts folder (to ``/etc/passwd``, to a folder outside the roots, even
 to a file inside them) and a FIFO are answered with 404, without being opened. The server runs on
-127.0.0.1 on a minimal checkout (the page and a stand-in for the onnxruntime-web bundle).
+127.0.0.1 on a minimal checkout (the page and stand-ins for the onnxruntime-web bundles).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from taste_cl.cli.serve_demo import _ORT_BUNDLE, DemoServer
+from taste_cl.cli.serve_demo import _BUNDLES, _ORT_BUNDLE, DemoServer
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -32,8 +32,9 @@ def served(tmp_path: Path) -> tuple[Path, Path]:
     checkout, artifacts, outside = tmp_path / "checkout", tmp_path / "artifacts", tmp_path / "outside"
     (checkout / "examples" / "web").mkdir(parents=True)
     (checkout / "examples" / "web" / "index.html").write_text("the demo page")
-    (checkout / "web" / _ORT_BUNDLE).parent.mkdir(parents=True)
-    (checkout / "web" / _ORT_BUNDLE).write_text("export {}")
+    for bundle in _BUNDLES:  # the training build's (taste_cl_web.js) and current onnxruntime-web's (taste_cl_engine.js)
+        (checkout / "web" / bundle).parent.mkdir(parents=True)
+        (checkout / "web" / bundle).write_text("export {}")
     outside.mkdir()
     (outside / "secret.txt").write_text("a secret")
     artifacts.mkdir()

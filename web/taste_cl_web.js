@@ -1,10 +1,10 @@
 // taste_cl device learner for the browser: keep personalising an exported model with
-// ONNX Runtime Web training, rehearsing the exported replay buffer, state kept in IndexedDB.
+// ONNX Runtime Web's deprecated training build (1.19.2), rehearsing the exported replay buffer, state kept in IndexedDB.
 //
 // Artifacts: a folder written by `taste-cl export` (taste_cl.adapters.onnxruntime.export followed by
 // taste_cl.adapters.web.compat.make_web_compatible), described by its `web.json`.
 //
-//   import * as ort from './node_modules/onnxruntime-web/dist/ort.training.wasm.min.mjs';
+//   import * as ort from './node_modules/onnxruntime-web-training/dist/ort.training.wasm.min.mjs';
 //   import { DeviceLearner } from './taste_cl_web.js';
 //   const learner = await DeviceLearner.load('artifacts/', { ort });
 //   const stats = await learner.observe(x, [3]);  // x: Float32Array of n * 64 features
@@ -23,69 +23,13 @@
 // accuracy give inactive slots the logit -Infinity. The training graph is the exported one:
 // inactive slots take part in its softmax, as the unused outputs of a fixed-width head do.
 
-const DB_NAME = 'taste_cl';
-const STORE = 'learners';
+import {
+  ArtifactError, Random, Reservoir, checkFeatures, checkLabels, countCorrect, dbRequest, fetchBytes, ortCall, product, sha256Hex,
+} from './taste_cl_common.js';
+
+export { ArtifactError, Random, Reservoir, countCorrect };
+
 const WEB_FORMAT = 1;
-
-export class ArtifactError extends Error {}
-
-/** Seedable 32-bit generator (mulberry32); its whole state is one integer, saved with the learner. */
-export class Random {
-  constructor(seed) { this.state = seed >>> 0; }
-  next() {
-    this.state = (this.state + 0x6d2b79f5) >>> 0;
-    let t = this.state;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  }
-}
-
-/** Reservoir sampling (Vitter's algorithm R), like taste_cl.ReservoirReplay. */
-export class Reservoir {
-  constructor(capacity, featureSize, { seen = 0, x = null, y = [], random = new Random(0) } = {}) {
-    this.capacity = capacity;
-    this.featureSize = featureSize;
-    this.x = new Float32Array(capacity * featureSize);
-    if (x) this.x.set(x.subarray(0, y.length * featureSize));
-    this.y = Array.from(y, Number);
-    this.seen = seen;
-    this.random = random;
-  }
-  get size() { return this.y.length; }
-
-  add(x, y) {
-    const f = this.featureSize;
-    for (let i = 0; i < y.length; i += 1) {
-      this.seen += 1;
-      let slot = this.y.length;
-      if (slot >= this.capacity) {
-        slot = Math.floor(this.random.next() * this.seen);
-        if (slot >= this.capacity) continue;
-      }
-      this.x.set(x.subarray(i * f, (i + 1) * f), slot * f);
-      this.y[slot] = Number(y[i]);
-    }
-  }
-
-  /** Up to `n` distinct stored samples, as {x, y}. */
-  sample(n) {
-    const order = Array.from({ length: this.size }, (_, i) => i);
-    const k = Math.min(n, order.length);
-    for (let i = 0; i < k; i += 1) {  // partial Fisher-Yates
-      const j = i + Math.floor(this.random.next() * (order.length - i));
-      [order[i], order[j]] = [order[j], order[i]];
-    }
-    const f = this.featureSize;
-    const x = new Float32Array(k * f);
-    const y = new Array(k);
-    for (let i = 0; i < k; i += 1) {
-      x.set(this.x.subarray(order[i] * f, (order[i] + 1) * f), i * f);
-      y[i] = this.y[order[i]];
-    }
-    return { x, y };
-  }
-}
 
 /** Which of `slots` output slots are active (`active` null: all, nothing masked), like the Python ClassSlots. */
 export class ClassSlots {
@@ -129,17 +73,6 @@ export class ClassSlots {
   toJSON() { return this.active === null ? null : [...this.active].sort((a, b) => a - b); }
 }
 
-async function fetchBytes(url) {
-  const response = await fetch(url);
-  if (!response.ok) throw new ArtifactError(`cannot fetch ${url}: HTTP ${response.status}`);
-  return new Uint8Array(await response.arrayBuffer());
-}
-
-async function sha256Hex(bytes) {
-  const digest = new Uint8Array(await crypto.subtle.digest('SHA-256', bytes));
-  return Array.from(digest, (b) => b.toString(16).padStart(2, '0')).join('');
-}
-
 async function fetchChecked(base, name, files) {
   const bytes = await fetchBytes(new URL(name, base));
   if (!(name in files)) throw new ArtifactError(`web.json lists no SHA-256 for ${name}`);
@@ -147,42 +80,6 @@ async function fetchChecked(base, name, files) {
     throw new ArtifactError(`artifact file ${name} is corrupt or was modified: SHA-256 mismatch`);
   }
   return bytes;
-}
-
-function openDb() {
-  return new Promise((resolve, reject) => {
-    const request = indexedDB.open(DB_NAME, 1);
-    request.onupgradeneeded = () => request.result.createObjectStore(STORE);
-    request.onsuccess = () => resolve(request.result);
-    request.onerror = () => reject(request.error);
-  });
-}
-
-async function dbRequest(mode, act) {
-  const db = await openDb();
-  try {
-    return await new Promise((resolve, reject) => {
-      const tx = db.transaction(STORE, mode);
-      const request = act(tx.objectStore(STORE));
-      tx.oncomplete = () => resolve(request.result);
-      tx.onerror = () => reject(tx.error);
-      tx.onabort = () => reject(tx.error);
-    });
-  } finally {
-    db.close();
-  }
-}
-
-function product(values) { return values.reduce((a, b) => a * b, 1); }
-
-// The wasm build turns C++ exceptions into bare numbers; say what failed instead.
-async function ortCall(what, promise) {
-  try {
-    return await promise;
-  } catch (error) {
-    const detail = error instanceof Error ? error.message : `wasm exception ${String(error)}`;
-    throw new ArtifactError(`ONNX Runtime Web failed to ${what}: ${detail}`);
-  }
 }
 
 export class DeviceLearner {
@@ -266,26 +163,9 @@ export class DeviceLearner {
     return new DeviceLearner({ ort, session, web, reservoir, key: storageKey, state });
   }
 
-  features(x, what = 'x') {
-    const data = x instanceof Float32Array ? x : Float32Array.from(x);
-    if (data.length === 0 || data.length % this.featureSize !== 0) {
-      throw new RangeError(`${what} has ${data.length} values, must be a positive multiple of ${this.featureSize} (shape ${this.inputShape})`);
-    }
-    const bad = data.reduce((count, v) => count + (Number.isFinite(v) ? 0 : 1), 0);
-    if (bad) throw new RangeError(`${what} contains ${bad} non-finite value(s) (NaN or inf)`);
-    return data;
-  }
+  features(x, what = 'x') { return checkFeatures(x, this.featureSize, this.inputShape, what); }
 
-  labels(y, n) {
-    const labels = Array.from(y, Number);
-    if (labels.length !== n) throw new RangeError(`y has ${labels.length} labels for ${n} samples`);
-    for (const label of labels) {
-      if (!Number.isInteger(label) || label < 0 || label >= this.numClasses) {
-        throw new RangeError(`label ${label} is not a class index in [0, ${this.numClasses})`);
-      }
-    }
-    return labels;
-  }
+  labels(y, n) { return checkLabels(y, n, this.numClasses); }
 
   feeds(x, y) {
     const n = x.length / this.featureSize;
@@ -294,6 +174,9 @@ export class DeviceLearner {
       [this.labelName]: new this.ort.Tensor('int64', BigInt64Array.from(y, BigInt), [n]),
     };
   }
+
+  /** The optimizer's name, as the page shows it. */
+  get optimizerName() { return this.web.optimizer.type; }
 
   /** One optimizer step on `x` (n * featureSize floats) and `y` (n labels): {loss, logits, skipped}. */
   async trainStep(x, y) {
@@ -381,16 +264,4 @@ export class DeviceLearner {
   async release() {
     await this.session.release();
   }
-}
-
-export function countCorrect(logits, labels, numClasses) {
-  let correct = 0;
-  labels.forEach((label, i) => {
-    let best = 0;
-    for (let c = 1; c < numClasses; c += 1) {
-      if (logits[i * numClasses + c] > logits[i * numClasses + best]) best = c;
-    }
-    correct += best === label ? 1 : 0;
-  });
-  return correct;
 }

@@ -1,11 +1,15 @@
 // Demo page: an 8x8 drawing pad (the sklearn digits resolution, upscaled), the model's prediction,
 // and one button per class; pressing one personalizes the model on the drawing (with replay).
 // Query parameters: artifacts=URL of the artifact folder (default /artifacts/), fresh=1 to
-// discard the state saved in IndexedDB.
-import * as ort from '/web/node_modules/onnxruntime-web/dist/ort.training.wasm.min.mjs';
-import { DeviceLearner, countCorrect } from '/web/taste_cl_web.js';
+// discard the state saved in IndexedDB. The folder's web.json names the learner: the ONNX engine's
+// (taste_cl_engine.js, current onnxruntime-web) or the deprecated training build's (taste_cl_web.js).
+import { countCorrect } from '/web/taste_cl_common.js';
 
-ort.env.wasm.numThreads = 1;  // threads need cross-origin isolation; one is plenty for small models
+const ENGINE_FORMAT = 'taste_cl.web_engine/1';
+const LEARNERS = {
+  engine: ['/web/node_modules/onnxruntime-web/dist/ort.wasm.min.mjs', '/web/taste_cl_engine.js', 'EngineLearner'],
+  training: ['/web/node_modules/onnxruntime-web-training/dist/ort.training.wasm.min.mjs', '/web/taste_cl_web.js', 'DeviceLearner'],
+};
 
 const GRID = 8;
 const pad = document.getElementById('pad');
@@ -115,13 +119,19 @@ function showStatus() {
   const l = demo.learner;
   const replay = l.replay ? `${l.replay.size}/${l.replay.capacity}` : 'none';
   document.getElementById('status').textContent =
-    `${l.web.optimizer.type} lr=${l.lr} · samples seen ${l.samplesSeen} · replay ${replay} · ` +
+    `${l.optimizerName} lr=${l.lr} · samples seen ${l.samplesSeen} · replay ${replay} · ` +
     `corrections ${(l.app.history || []).length}${l.resumed ? ' · resumed from this browser' : ''}`;
 }
 
 async function start() {
   const artifacts = params.get('artifacts') || '/artifacts/';
-  demo.learner = await DeviceLearner.load(artifacts, { ort, fresh: params.get('fresh') === '1' });
+  const response = await fetch(new URL('web.json', new URL(artifacts, location.href)));
+  const format = response.ok ? (await response.json()).format : null;
+  const [bundle, module, name] = LEARNERS[format === ENGINE_FORMAT ? 'engine' : 'training'];
+  const ort = await import(bundle);
+  ort.env.wasm.numThreads = 1;  // threads need cross-origin isolation; one is plenty for small models
+  const Learner = (await import(module))[name];
+  demo.learner = await Learner.load(artifacts, { ort, fresh: params.get('fresh') === '1' });
   if (params.has('fresh')) {  // start fresh once: a later reload resumes what this visit learned
     params.delete('fresh');
     history.replaceState(null, '', `${location.pathname}?${params}`);

@@ -1,11 +1,16 @@
 """``taste-cl serve-demo``: personalise a digits model in the browser, served on 127.0.0.1.
 
-Serves the demo page (``examples/web/``), the browser learner (``web/``, with
+Serves the demo page (``examples/web/``), the browser learners (``web/``, with
 ``onnxruntime-web`` installed by ``npm install`` in that folder) and an artifact folder.
-Without ``--artifacts`` it trains and exports the reference digits learner first (as
-``taste-cl export`` does) into a temporary folder. The artifacts are made web-compatible
-(:func:`taste_cl.adapters.web.compat.make_web_compatible`) if they are not yet. Needs a
-source checkout (the page and the learner are not part of the wheel) and the ``[onnx]`` extra.
+Without ``--artifacts`` it trains the reference digits learner (as ``taste-cl export`` does),
+exports it with ``backend="onnx_engine"`` and writes its browser folder
+(:func:`taste_cl.adapters.web.engine_web.export_web`, the monitor left out): the page trains it with
+``web/taste_cl_engine.js`` on current onnxruntime-web. ``--artifacts`` takes a browser folder (a
+``web.json``: the page picks the learner its format names), an ``onnx_engine`` folder (its browser
+folder is written first, the monitor left out) or an ``onnxruntime`` folder (made web-compatible
+for the deprecated training build's learner, ``web/taste_cl_web.js``, with
+:func:`taste_cl.adapters.web.compat.make_web_compatible`). Needs a source checkout (the page and
+the learners are not part of the wheel) and the ``[onnx]`` extra.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ _MIME_TYPES = {
     ".wasm": "application/wasm",
     ".json": "application/json",
 }
-_ORT_BUNDLE = Path("node_modules/onnxruntime-web/dist/ort.training.wasm.min.mjs")
+_ORT_BUNDLE = Path("node_modules/onnxruntime-web-training/dist/ort.training.wasm.min.mjs")  # taste_cl_web.js (onnxruntime-web 1.19.2)
+_ENGINE_BUNDLE = Path("node_modules/onnxruntime-web/dist/ort.wasm.min.mjs")  # taste_cl_engine.js (current onnxruntime-web)
+_BUNDLES = (_ORT_BUNDLE, _ENGINE_BUNDLE)
 
 
 def repo_root() -> Path:
@@ -122,7 +129,7 @@ class DemoServer:
         for name, folder in roots.items():
             if not folder.is_dir():
                 raise FileNotFoundError(f"demo folder {str(folder)!r} ({name or 'page'}) is missing; serve-demo needs a source checkout")
-        if not (roots["web"] / _ORT_BUNDLE).is_file():
+        if not all((roots["web"] / bundle).is_file() for bundle in _BUNDLES):
             raise FileNotFoundError(f"onnxruntime-web is not installed: run `npm install` in {str(roots['web'])!r}")
         self._httpd = ThreadingHTTPServer((HOST, port), partial(_Handler, roots=roots))
         self._thread: threading.Thread | None = None
@@ -157,7 +164,7 @@ def browser_tools(root: Path | None = None) -> tuple[str, list[str]]:
     major_minor = tuple(int(part) for part in version.lstrip("v").split(".")[:2] if part.isdigit())
     if major_minor < (20, 10):
         raise FileNotFoundError(f"node {version or '(unknown version)'} is too old: the browser driver needs Node >= 20.10")
-    if not ((root or repo_root()) / "web" / _ORT_BUNDLE).is_file():
+    if not all(((root or repo_root()) / "web" / bundle).is_file() for bundle in _BUNDLES):
         raise FileNotFoundError("onnxruntime-web is not installed: run `npm install` in web/")
     return chromium, [node, "--experimental-websocket"] if major_minor < (22, 0) else [node]
 
@@ -228,34 +235,54 @@ def drive_browser(
 
 
 def _export_default(folder: Path, seed: int) -> None:
-    from taste_cl.cli import export
+    """Train the reference digits learner on the five split-digits tasks and export it to the ONNX engine (lr 0.05 on the device)."""
+    import torch
 
-    if export.main(["--out", str(folder), "--seed", str(seed), "--tasks", "5", "--lr", "0.05"]) != 0:
-        raise RuntimeError("exporting the reference digits learner failed")
+    from taste_cl.datasets import split_digits, stream
+    from taste_cl.reference import build_digits_learner
+
+    torch.manual_seed(seed)
+    learner = build_digits_learner(seed=seed)
+    for _, x, y in stream(split_digits(5, seed=seed), 10, seed=seed):
+        learner.observe((x, y))
+    for group in learner.optimizer.param_groups:
+        group["lr"] = 0.05
+    learner.export(folder, backend="onnx_engine")
+
+
+def _browser_folder(folder: Path, scratch: Path) -> Path:
+    """The folder the page loads for ``folder``: itself when it has a ``web.json``, else its browser folder (written)."""
+    from taste_cl.adapters.onnx_engine.engine import MANIFEST as ENGINE_MANIFEST
+    from taste_cl.adapters.web.engine_web import ENGINE_WEB_MANIFEST, export_web
+
+    if (folder / ENGINE_WEB_MANIFEST).is_file():  # either learner's: the page reads its format
+        return folder
+    if (folder / ENGINE_MANIFEST).is_file():
+        web = export_web(folder, scratch / "web", drop_monitor=True).parent
+        print(f"wrote the browser folder of {folder} to {web} (the stability-plasticity monitor left out: the browser does not run it)")
+        return web
+    from taste_cl.adapters.web.compat import make_web_compatible  # the deprecated training build's learner
+
+    make_web_compatible(folder)
+    print(f"made {folder} web-compatible (added {ENGINE_WEB_MANIFEST}, optimizer_model.web.onnx, replay.bin)")
+    return folder
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="taste-cl serve-demo", description=plain_text(__doc__.splitlines()[0]))
     parser.add_argument(
         "--artifacts",
-        help="artifact folder written by `taste-cl export` (default: export one now)",
+        help="browser, onnx_engine or onnxruntime artifact folder (default: export the reference learner to the ONNX engine now)",
     )
     parser.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (0: any free port)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the default export")
     args = parser.parse_args(argv)
 
-    from taste_cl.adapters.web.compat import (  # needs the [onnx] extra
-        WEB_MANIFEST,
-        make_web_compatible,
-    )
-
     with tempfile.TemporaryDirectory(prefix="taste-cl-demo-") as scratch:
         folder = Path(args.artifacts) if args.artifacts else Path(scratch) / "artifacts"
         if not args.artifacts:
             _export_default(folder, args.seed)
-        if not (folder / WEB_MANIFEST).is_file():
-            make_web_compatible(folder)
-            print(f"made {folder} web-compatible (added {WEB_MANIFEST}, optimizer_model.web.onnx, replay.bin)")
+        folder = _browser_folder(folder, Path(scratch))
         server = DemoServer(folder, port=args.port).start()
         print(f"serving the demo at {server.url} (Ctrl-C to stop)", flush=True)
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C: clean up the export
