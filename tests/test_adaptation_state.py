@@ -157,6 +157,21 @@ def test_a_learner_that_adapted_before_any_label_checkpoints_and_resumes(tmp_pat
     resumed.observe(_labelled(0))  # the first labelled batch still settles the task
 
 
+def test_a_guard_state_from_before_the_accuracy_estimate_loads_without_it():
+    learner = _learner("eata")
+    _stream(learner, range(5))
+    adapter = learner.adapter
+    assert adapter is not None and adapter.guard is not None
+    old = _round_trip(adapter.guard.state_dict())
+    del old["settings"]["accuracy_margin"]  # as written before the estimate: [adapted, source] pairs, no margin
+    old["window"] = [entry[:2] for entry in old["window"]]
+    guard = CollapseGuard()
+    guard.parse_state(old)()
+    assert guard.accuracy_margin is None and not guard.needs_source()
+    assert [len(entry) for entry in guard.state_dict()["window"]] == [4] * len(old["window"])
+    assert guard.read(None).accuracy is None  # no summaries in the window: no estimate, the marginal ratio still read
+
+
 def test_parts_refuse_on_their_own_and_change_nothing():
     learner = _learner("eata")
     _stream(learner, range(5))
@@ -253,7 +268,17 @@ CASES: list[tuple[str, Edit, str]] = [
         _set("adaptation.guard.window.0.0", lambda t: t + 2),
         r"adaptation.guard.window\[0\]\[0\]` must hold probabilities",
     ),
-    ("window classes differ", _set("adaptation.guard.window.0.0", lambda t: t[:, :3]), r"adaptation.guard.window\[1\]\[0\]` has 4 classes"),
+    (
+        "window classes differ",
+        _set("adaptation.guard.window.0", lambda entry: [entry[0][:, :3], None, None, None]),
+        r"adaptation.guard.window\[1\]\[0\]` has 4 classes",
+    ),
+    (
+        "window summary of other rows",
+        _set("adaptation.guard.window.0.2", lambda t: t[:1]),
+        r"adaptation.guard.window\[0\]\[2\]` must be a float32 tensor of shape \(\d+, 5\)",
+    ),
+    ("guard accuracy margin over 1", _set("adaptation.guard.settings.accuracy_margin", 1.5), r"`accuracy_margin == 1.5`"),
     ("window not pairs", _set("adaptation.guard.window.0", lambda pair: pair[:1]), r"adaptation.guard.window\[0\]` must be an \[adapted"),
 ]
 

@@ -25,6 +25,17 @@ def test_quick_run_reports_every_setting_and_the_long_streams_worst_window(tmp_p
     assert len(result["long_windows"]["long bs=4"]["source"]) == 2  # 2000 rows in windows of 1000
     assert result["worst_window_vs_source"]["long bs=4"]["bn"] < 0  # BN-adapt helps on every window of the quick stream
     assert set(result["sequences"]["errors"]) == {"continual bs=64", "class-sorted bs=64"}
+    assert "label-free accuracy estimate (AETTA)" in printed
+    for setting, by_method in result["estimates"].items():  # the estimate beside the true accuracy, per window
+        for method, est in by_method.items():
+            windows = len(result["long_windows"][setting][method]) if setting.startswith("long") else (35 if setting == "episodic" else 7)
+            assert len(est["estimated"]) == len(est["true"]) == windows
+            assert all(0 <= a <= 1 for a in est["estimated"]) and est["mae"] == pytest.approx(
+                sum(abs(e - t) for e, t in zip(est["estimated"], est["true"])) / windows
+            )
+    # on the continual stream the estimate follows the corruptions' accuracies (seven windows, one per corruption)
+    assert result["estimates"]["continual bs=64"][adapt.DEFAULT]["corr"] > 0.5
+    assert set(result["sequences"]["estimates"]["class-sorted bs=64"]) == set(adapt.METHOD_NAMES)
 
 
 def test_the_sequence_model_takes_corrupted_recorded_sequences() -> None:

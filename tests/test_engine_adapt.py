@@ -27,7 +27,8 @@ from taste_cl.engine.torch_engine import TorchEngine
 from taste_cl.exceptions import AdaptationWarning, ArtifactError, CheckpointError, ExportError, InvalidBatchError
 
 LR = 5e-3
-GUARD = {"window": 16, "min_rows": 16, "min_marginal_ratio": 0.556}  # between this stream's ratios: some batches reset
+GUARD = {"window": 16, "min_rows": 16, "min_marginal_ratio": 0.556, "accuracy_margin": None}  # between this stream's ratios: some batches reset;
+# no fallback on the estimate, which the ONNX engine cannot give yet (it returns no classifier features)
 
 
 def bn_cnn() -> nn.Module:

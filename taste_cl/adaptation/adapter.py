@@ -7,7 +7,9 @@ step on the normalisation layers' affine parameters (TENT, EATA), and returns th
 predictions. With a :class:`~taste_cl.adaptation.guard.CollapseGuard` (the default) it
 resets to the anchor when the guard says the adaptation collapses; the predictions returned
 for that batch are then the source model's (the anchor's values swapped in for one forward:
-no copy of the model is kept).
+no copy of the model is kept). They are the source's too while the guard's label-free accuracy
+estimate (AETTA, :mod:`~taste_cl.adaptation.estimate`) rates the source above the adapted model
+(a fallback, without reset); each batch's dropout summary is in :attr:`AdaptStats.summary`.
 
 This is the one place where normalisation statistics move on purpose: the learner's
 ``frozen_norm="eval"`` keeps a frozen backbone's statistics fixed while it *trains* on
@@ -40,6 +42,7 @@ from torch import nn
 from taste_cl._batch import Inputs, batch_len, call_model
 from taste_cl._checks import check_int
 from taste_cl.adaptation.anchor import NormAnchor, model_bytes
+from taste_cl.adaptation.estimate import DropoutProbe
 from taste_cl.adaptation.guard import CollapseGuard, GuardVerdict
 from taste_cl.adaptation.methods import METHODS, AdaptationMethod, Eata, affine_parameters, batch_norms, resolve_method
 from taste_cl.exceptions import AdaptationWarning
@@ -66,6 +69,10 @@ class AdaptStats:
     reset: bool
     reason: str | None
     verdict: GuardVerdict | None
+    summary: torch.Tensor | None = None
+    """Per row of :attr:`outputs`, the dropout inference AETTA reads (:mod:`~taste_cl.adaptation.estimate`): the agreement of 10 dropout
+    predictions with the prediction, then their mean probabilities; None when the model's output is not its last
+    linear layer's. :func:`~taste_cl.engine.adapt.aetta_accuracy` over any rows' summaries estimates their accuracy."""
 
 
 class TestTimeAdapter:
@@ -126,6 +133,7 @@ class TestTimeAdapter:
         self.resets = 0
         self._model: nn.Module | None = None
         self._anchor: NormAnchor | None = None
+        self._probe: DropoutProbe | None = None
         self._params: dict[str, nn.Parameter] = {}
         self._velocity: dict[str, torch.Tensor] = {}
         self._warned_small = False
@@ -141,6 +149,7 @@ class TestTimeAdapter:
         if not self.method.steps and not batch_norms(model):
             raise ValueError("'bn' adapts BatchNorm statistics, and the model has no BatchNorm that tracks them")
         self._anchor = NormAnchor(model)
+        self._probe = DropoutProbe(model)
         self._anchor_method(fisher)
         self._clear_steps()
 
@@ -247,6 +256,7 @@ class TestTimeAdapter:
             self.lr_scale, self.batches, self.resets = lr_scale, batches, resets
             self._stale_anchor, self._warned_small = flags["stale_anchor"], flags["warned_small"]
             self._model, self._params, self._anchor = (model, params, anchor) if anchor is not None else (None, {}, None)
+            self._probe = DropoutProbe(model) if anchor is not None else None
             self._velocity, self._second, self._updates = velocity, second, updates
             self.guard = guard
             apply_guard()
@@ -285,8 +295,8 @@ class TestTimeAdapter:
     # ------------------------------------------------------------------ one batch
     def adapt(self, x: Inputs, *, call: str = "auto", output: Callable[[Any], Any] | None = None) -> AdaptStats:
         """Adapt on the validated batch ``x`` and return its predictions (see the class)."""
-        model, anchor = self._model, self._anchor
-        if model is None or anchor is None:
+        model, anchor, probe = self._model, self._anchor, self._probe
+        if model is None or anchor is None or probe is None:
             raise RuntimeError("TestTimeAdapter is not bound to a model: OnlineLearner.adapt binds it")
         if self._stale_anchor:
             anchor.capture()
@@ -307,22 +317,27 @@ class TestTimeAdapter:
                 stacklevel=3,
             )
         was_training = model.training
-        adapted, used = self._forward_and_step(model, x, batch_stats, call, output)
+        with probe.capture():
+            adapted, used = self._forward_and_step(model, x, batch_stats, call, output)
+        summary = probe.summary(adapted, self.batches)
         verdict, outputs, reason = None, adapted, None
-        source = self._source_forward(model, anchor, x, call, output) if self.guard is not None and self.guard.needs_source else None
+        source, source_summary = self._source(x, call, output) if self.guard is not None and self.guard.needs_source() else (None, None)
         if not self._finite():
             reason = "non-finite normalisation parameters after the step"
         elif self.guard is not None:
-            verdict = self.guard.update(adapted, source)
+            verdict = self.guard.update(adapted, source, summary, source_summary)
             reason = verdict.reason
+        if reason is not None and source is None:
+            source, source_summary = self._source(x, call, output)
+        if source is not None and (reason is not None or (verdict is not None and verdict.fallback)):
+            outputs, summary = source, source_summary
         if reason is not None:
-            outputs = source if source is not None else self._source_forward(model, anchor, x, call, output)
             self.reset()
             self.resets += 1
             self.lr_scale *= self.backoff
         model.train(was_training)
         self.batches += 1
-        return AdaptStats(outputs.detach(), used, batch_stats, reason is not None, reason, verdict)
+        return AdaptStats(outputs.detach(), used, batch_stats, reason is not None, reason, verdict, summary)
 
     def _forward_and_step(
         self, model: nn.Module, x: Inputs, batch_stats: bool, call: str, output: Callable[[Any], Any] | None
@@ -356,12 +371,14 @@ class TestTimeAdapter:
     def _clear_steps(self) -> None:
         self._velocity, self._second, self._updates = {}, {}, 0
 
-    @staticmethod
-    def _source_forward(model: nn.Module, anchor: NormAnchor, x: Inputs, call: str, output: Callable[[Any], Any] | None) -> torch.Tensor:
-        """The source model's predictions: the anchor swapped in, eval mode, no gradient."""
-        with anchor.swapped(), torch.no_grad():
+    def _source(self, x: Inputs, call: str, output: Callable[[Any], Any] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The source model's predictions (the anchor swapped in, eval mode, no gradient) and their dropout summary."""
+        model, anchor, probe = self._model, self._anchor, self._probe
+        assert model is not None and anchor is not None and probe is not None  # bound: adapt checked
+        with anchor.swapped(), torch.no_grad(), probe.capture():
             model.eval()
-            return call_model(model, x, output=output, call=call).detach()
+            logits = call_model(model, x, output=output, call=call).detach()
+        return logits, probe.summary(logits, self.batches)
 
     def _step(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         """Adam (beta1 = ``momentum``, beta2 0.999) or SGD with momentum on the affine parameters, on

@@ -16,6 +16,10 @@ with ``batchnorm="adapt"``), with the same rules:
   rule on numpy arrays: both judge with :meth:`CollapseRule.judge`) resets to the anchor, the trainable
   tensors and running statistics the adapter was built on, and scales the learning rate by ``backoff``;
   the batch that reset gets the source's predictions. Non-finite parameters after a step reset too.
+- The label-free accuracy estimate (AETTA, :func:`aetta_accuracy`) is the rule's too: both guards read it
+  from per-row dropout summaries (:func:`dropout_summary`) when they are given. The ONNX engine's graphs
+  return only logits, not the features feeding the classifier, so :class:`EngineAdapter` gives none yet
+  and the device guard decides on the marginal ratio (and source agreement) alone.
 
 The engine's optimizer is TENT's: export it as the torch adapter's, ``AdamW`` with ``betas=(momentum,
 0.999)``, ``eps=1e-8`` and no weight decay (its ``"adam"``), or ``SGD`` with ``momentum``. A reset
@@ -38,7 +42,16 @@ from taste_cl.engine.base import AdaptableEngine, Inputs
 from taste_cl.engine.losses import mean_entropy, softmax
 from taste_cl.exceptions import AdaptationWarning, InvalidBatchError
 
-__all__ = ["ArrayCollapseGuard", "CollapseRule", "EngineAdaptStats", "EngineAdapter", "GuardVerdict", "normalised_prior"]
+__all__ = [
+    "ArrayCollapseGuard",
+    "CollapseRule",
+    "EngineAdaptStats",
+    "EngineAdapter",
+    "GuardVerdict",
+    "aetta_accuracy",
+    "dropout_summary",
+    "normalised_prior",
+]
 
 METHODS = ("bn", "tent")
 
@@ -53,6 +66,13 @@ class GuardVerdict:
     agreement: float | None
     entropy: float
     rows: int
+    accuracy: float | None = None
+    """AETTA's label-free accuracy estimate of the adapted predictions over the window (None without dropout summaries)."""
+    source_accuracy: float | None = None
+    """The same estimate of the source model's predictions on the same rows (None unless the source's summaries are given)."""
+    fallback: bool = False
+    """The estimate says the source predicts better than the adapted model (by more than ``accuracy_margin``): the batch
+    is answered with the source's predictions, and adaptation goes on (no reset, the window kept)."""
 
 
 def normalised_prior(prior: Sequence[float]) -> np.ndarray:
@@ -61,6 +81,39 @@ def normalised_prior(prior: Sequence[float]) -> np.ndarray:
     if values.ndim != 1 or values.size < 2 or not np.isfinite(values).all() or (values < 0).any() or values.sum() <= 0:
         raise ValueError("`class_prior` must be at least 2 finite, non-negative frequencies with a positive sum")
     return values / values.sum()
+
+
+def _entropy(p: np.ndarray) -> float:
+    p = np.maximum(p, 1e-12)
+    return float(-(p * np.log(p)).sum())
+
+
+def dropout_summary(logits: np.ndarray, dropout_logits: np.ndarray) -> np.ndarray:
+    """Per row, what AETTA reads from dropout inference: the share of the ``passes`` dropout predictions
+    (``dropout_logits``, ``(passes, rows, classes)``) that agree with the prediction (``logits``, ``(rows,
+    classes)``), then their mean probabilities: a float32 ``(rows, 1 + classes)`` array."""
+    logits, dropout_logits = np.asarray(logits, np.float32), np.asarray(dropout_logits, np.float32)
+    if dropout_logits.ndim != 3 or dropout_logits.shape[1:] != logits.shape or logits.ndim != 2:
+        raise ValueError(f"`dropout_logits` must be (passes, rows, classes) of logits {logits.shape}; got {dropout_logits.shape}")
+    agreement = (dropout_logits.argmax(axis=2) == logits.argmax(axis=1)).mean(axis=0)
+    probs = np.stack([softmax(d) for d in dropout_logits]).mean(axis=0)
+    return np.concatenate([agreement[:, None], probs], axis=1).astype(np.float32)
+
+
+def aetta_accuracy(summary: np.ndarray, prior: np.ndarray | None = None) -> float:
+    """AETTA's accuracy estimate (Lee et al., CVPR 2024, arXiv 2404.01351) over the rows of :func:`dropout_summary`.
+
+    The prediction disagreement with dropout inference (PDD: one minus the mean agreement) estimates the error;
+    AETTA's robustness term divides it by the cube of the batch-mean prediction's entropy over its maximum, here
+    the class ``prior``'s entropy (None: ``log(classes)``), since a collapsing model agrees with itself under
+    dropout while its predictions fall onto few classes; the error is clipped to ``[0, 1 - 1/classes]``."""
+    summary = np.asarray(summary, np.float64)
+    classes = summary.shape[1] - 1
+    pdd = 1.0 - float(summary[:, 0].mean())
+    top = _entropy(np.asarray(prior, np.float64)) if prior is not None and prior.size == classes else math.log(classes)
+    ratio = _entropy(summary[:, 1:].mean(axis=0)) / top if top > 1e-6 else 1.0
+    error = pdd / max(ratio, 1e-6) ** 3
+    return 1.0 - min(max(error, 0.0), 1.0 - 1.0 / classes)
 
 
 class CollapseRule:
@@ -79,6 +132,7 @@ class CollapseRule:
         min_marginal_ratio: float = 0.85,
         min_agreement: float | None = None,
         confident: float = 0.9,
+        accuracy_margin: float | None = 0.0,
     ) -> None:
         self.window = check_int("window", window, 1)
         self.min_rows = check_int("min_rows", min_rows, 1)
@@ -87,40 +141,67 @@ class CollapseRule:
         self.min_marginal_ratio = check_positive("min_marginal_ratio", min_marginal_ratio, upper=1.0)
         self.min_agreement = None if min_agreement is None else check_positive("min_agreement", min_agreement, upper=1.0)
         self.confident = check_positive("confident", confident, upper=1.0)
+        if accuracy_margin is not None and (
+            isinstance(accuracy_margin, bool) or not isinstance(accuracy_margin, (int, float)) or not 0 <= accuracy_margin <= 1
+        ):
+            raise ValueError(f"`accuracy_margin == {accuracy_margin!r}`, must be None or a number in [0, 1]")
+        self.accuracy_margin = None if accuracy_margin is None else float(accuracy_margin)
         self.resets = 0
-        self._batches: deque[tuple[Any, Any]] = deque()
+        self._batches: deque[tuple[Any, Any, Any, Any]] = deque()
         self._rows = 0
 
-    @property
-    def needs_source(self) -> bool:
-        """Whether an update needs the source model's predictions (only for ``min_agreement``)."""
-        return self.min_agreement is not None
+    def needs_source(self, *, estimates: bool = True) -> bool:
+        """Whether an update needs the source model's predictions: for ``min_agreement``, and for ``accuracy_margin``
+        when the adapter gives dropout summaries (``estimates``; the device's does not yet)."""
+        return self.min_agreement is not None or (estimates and self.accuracy_margin is not None)
 
     def clear(self) -> None:
         """Start the window over (after a reset, or when the anchor moves)."""
         self._batches.clear()
         self._rows = 0
 
-    def _admit(self, adapted: Any, source: Any) -> None:
-        """Add one batch to the window, dropping the oldest batches once the others fill it."""
-        self._batches.append((adapted, source))
+    def _admit(self, adapted: Any, source: Any, summary: Any = None, source_summary: Any = None) -> None:
+        """Add one batch to the window (its probabilities, and the dropout summaries or None), dropping the oldest
+        batches once the others fill it."""
+        self._batches.append((adapted, source, summary, source_summary))
         self._rows += adapted.shape[0]
         while self._batches and self._rows - self._batches[0][0].shape[0] >= self.window:
             self._rows -= self._batches.popleft()[0].shape[0]
 
-    def judge(self, adapted: np.ndarray, source: np.ndarray | None, prior: np.ndarray | None) -> GuardVerdict:
+    def _window(self, column: int) -> np.ndarray | None:
+        """One column of the window (0 adapted, 1 source, 2 and 3 their dropout summaries) over every batch, as
+        numpy; None unless every batch has it."""
+        parts = [batch[column] for batch in self._batches if batch[column] is not None]
+        if not parts or len(parts) != len(self._batches):
+            return None
+        return np.concatenate([np.asarray(p.cpu() if hasattr(p, "cpu") else p) for p in parts])  # torch's: to the CPU first
+
+    def read(self, prior: np.ndarray | None) -> GuardVerdict:
+        """The verdict on the window as it stands (see :meth:`judge`)."""
+        adapted = self._window(0)
+        if adapted is None:
+            raise ValueError("the guard's window is empty")
+        return self.judge(adapted, self._window(1), prior, self._window(2), self._window(3))
+
+    def judge(
+        self,
+        adapted: np.ndarray,
+        source: np.ndarray | None,
+        prior: np.ndarray | None,
+        summary: np.ndarray | None = None,
+        source_summary: np.ndarray | None = None,
+    ) -> GuardVerdict:
         """The verdict on the window's probabilities ``adapted`` (and the source's on the same rows, or None), against
-        the class ``prior`` (None: uniform); a reset counts and starts the window over."""
+        the class ``prior`` (None: uniform), with AETTA's estimates from the dropout summaries when given; a reset
+        counts and starts the window over."""
         probs = np.asarray(adapted, np.float64)
         classes = probs.shape[1]
         ent = float(-(probs * np.log(np.maximum(probs, 1e-12))).sum(axis=1).mean()) / math.log(classes)
-        if prior is not None and prior.size == classes:
-            p = np.asarray(prior, np.float64)
-            prior_entropy = float(-(p * np.log(np.maximum(p, 1e-12))).sum())
-        else:
-            prior_entropy = math.log(classes)
-        mean = np.maximum(probs.mean(axis=0), 1e-12)
-        ratio = float(-(mean * np.log(mean)).sum()) / prior_entropy if prior_entropy > 1e-6 else None
+        usable_prior = prior if prior is not None and prior.size == classes else None
+        prior_entropy = math.log(classes) if usable_prior is None else _entropy(np.asarray(usable_prior, np.float64))
+        ratio = _entropy(probs.mean(axis=0)) / prior_entropy if prior_entropy > 1e-6 else None
+        accuracy = None if summary is None else aetta_accuracy(summary, usable_prior)
+        source_accuracy = None if source_summary is None else aetta_accuracy(source_summary, usable_prior)
         agreement = None
         if source is not None:
             confident = np.asarray(source).max(axis=1) >= self.confident
@@ -132,7 +213,15 @@ class CollapseRule:
                 reason = f"marginal ratio {ratio:.2f} < {self.min_marginal_ratio}"
             elif self.min_agreement is not None and agreement is not None and agreement < self.min_agreement:
                 reason = f"confident agreement {agreement:.2f} < {self.min_agreement}"
-        verdict = GuardVerdict(reason is not None, reason, ratio, agreement, ent, self._rows)
+        fallback = (
+            reason is None
+            and self._rows >= self.min_rows
+            and self.accuracy_margin is not None
+            and accuracy is not None
+            and source_accuracy is not None
+            and accuracy < source_accuracy - self.accuracy_margin
+        )
+        verdict = GuardVerdict(reason is not None, reason, ratio, agreement, ent, self._rows, accuracy, source_accuracy, fallback)
         if reason is not None:
             self.resets += 1
             self.clear()
@@ -149,14 +238,19 @@ class ArrayCollapseGuard(CollapseRule):
         super().__init__(**settings)
         self.class_prior = None if class_prior is None else normalised_prior(class_prior).astype(np.float32)
 
-    def update(self, adapted_logits: np.ndarray, source_logits: np.ndarray | None = None) -> GuardVerdict:
-        """Add one batch's predictions (adapted, and the source's on the same rows if known) and read the signals."""
+    def update(
+        self,
+        adapted_logits: np.ndarray,
+        source_logits: np.ndarray | None = None,
+        summary: np.ndarray | None = None,
+        source_summary: np.ndarray | None = None,
+    ) -> GuardVerdict:
+        """Add one batch's predictions (adapted, and the source's on the same rows if known), with their
+        :func:`dropout_summary` rows if known, and read the signals."""
         adapted = softmax(np.asarray(adapted_logits, np.float32))
         source = None if source_logits is None else softmax(np.asarray(source_logits, np.float32))
-        self._admit(adapted, source)
-        sources = [s for _, s in self._batches if s is not None]
-        all_source = np.concatenate(sources) if len(sources) == len(self._batches) else None
-        return self.judge(np.concatenate([a for a, _ in self._batches]), all_source, self.class_prior)
+        self._admit(adapted, source, summary, source_summary)
+        return self.read(self.class_prior)
 
 
 @dataclass(frozen=True)
@@ -269,12 +363,14 @@ class EngineAdapter:
                 stacklevel=2,
             )
         verdict, outputs, reason = None, adapted, None
-        source = self.source_forward(x) if self.guard is not None and self.guard.needs_source else None
+        source = self.source_forward(x) if self.guard is not None and self.guard.needs_source(estimates=False) else None
         if not finite:
             reason = "non-finite normalisation parameters after the step"
         elif self.guard is not None:
             verdict = self.guard.update(adapted, source)
             reason = verdict.reason
+        if verdict is not None and verdict.fallback and source is not None:
+            outputs = source
         if reason is not None:
             outputs = source if source is not None else self.source_forward(x)
             self.reset()

@@ -14,13 +14,17 @@ scikit-learn's handwritten digits (8x8, upsampled to 16x16), a BatchNorm CNN pre
 Sequences (unless ``--no-sequences``): a 1-D BatchNorm CNN pretrained on the recorded
 JapaneseVowels (``JapaneseVowels_eq``, 12 channels x 25 steps, bundled in aeon) and its test
 rows under the three sequence corruptions (sensor noise, drift, time warp) at severity 5 in
-sequence, continual, at each ``--batch-sizes``; and once more at batch 64 in the archive's own
-row order, sorted by class: a stream whose batches hold one class, which batch statistics cannot
-tell from a shift.
+sequence, continual, at each ``--batch-sizes``; and once more at batch 64 and 4 (those of
+``--batch-sizes``) in the archive's own row order, sorted by class: a stream whose batches hold
+one class, which batch statistics cannot tell from a shift.
 
 Every method sees the same rows in the same order. Prints the mean error per setting and
-method, the long stream's worst window against the source, the guard's resets, and the
-memory of the guard's anchor against a frozen model copy; writes JSON.
+method, the long stream's worst window against the source, the guard's resets, the
+memory of the guard's anchor against a frozen model copy, and how well the label-free accuracy
+estimate (AETTA, :mod:`~taste_cl.adaptation.estimate`) follows the true accuracy: per window
+(1000 rows on the long stream, one corruption elsewhere) the estimate over the window's rows
+against the accuracy of the predictions returned, as mean absolute error and correlation;
+writes JSON.
 
 Device rows: in the continual setting, BN-adapt, TENT and guarded TENT also run torch-free on the
 ONNX engine (:func:`~taste_cl.adapters.onnx_engine.adapt_export.export_adapter`, then
@@ -41,7 +45,9 @@ from torch import nn
 
 from taste_cl.adaptation import CollapseGuard, Eata, Tent, TestTimeAdapter
 from taste_cl.adaptation.corruptions import IMAGE_CORRUPTIONS, SEQUENCE_CORRUPTIONS, SEVERITIES, corrupt
+from taste_cl.adaptation.estimate import DropoutProbe
 from taste_cl.benchmarks._common import base_parser, parse, progress_bar, save_result
+from taste_cl.engine.adapt import aetta_accuracy
 from taste_cl.exceptions import AdaptationWarning
 from taste_cl.learner import OnlineLearner
 from taste_cl.report import format_table
@@ -101,23 +107,47 @@ def make_adapter(name: str, lr: float) -> TestTimeAdapter | None:
 
 def run_stream(
     model: nn.Module, state: dict[str, torch.Tensor], method: str, stream: Stream, *, batch_size: int, lr: float, reset_each: bool = False
-) -> tuple[torch.Tensor, int]:
-    """Per-row mistakes (1.0 wrong, 0.0 right) of ``method`` over ``stream``, and its guard's resets."""
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Per-row mistakes (1.0 wrong, 0.0 right) of ``method`` over ``stream``, its guard's resets, and per row the
+    dropout summary of the predictions returned (what AETTA's estimate reads; the source's from its own probe)."""
     model.load_state_dict(state)
     learner = OnlineLearner(model, adaptation=make_adapter(method, lr))
+    probe = DropoutProbe(model)
     wrong: list[torch.Tensor] = []
+    summaries: list[torch.Tensor] = []
     resets = 0
     for x, y in stream:
         if reset_each and learner.adapter is not None:
             model.load_state_dict(state)
             learner.adapter = make_adapter(method, lr)
         for rows in torch.arange(len(y)).split(batch_size):
-            outputs = learner.predict(x[rows]) if learner.adapter is None else learner.adapt(x[rows]).outputs
+            if learner.adapter is None:
+                with probe.capture():
+                    outputs = learner.predict(x[rows])
+                summary = probe.summary(outputs, len(wrong))
+            else:
+                stats = learner.adapt(x[rows])
+                outputs, summary = stats.outputs, stats.summary
+            if summary is None:
+                raise RuntimeError("the benchmark's models end in their classifier: every batch has a dropout summary")
             wrong.append((outputs.argmax(1) != y[rows]).float())
+            summaries.append(summary)
         resets += learner.adapter.resets if reset_each and learner.adapter is not None else 0
     if not reset_each and learner.adapter is not None:
         resets = learner.adapter.resets
-    return torch.cat(wrong), resets
+    return torch.cat(wrong), resets, torch.cat(summaries)
+
+
+def estimate_windows(wrong: torch.Tensor, summaries: torch.Tensor, window: int) -> dict[str, Any]:
+    """AETTA's estimate against the true accuracy over consecutive windows of ``window`` rows: both per window,
+    their mean absolute error and their correlation (None over fewer than 3 windows or a constant side)."""
+    n = len(wrong) // window
+    true = [1.0 - float(wrong[i * window : (i + 1) * window].mean()) for i in range(n)]
+    estimated = [aetta_accuracy(summaries[i * window : (i + 1) * window].cpu().numpy()) for i in range(n)]
+    mae = sum(abs(e - t) for e, t in zip(estimated, true)) / max(n, 1)
+    pair = torch.tensor([estimated, true], dtype=torch.float64)
+    corr = float(torch.corrcoef(pair)[0, 1]) if n >= 3 and bool((pair.std(dim=1) > 0).all()) else None
+    return {"estimated": estimated, "true": true, "mae": mae, "corr": corr}
 
 
 def run_device_stream(
@@ -167,23 +197,35 @@ def bn_cnn_1d(channels: int, classes: int, seed: int) -> nn.Module:
 
 def run_settings(
     model: nn.Module, settings: list[tuple[str, Stream, int, bool]], *, lr: float, progress: bool, desc: str
-) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, int]], dict[str, dict[str, torch.Tensor]]]:
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, int]], dict[str, dict[str, torch.Tensor]], dict[str, dict[str, Any]]]:
     """Every method of :data:`METHOD_NAMES` on every ``(name, stream, batch size, reset each)`` setting, from the
-    model's current weights: mean errors, guard resets and per-row mistakes, by setting and method."""
+    model's current weights: mean errors, guard resets, per-row mistakes and AETTA's estimate against the true
+    accuracy (:func:`estimate_windows`: windows of 1000 rows on the long streams, one corruption's rows elsewhere),
+    by setting and method."""
     state = {k: v.clone() for k, v in model.state_dict().items()}
     errors: dict[str, dict[str, float]] = {}
     resets: dict[str, dict[str, int]] = {}
     wrongs: dict[str, dict[str, torch.Tensor]] = {}
+    estimates: dict[str, dict[str, Any]] = {}
     table = {setting: (stream, batch, reset_each) for setting, stream, batch, reset_each in settings}
     jobs = [(setting, method) for setting in table for method in METHOD_NAMES]
     for setting, method in progress_bar(jobs, enabled=progress, desc=desc):
         stream, batch, reset_each = table[setting]
-        wrong, count = run_stream(model, state, method, stream, batch_size=batch, lr=lr, reset_each=reset_each)
+        wrong, count, summaries = run_stream(model, state, method, stream, batch_size=batch, lr=lr, reset_each=reset_each)
         errors.setdefault(setting, {})[method] = float(wrong.mean())
         resets.setdefault(setting, {})[method] = count
         wrongs.setdefault(setting, {})[method] = wrong
+        window = 1000 if setting.startswith("long") else len(stream[0][1])
+        estimates.setdefault(setting, {})[method] = estimate_windows(wrong, summaries, window)
     model.load_state_dict(state)
-    return errors, resets, wrongs
+    return errors, resets, wrongs, estimates
+
+
+def print_estimates(estimates: dict[str, dict[str, Any]]) -> None:
+    """The estimate's mean absolute error and correlation against the true accuracy, per setting and method."""
+    print("label-free accuracy estimate (AETTA) against the true accuracy per window: mean absolute error / correlation")
+    cell = lambda e: f"{e['mae']:.3f} / " + ("n/a" if e["corr"] is None else f"{e['corr']:+.2f}")  # noqa: E731
+    print(format_table(["setting", *METHOD_NAMES], [[setting, *(cell(by[m]) for m in METHOD_NAMES)] for setting, by in estimates.items()]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -225,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = [("episodic", episodic, 64, True)] + [(f"continual bs={b}", continual, b, False) for b in args.batch_sizes]
     settings += [(f"long bs={b}", long_stream, b, False) for b in args.long_batch_sizes]
     start = time.perf_counter()
-    errors, resets, wrongs = run_settings(model, settings, lr=args.lr, progress=progress, desc="adapt")
+    errors, resets, wrongs, estimates = run_settings(model, settings, lr=args.lr, progress=progress, desc="adapt")
     seconds = {"images": time.perf_counter() - start}
     windows = {
         setting: {m: w.view(-1, 1000).mean(dim=1).tolist() for m, w in wrongs[setting].items()} for setting in wrongs if setting.startswith("long")
@@ -237,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"long stream, {args.long_samples} rows: worst 1000-row window minus the source's on the same rows")
     rows = [[setting, m, worst[setting][m], worse[setting][m], resets[setting][m]] for setting in worst for m in worst[setting]]
     print(format_table(["setting", "method", "worst window vs source", "windows worse by > 1 point", "guard resets"], rows))
+    print_estimates(estimates)
     sequences: dict[str, Any] = {}
     if not args.no_sequences:
         start = time.perf_counter()
@@ -262,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "long_windows": windows,
             "worst_window_vs_source": worst,
             "windows_worse_by_1_point": worse,
+            "estimates": estimates,
             "sequences": sequences,
             "device_errors": device,
             "device_gap_points": gaps,
@@ -287,11 +331,12 @@ def _sequences(args: Any, progress: bool) -> dict[str, Any]:
         for kind, (x, y) in {"shuffled": (test_x[order], test_y[order]), "class-sorted": (test_x, test_y)}.items()
     }
     settings = [(f"continual bs={b}", streams["shuffled"], b, False) for b in args.batch_sizes]
-    settings.append(("class-sorted bs=64", streams["class-sorted"], 64, False))
-    errors, resets, _ = run_settings(model, settings, lr=args.lr, progress=progress, desc="adapt sequences")
+    settings += [(f"class-sorted bs={b}", streams["class-sorted"], b, False) for b in sorted({64, 4} & set(args.batch_sizes), reverse=True)]
+    errors, resets, _, estimates = run_settings(model, settings, lr=args.lr, progress=progress, desc="adapt sequences")
     print(f"sequences (JapaneseVowels, {', '.join(SEQUENCE_CORRUPTIONS)} at severity 5): clean error {clean_error:.3f}; mean error:")
     print(format_table(["setting", *METHOD_NAMES], [[setting, *(errors[setting][m] for m in METHOD_NAMES)] for setting in errors]))
-    return {"clean_error": clean_error, "errors": errors, "resets": resets}
+    print_estimates(estimates)
+    return {"clean_error": clean_error, "errors": errors, "resets": resets, "estimates": estimates}
 
 
 def _device_rows(
