@@ -6,6 +6,23 @@ import numpy as np
 import pytest
 import torch
 
+from taste_cl.adapters.device.loader import training_build_installed
+
+TRAINING_BUILD_MISSING = (
+    "needs ONNX Runtime's training build (onnxruntime-training-cpu 1.19.2, deprecated upstream; the [onnx-training] "
+    "extra), and this venv has plain onnxruntime or none: CI runs these in a venv with .[onnx-training,test] (`-m training_build`)"
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip, saying why, the tests marked ``training_build`` where the training build is not installed."""
+    if training_build_installed():
+        return
+    skip = pytest.mark.skip(reason=TRAINING_BUILD_MISSING)
+    for item in items:
+        if item.get_closest_marker("training_build") is not None:
+            item.add_marker(skip)
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:

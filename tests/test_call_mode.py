@@ -245,9 +245,9 @@ def test_the_elastic_profiler_calls_the_model_as_the_learner_does() -> None:
         unit_names(_model(), x, call="keywords")
 
 
+@pytest.mark.training_build
 def test_the_dict_model_exports_to_onnx_runtime_and_trains_there_without_torch(tmp_path: Path) -> None:
     """The graph's inputs are the dict's leaves by key, whichever way the model takes the dict: the device feeds numpy arrays by name."""
-    pytest.importorskip("onnxruntime.training")
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
     learner = _learner(_model())

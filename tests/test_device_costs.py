@@ -18,14 +18,13 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("onnxruntime.training")
 
 from taste_cl import OnlineLearner
 from taste_cl.adapters.onnxruntime.step_costs import _parameter_owners, measure_step_costs
 from taste_cl.elastic import ElasticTrainer
 from taste_cl.elastic.tensor_profile import TensorProfile
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.training_build, pytest.mark.usefixtures("one_thread")]
 
 
 def _batch(seed: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 from helpers import rehash
 from torch import nn
 
-pytest.importorskip("onnxruntime.training")
+pytestmark = pytest.mark.training_build
 
 from taste_cl import OnlineLearner, ReservoirReplay
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner

@@ -25,6 +25,7 @@ def _fresh_learner() -> OnlineLearner:
     return OnlineLearner(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), input_shape=(64,), num_classes=10)
 
 
+@pytest.mark.training_build
 def test_a_learner_built_with_shapes_exports_before_it_observes_and_the_device_learns(tmp_path: Path) -> None:
     learner = _fresh_learner()
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
@@ -48,6 +49,7 @@ def test_a_learner_without_shapes_or_rows_asks_for_an_example(tmp_path: Path) ->
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.training_build
 def test_load_learner_refuses_what_is_not_an_artifact_folder_or_names_another_backend(tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match="not an artifact folder"):
         load_learner(tmp_path)
@@ -77,6 +79,7 @@ def test_load_learner_opens_an_executorch_folder(tmp_path: Path) -> None:
     assert stats.samples == 10
 
 
+@pytest.mark.training_build
 def test_exporting_prints_no_line_about_torchs_cuda_build(tmp_path: Path) -> None:
     """onnxruntime.training imports torch.utils.cpp_extension, which warns on CPU machines."""
     import subprocess

@@ -13,14 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("onnxruntime.training")
 
 from taste_cl import OnlineLearner
 from taste_cl.adapters.onnxruntime.build import export_model
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.elastic import ElasticTrainer
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.training_build, pytest.mark.usefixtures("one_thread")]
 
 
 def _cnn() -> nn.Module:

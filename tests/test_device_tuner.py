@@ -20,7 +20,7 @@ import torch
 from helpers import run_without_torch
 from torch import nn
 
-pytest.importorskip("onnxruntime.training")
+pytestmark = pytest.mark.training_build
 
 from taste_cl.adapters.device import tuning
 from taste_cl.adapters.device.artifacts import ArtifactError

@@ -6,7 +6,10 @@ temporary working directory, under a time limit. A block that is not meant to ru
 right before its opening fence. A block that starts real processes for minutes (the
 Flower deployment) is marked ``<!-- slow -->``: it runs under the ``slow`` marker, with a
 longer limit, in CI's slow step. A block needing an optional extra that is not installed
-is skipped (the ``[all]`` extra installs them all).
+is skipped (the ``[all]`` extra installs them all). A block needing ONNX Runtime's training
+build (``backend="onnxruntime"``; the ``[onnx-training]`` extra, outside ``[all]``) is marked
+``<!-- training-build -->``: it carries the ``training_build`` marker, skipped without the build
+and run in CI's training venv.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from taste_cl.exceptions import MissingDependencyError
 ROOT = Path(__file__).resolve().parents[1]
 FRAGMENT = "<!-- fragment -->"
 SLOW = "<!-- slow -->"
+TRAINING_BUILD = "<!-- training-build -->"
 TIMEOUT_S = 600  # a hang guard, not a speed bar: a fleet block took 115 s alone at load 8, and more beside two CPU hogs
 SLOW_TIMEOUT_S = 900
 # top-level modules of the optional extras: a block that needs a missing one is skipped
@@ -37,21 +41,22 @@ def python_blocks(path: Path) -> Iterator[tuple[int, str]]:
         yield line, code
 
 
-def _marked_blocks(path: Path) -> Iterator[tuple[int, str, bool]]:
-    """``(line number, code, slow)`` of each runnable block of ``path``."""
+def _marked_blocks(path: Path) -> Iterator[tuple[int, str, str]]:
+    """``(line number, code, the line before its fence)`` of each runnable block of ``path``."""
     text = path.read_text()
     for match in _FENCE.finditer(text):
         before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
         if before != FRAGMENT:
-            yield text.count("\n", 0, match.start()) + 1, match.group(1), before == SLOW
+            yield text.count("\n", 0, match.start()) + 1, match.group(1), before
 
 
 def _cases() -> list[pytest.param]:
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    marks = {SLOW: [pytest.mark.slow], TRAINING_BUILD: [pytest.mark.training_build]}
     return [
-        pytest.param(code, SLOW_TIMEOUT_S if slow else TIMEOUT_S, id=f"{path.relative_to(ROOT)}:{line}", marks=[pytest.mark.slow] if slow else [])
+        pytest.param(code, SLOW_TIMEOUT_S if before == SLOW else TIMEOUT_S, id=f"{path.relative_to(ROOT)}:{line}", marks=marks.get(before, []))
         for path in files
-        for line, code, slow in _marked_blocks(path)
+        for line, code, before in _marked_blocks(path)
     ]
 
 

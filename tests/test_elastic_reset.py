@@ -73,8 +73,8 @@ def _pretrained(setup: str) -> nn.Module:
 
 
 @pytest.mark.parametrize("setup", ["frozen_backbone", "peft_lora", "dict_outputs"])
+@pytest.mark.training_build
 def test_pretrained_setups_train_with_reset_state_and_train_on_the_device(tmp_path: Path, setup: str) -> None:
-    pytest.importorskip("onnxruntime.training")
     from taste_cl.adapters.onnxruntime import OrtOnlineLearner
 
     torch.manual_seed(0)

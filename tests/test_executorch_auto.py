@@ -10,14 +10,13 @@ import torch
 from torch import nn
 
 pytest.importorskip("executorch.extension.training")
-pytest.importorskip("onnxruntime.training")
 
 from taste_cl import OnlineLearner, ReservoirReplay
 from taste_cl.adapters.device.artifacts import ExportError
 from taste_cl.adapters.device.backends import AUTO_ORDER
 from taste_cl.adapters.executorch.learner import EtOnlineLearner
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.training_build, pytest.mark.usefixtures("one_thread")]
 
 
 def _trained(model: nn.Module, shape: tuple[int, ...], optimizer: torch.optim.Optimizer | None = None) -> OnlineLearner:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("onnxruntime.training")
+pytestmark = pytest.mark.training_build
 
 import taste_cl.adapters.onnxruntime.learner_export as learner_export
 from taste_cl import OnlineLearner, ReservoirReplay

@@ -89,8 +89,8 @@ def _line_learner() -> OnlineLearner:
     return OnlineLearner(model, loss_fn=nn.MSELoss(), optimizer=torch.optim.SGD(model.parameters(), lr=1.6))
 
 
+@pytest.mark.training_build
 def test_auto_stops_at_a_training_that_diverges(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("onnxruntime.training")
     from taste_cl.adapters.device import backends
 
     tried = []
@@ -120,8 +120,8 @@ def _stochastic_depth_cnn() -> nn.Module:
     return _stochastic_depth_model()
 
 
+@pytest.mark.training_build
 def test_onnxruntime_exports_stochastic_depth_with_batch_statistics(tmp_path: Path) -> None:
-    pytest.importorskip("onnxruntime.training")
     pytest.importorskip("torchvision")
     from taste_cl.adapters.onnxruntime.build import export_model
 
@@ -153,10 +153,10 @@ def _cnn_export(tmp_path: Path, name: str, batchnorm: str, lr: float = 0.01) -> 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["efficientnet_b0", "shufflenet_v2_x0_5"])
+@pytest.mark.training_build
 def test_cnn_exports_with_frozen_batchnorm_and_batch_statistics_are_refused_as_unstable(tmp_path: Path, name: str) -> None:
     """EfficientNet-B0 (stochastic depth removed) and ShuffleNetV2 pass with frozen BatchNorm; with batch
     statistics torch's own float32 departs from float64 as far as ONNX Runtime does, and the gate says so."""
-    pytest.importorskip("onnxruntime.training")
     with pytest.raises(UnstableTrainingError) as caught:
         _cnn_export(tmp_path, name, "batch")
     error = caught.value
@@ -171,10 +171,10 @@ def test_cnn_exports_with_frozen_batchnorm_and_batch_statistics_are_refused_as_u
 
 
 @pytest.mark.slow
+@pytest.mark.training_build
 def test_resnet18_with_batch_statistics_is_refused_as_unstable(tmp_path: Path) -> None:
     """At 32x32 its last stage normalises 1x1 maps over a batch of 8: rounding grows a hundredfold per step.
     (MobileNetV2 is refused the same way, docs/onnx.md; left out here for time.)"""
-    pytest.importorskip("onnxruntime.training")
     with pytest.raises(UnstableTrainingError, match="export with batchnorm='frozen'") as caught:
         _cnn_export(tmp_path, "resnet18", "batch")
     assert caught.value.torch_departure > 1e-3
@@ -182,9 +182,9 @@ def test_resnet18_with_batch_statistics_is_refused_as_unstable(tmp_path: Path) -
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batchnorm", ["batch", "frozen"])
+@pytest.mark.training_build
 def test_keyword_spotter_trains_on_onnxruntime_with_either_batchnorm_mode(tmp_path: Path, batchnorm: str) -> None:
     """Conv1d + BatchNorm1d over 40 x 98 MFCC-like frames: batch statistics over 8 x 49+ values per channel."""
-    pytest.importorskip("onnxruntime.training")
     from zoo import ZOO
 
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner

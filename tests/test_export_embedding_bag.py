@@ -158,6 +158,7 @@ def test_the_learner_trains_the_recommender_with_dict_replay() -> None:
 
 
 # ------------------------------------------------------------------ ONNX Runtime
+@pytest.mark.training_build
 @pytest.mark.parametrize("mode", ["mean", "max"])  # sum is mean without the division
 def test_onnxruntime_trains_the_recommender_like_the_learner(tmp_path: Path, mode: str) -> None:
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
@@ -180,6 +181,7 @@ def test_onnxruntime_trains_the_recommender_like_the_learner(tmp_path: Path, mod
     np.testing.assert_allclose(device.predict(numpy(held_out)), learner_.predict(held_out).numpy(), rtol=0, atol=1e-4)
 
 
+@pytest.mark.training_build
 def test_onnxruntime_replays_dict_rows_and_keeps_them_across_save(tmp_path: Path) -> None:
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
@@ -198,6 +200,7 @@ def test_onnxruntime_replays_dict_rows_and_keeps_them_across_save(tmp_path: Path
     assert a.loss == b.loss  # the same replay draws and weights after the round trip
 
 
+@pytest.mark.training_build
 def test_onnxruntime_refuses_ids_outside_the_tables_before_the_runtime(tmp_path: Path) -> None:
     from taste_cl.adapters.onnxruntime.manifest import REPLAY_FILE
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
@@ -231,6 +234,7 @@ def test_onnxruntime_refuses_ids_outside_the_tables_before_the_runtime(tmp_path:
         OrtOnlineLearner.from_artifacts(folder)
 
 
+@pytest.mark.training_build
 def test_onnxruntime_manifest_bounds_are_validated(tmp_path: Path) -> None:
     from taste_cl.adapters.onnxruntime.manifest import parse_manifest
 

@@ -19,14 +19,13 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("onnxruntime.training")
 
 from taste_cl import OnlineLearner, ReservoirReplay
 from taste_cl.adapters.onnxruntime.build import export_model
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.adapters.onnxruntime.ort_checkpoint import read_checkpoint
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.training_build, pytest.mark.usefixtures("one_thread")]
 
 HEAD = ["7.weight", "7.bias"]
 

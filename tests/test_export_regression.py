@@ -18,7 +18,6 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("onnxruntime.training")
 
 import onnxruntime
 
@@ -27,7 +26,7 @@ from taste_cl.adapters.device.artifacts import ExportError
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.adapters.onnxruntime.losses import traceable_loss
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.training_build, pytest.mark.usefixtures("one_thread")]
 
 LOSSES: dict[str, Callable[[], nn.Module]] = {
     "mse": nn.MSELoss,

@@ -13,7 +13,7 @@ import pytest
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # before flwr is first imported
 pytest.importorskip("flwr")
-pytest.importorskip("onnxruntime.training")
+pytestmark = pytest.mark.training_build
 
 from taste_cl.adapters.flower.app import FleetConfig, cached_fleet
 from taste_cl.adapters.flower.deployment import LoopbackDeployment, _app_module, _client_module, _pyproject

@@ -284,8 +284,8 @@ def _tensors(a: Any, b: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 
 
 # ------------------------------------------------------------------ on the device
+@pytest.mark.training_build
 def test_an_exported_frozen_backbone_trains_on_the_device_as_the_learner_does_in_torch(pretrained, tmp_path: Path):
-    pytest.importorskip("onnxruntime.training")
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
     model = _backbone_frozen(pretrained)

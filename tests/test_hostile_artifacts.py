@@ -27,14 +27,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-pytest.importorskip("onnxruntime.training")
 
 from taste_cl.adapters.device.artifacts import ArtifactError
 from taste_cl.adapters.onnxruntime.build import ReplayRows, export_model
 from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.exceptions import CheckpointError, InvalidBatchError
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.training_build, pytest.mark.usefixtures("one_thread")]
 
 
 def _cnn(classes: int) -> nn.Module:

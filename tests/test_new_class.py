@@ -317,13 +317,13 @@ def _device_learns_a_new_class(device_type: Any, folder: Any, tmp_path: Any) -> 
 
 @pytest.fixture(scope="module")
 def ort_folder(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """One ONNX Runtime export with 2 reserved slots, shared by the tests that only read it."""
-    pytest.importorskip("onnxruntime")
+    """One ONNX Runtime export with 2 reserved slots, shared by the tests that only read it (marked training_build)."""
     learner, folder = _exported(tmp_path_factory.mktemp("ort"), "onnxruntime")
     assert learner.model[2].out_features == 3  # the export widened a copy
     return folder
 
 
+@pytest.mark.training_build
 def test_onnxruntime_device_learns_a_new_class_through_a_reserved_slot(ort_folder, tmp_path):
     from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 
@@ -339,6 +339,7 @@ def test_executorch_device_learns_a_new_class_through_a_reserved_slot(tmp_path):
     _device_learns_a_new_class(EtOnlineLearner, folder, tmp_path)
 
 
+@pytest.mark.training_build
 @pytest.mark.parametrize("active", [[0, 5], [2, 1], [], "all", [0, 0]])
 def test_a_bad_active_class_list_is_refused(ort_folder, tmp_path, active):
     from taste_cl.adapters.device.artifacts import ArtifactError

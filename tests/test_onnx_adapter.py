@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("onnxruntime.training")
 
 import onnxruntime
 
@@ -28,7 +27,7 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.training_build, pytest.mark.usefixtures("one_thread")]
 
 
 def _mlp() -> nn.Module:
@@ -225,5 +224,5 @@ def test_missing_extra_names_the_install(monkeypatch: pytest.MonkeyPatch, tmp_pa
     from taste_cl import MissingDependencyError
 
     monkeypatch.setitem(__import__("sys").modules, "onnxruntime.capi", None)
-    with pytest.raises(MissingDependencyError, match=r"'onnxruntime-training-cpu'.*pip install '\.\[onnx\]'"):
+    with pytest.raises(MissingDependencyError, match=r"'onnxruntime-training-cpu'.*pip install '\.\[onnx-training\]'"):
         OrtOnlineLearner.from_artifacts(tmp_path)

@@ -13,7 +13,7 @@ import torch
 from helpers import rehash, run_without_torch
 from torch import nn
 
-pytest.importorskip("onnxruntime.training")
+pytestmark = pytest.mark.training_build
 
 import onnx
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("onnxruntime.training")
+pytestmark = pytest.mark.training_build
 
 from zoo import ZOO
 

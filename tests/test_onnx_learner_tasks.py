@@ -19,7 +19,6 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("onnxruntime.training")
 
 from zoo import ZOO, TextClassifier
 
@@ -32,7 +31,7 @@ from taste_cl.datasets import make_mlp
 Batch = tuple[Any, torch.Tensor]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.training_build, pytest.mark.usefixtures("one_thread")]
 
 
 def _digits() -> tuple[OnlineLearner, Callable[[int, int], Batch]]:

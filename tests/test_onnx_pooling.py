@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-pytest.importorskip("onnxruntime.training")
 
 from taste_cl import OnlineLearner, ReservoirReplay
 from taste_cl.adapters.device.artifacts import ExportError
@@ -30,7 +29,7 @@ from taste_cl.adapters.onnxruntime.runtime import OrtOnlineLearner
 from taste_cl.adapters.onnxruntime.transforms import _avg_pool
 from taste_cl.adapters.onnxruntime.trial import TrialFailure
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.training_build, pytest.mark.usefixtures("one_thread")]
 
 
 def _lenet5() -> nn.Module:

@@ -20,7 +20,6 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("onnxruntime.training")
 
 from zoo import ZOO
 
@@ -46,7 +45,7 @@ CNN_LR = 0.01
 BATCH = 8
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.training_build, pytest.mark.usefixtures("one_thread")]
 
 
 def _call(model: nn.Module, x: Any) -> torch.Tensor:

@@ -329,8 +329,8 @@ def test_selecting_keeps_names_and_outputs_the_picked_tensor():
     assert selecting(model, None) is model
 
 
+@pytest.mark.training_build
 def test_dict_output_model_exports_to_onnxruntime_and_trains_on_device(tmp_path):
-    pytest.importorskip("onnxruntime.training")
     import json
 
     import numpy as np
@@ -355,8 +355,8 @@ def test_dict_output_model_exports_to_onnxruntime_and_trains_on_device(tmp_path)
     assert stats.steps == 1 and not stats.skipped and math.isfinite(stats.loss)
 
 
+@pytest.mark.training_build
 def test_dict_output_learner_exports_before_its_first_batch(tmp_path):
-    pytest.importorskip("onnxruntime.training")
     from taste_cl.adapters.device.loader import load_learner
 
     learner = _build(DictMLP, input_shape=(FEATURES,), num_classes=CLASSES)

@@ -171,8 +171,8 @@ def _export_line(tmp_path: Path, lr: float) -> Path:
     return export_model(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=lr), example, tmp_path / "art")
 
 
+@pytest.mark.training_build
 def test_onnxruntime_refuses_artifacts_that_diverge_after_the_compared_steps(tmp_path: Path) -> None:
-    pytest.importorskip("onnxruntime.training")
     with pytest.raises(TrainingDivergesError) as caught:
         _export_line(tmp_path, 1.6)  # the 3 compared steps agree; the loss is 2658x the first at step 6
     assert "onnxruntime diverged too (loss grew from 1 to 2.66e+03 by step 6)" in str(caught.value)
@@ -195,8 +195,8 @@ def _unfit_batchnorm_cnn() -> nn.Module:
     return model
 
 
+@pytest.mark.training_build
 def test_onnxruntime_recommends_batch_statistics_when_frozen_batchnorm_diverges(tmp_path: Path) -> None:
-    pytest.importorskip("onnxruntime.training")
     from taste_cl.adapters.onnxruntime.build import export_model
 
     g = torch.Generator().manual_seed(0)
@@ -240,9 +240,9 @@ def _image_batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 @pytest.mark.slow
+@pytest.mark.training_build
 def test_resnet18_with_frozen_batchnorm_at_lr_0_1_is_refused_as_diverging(tmp_path: Path) -> None:
     """ResNet-18's artifacts passed the 3 compared steps and went NaN on the device a few steps later, as torch does."""
-    pytest.importorskip("onnxruntime.training")
     torchvision = pytest.importorskip("torchvision")
     from taste_cl.adapters.onnxruntime.build import export_model
 
@@ -260,9 +260,9 @@ def test_resnet18_with_frozen_batchnorm_at_lr_0_1_is_refused_as_diverging(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.training_build
 def test_efficientnet_b0_learner_with_frozen_batchnorm_is_refused_as_diverging(tmp_path: Path) -> None:
     """A learner trained with batch statistics, exported with them frozen: "parity FAILED: outputs inf" blamed the runtime."""
-    pytest.importorskip("onnxruntime.training")
     torchvision = pytest.importorskip("torchvision")
     from taste_cl import OnlineLearner, ReservoirReplay
 

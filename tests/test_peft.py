@@ -382,9 +382,9 @@ def _exported(tmp_path: Path, digits: Task, pretrained: dict[str, Any], backend:
 @pytest.mark.parametrize(
     ("backend", "method"),
     [
-        ("onnxruntime", "lora"),
-        ("onnxruntime", "ia3"),
-        ("onnxruntime", "loha"),
+        pytest.param("onnxruntime", "lora", marks=pytest.mark.training_build),
+        pytest.param("onnxruntime", "ia3", marks=pytest.mark.training_build),
+        pytest.param("onnxruntime", "loha", marks=pytest.mark.training_build),
         ("executorch", "lora"),
         ("executorch", "ia3"),
         ("executorch", "loha"),

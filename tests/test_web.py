@@ -25,7 +25,7 @@ from helpers import rehash
 from hostile_npz import edit_npz
 from torch import nn
 
-pytest.importorskip("onnxruntime.training")
+pytestmark = pytest.mark.training_build
 
 import onnx
 

@@ -38,7 +38,7 @@ selects with torch's cost profile, so a runtime whose split differs gains less f
 
 The default models are the zoo CNNs at 32x32 (ResNet-18, MobileNetV2, MobileNetV3-small);
 ``--models`` picks others by a word of their name (``mlp``, ``cnn``, ``layernorm``, ``batchnorm``).
-Run: ``taste-cl bench device`` (needs the ``[onnx]`` and ``[executorch]`` extras).
+Run: ``taste-cl bench device`` (needs the ``[onnx-training]`` and ``[executorch]`` extras).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ both, and the medians are reported with the ORT/torch ratio. Export time covers 
 generation, optimizer state and the parity gate. ``--zoo`` runs the real-model zoo of
 ``tests/zoo.py`` (a source checkout): ResNet-18, MobileNetV2/V3-small at 32x32, LSTM
 (AdamW), Transformer on dict token inputs, MSE and BCE MLPs; without it, two small models.
-Run: ``taste-cl bench onnx [--zoo]`` (needs the ``[onnx]`` extra).
+Run: ``taste-cl bench onnx [--zoo]`` (needs the ``[onnx-training]`` extra).
 """
 
 from __future__ import annotations

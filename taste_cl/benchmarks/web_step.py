@@ -7,7 +7,7 @@ headless Chromium, onnxruntime-web's single-threaded wasm) then train on the sam
 alternating rounds of ``--steps`` steps (so shared load hits both). Medians of the rounds
 and the best rounds (the least disturbed by other load) are reported per step, with the
 browser/Python ratios, and the time to load the artifacts in each.
-Run: ``taste-cl bench web-step`` (needs the ``[onnx]`` extra, Chromium, Node and
+Run: ``taste-cl bench web-step`` (needs the ``[onnx-training]`` extra, Chromium, Node and
 ``npm install`` in ``web/``).
 """
 

@@ -1,11 +1,13 @@
-"""``taste-cl export``: write ONNX Runtime on-device training artifacts of the digits learner.
+"""``taste-cl export``: write the digits learner's on-device training artifacts.
 
 Without ``--checkpoint`` it trains the reference digits learner (MLP, SGD, 200-sample
 reservoir) on the first ``--tasks`` split-digits tasks, then exports it; with
-``--checkpoint DIR`` it loads a saved reference learner instead. The folder then holds
-``training_model.onnx``, ``eval_model.onnx``, ``optimizer_model.onnx``, ``checkpoint``,
-``inference_model.onnx``, ``replay.npz`` and ``manifest.json``; load it on the device with
-``taste_cl.adapters.onnxruntime.learner_export.OrtOnlineLearner.from_artifacts``. Needs the ``[onnx]`` extra.
+``--checkpoint DIR`` it loads a saved reference learner instead. ``--backend`` is
+``learner.export``'s: ``onnx_engine`` (standard ONNX graphs on plain onnxruntime, extra
+``[onnx]``), ``onnxruntime`` (the deprecated training build, extra ``[onnx-training]``; the only
+one that takes ``--optimizer`` and ``--lr``, since the engine trains with the learner's own
+optimizer), ``executorch``, or ``auto`` (the default: the first that passes). Load the folder on the
+device with ``taste_cl.adapters.device.loader.load_learner``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from taste_cl.adapters.device.artifacts import read_manifest
+from taste_cl.adapters.device.backends import BACKENDS
 from taste_cl.cli.console import plain_text
 from taste_cl.datasets import make_mlp, split_digits, stream
 from taste_cl.learner import OnlineLearner
@@ -33,11 +37,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, help="stream batch size to record in the manifest for the app")
     parser.add_argument("--last-layer-only", action="store_true", help="train only the output layer on device")
     parser.add_argument("--seed", type=int, default=0, help="seed of the training stream and model")
+    parser.add_argument("--backend", choices=("auto", *BACKENDS), default="auto", help="device runtime (default: the first that passes)")
     args = parser.parse_args(argv)
     if not 1 <= args.tasks <= 5:
         parser.error(f"--tasks must be in [1, 5]; got {args.tasks}")
-
-    from taste_cl.adapters.onnxruntime.learner_export import export  # needs the [onnx] extra
+    optimizer_options = {key: value for key, value in (("optimizer", args.optimizer), ("lr", args.lr)) if value is not None}
+    if optimizer_options and args.backend != "onnxruntime":
+        parser.error("--optimizer and --lr set the onnxruntime backend's on-device optimizer; pass --backend onnxruntime")
 
     torch.manual_seed(args.seed)
     if args.checkpoint:
@@ -50,9 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             learner.observe((x, y))
     names = [name for name, _ in learner.model.named_parameters()]
     trainable = names[-2:] if args.last_layer_only else None  # the output layer's weight and bias
-    folder = export(learner, args.out, trainable=trainable, optimizer=args.optimizer, lr=args.lr, batch_size=args.batch_size)
-    sizes = {path.name: path.stat().st_size for path in sorted(folder.iterdir())}
-    print(f"exported {learner.samples_seen} samples' worth of learning to {folder}")
+    folder = learner.export(args.out, backend=args.backend, trainable=trainable, batch_size=args.batch_size, **optimizer_options)
+    sizes = {path.name: path.stat().st_size for path in sorted(folder.iterdir()) if path.is_file()}
+    backend = read_manifest(folder).get("backend", "onnxruntime")  # ONNX Runtime folders predate the field
+    print(f"exported {learner.samples_seen} samples' worth of learning to {folder} ({backend})")
     for name, size in sizes.items():
         print(f"  {name:24s} {size / 1024:8.1f} KiB")
     return 0

@@ -10,7 +10,7 @@ exports it with ``backend="onnx_engine"`` and writes its browser folder
 folder is written first, the monitor left out) or an ``onnxruntime`` folder (made web-compatible
 for the deprecated training build's learner, ``web/taste_cl_web.js``, with
 :func:`taste_cl.adapters.web.compat.make_web_compatible`). Needs a source checkout (the page and
-the learners are not part of the wheel) and the ``[onnx]`` extra.
+the learners are not part of the wheel) and the ``[onnx]`` extra (``[onnx-training]`` for an ``onnxruntime`` folder).
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
 """Export a learner for on-device training through ONNX Runtime, ExecuTorch, or whichever passes the parity gate.
 
 The two runtimes are complementary: ONNX Runtime trains pooling and AdamW and, with its
-exporter's transforms, BatchNorm, Hardswish and LayerNorm, but is deprecated upstream
-(1.19.2 was its last release, no wheels for Linux aarch64 or Python 3.13) and has no Einsum
+exporter's transforms, BatchNorm, Hardswish and LayerNorm, but its training build is deprecated
+upstream (1.19.2 was its last release, no wheels for Linux aarch64 or Python 3.13; the
+``[onnx-training]`` extra, which cannot share a venv with plain ``onnxruntime``) and has no Einsum
 gradient; ExecuTorch is maintained and trains Hardswish, LayerNorm, attention and Einsum,
 but ships only SGD, needs BatchNorm frozen (``transforms=("freeze_batchnorm",)``) and gets
 some MaxPool2d gradients wrong, which its parity gate catches. ``backend="auto"`` tries them
-in :data:`AUTO_ORDER` (ONNX Runtime first: measured faster, see there) and publishes the
-first whose export passes its parity gate; the manifest's ``"selection"`` records the
+in :func:`auto_order` (ONNX Runtime first: measured faster, see :data:`AUTO_ORDER`; where the
+training build is not installed, the ONNX engine on plain ``onnxruntime`` in its place) and
+publishes the first whose export passes its parity gate (the ONNX engine has none yet: it
+publishes what it can write in standard ONNX); the manifest's ``"selection"`` records the
 chosen backend and why each earlier one was refused. A refusal that blames the training,
 not the runtime (:class:`~taste_cl.adapters.device.parity.TrainingDivergesError`,
 :class:`~taste_cl.adapters.device.parity.UnstableTrainingError`: torch itself diverges or
@@ -44,9 +47,10 @@ from taste_cl.adapters.device.artifacts import (
     staged_folder,
     write_manifest,
 )
+from taste_cl.adapters.device.loader import training_build_installed
 from taste_cl.adapters.device.parity import TrainingDivergesError, UnstableTrainingError
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "export"]
+__all__ = ["AUTO_ORDER", "BACKENDS", "auto_order", "export"]
 
 BACKENDS = ("onnxruntime", "executorch", "onnx_engine")
 # ONNX Runtime first, measured (`taste-cl bench device --models mlp cnn`, 1 thread, batch 32, see
@@ -55,9 +59,20 @@ BACKENDS = ("onnxruntime", "executorch", "onnx_engine")
 # portable kernels) 0.33x and 0.08x, and its export took under a second against 10-20 s.
 # ExecuTorch is the fallback for what ONNX Runtime refuses (Einsum; before the ONNX
 # exporter's transforms also Hardswish, HardSigmoid and BatchNorm eval graphs) and where ONNX
-# Runtime has no wheel (Linux aarch64, Python 3.13): there it is refused as not installed. Pass
-# ``order=("executorch", "onnxruntime")`` to prefer the maintained runtime.
+# Runtime has no wheel (Linux aarch64, Python 3.13). Pass ``order=("executorch", "onnxruntime")``
+# to prefer the maintained runtime. Where the training build is not installed (the `[onnx]` extra
+# brings plain onnxruntime), :func:`auto_order` puts the ONNX engine in its place: slower than the
+# training build where both train (docs/onnx.md), faster than ExecuTorch's portable kernels (issue #45's
+# probes, untuned: 0.58x eager on an MLP and 0.34x on a CNN, against ExecuTorch's 0.33x and 0.08x above).
 AUTO_ORDER = ("onnxruntime", "executorch")
+
+
+def auto_order() -> tuple[str, ...]:
+    """The backends ``"auto"`` tries by default: :data:`AUTO_ORDER`, with ``"onnx_engine"`` in place of
+    ``"onnxruntime"`` where ONNX Runtime's training build is not installed (plain ``onnxruntime``)."""
+    if training_build_installed():
+        return AUTO_ORDER
+    return tuple("onnx_engine" if name == "onnxruntime" else name for name in AUTO_ORDER)
 
 
 def _exporter(backend: str) -> Callable[..., Path]:
@@ -75,6 +90,7 @@ def _exporter(backend: str) -> Callable[..., Path]:
 
 
 _PACKAGES = {"onnxruntime": ("onnx", "onnxruntime"), "executorch": ("executorch",), "onnx_engine": ("onnx", "onnxscript", "onnxruntime")}
+_EXTRAS = {"onnxruntime": "onnx-training", "executorch": "executorch", "onnx_engine": "onnx"}
 # what ``taste_cl.adapters.onnxruntime.learner_export.export`` passes on to its ``export_model`` through ``**options``
 _ORT_PASSTHROUGH = frozenset({"trainable", "batchnorm", "lr", "verify", "parity_steps", "tolerance", "opset"})
 
@@ -93,20 +109,22 @@ def export(
     directory: str | os.PathLike[str],
     *,
     backend: str = "auto",
-    order: Sequence[str] = AUTO_ORDER,
+    order: Sequence[str] | None = None,
     **options: Any,
 ) -> Path:
     """Write on-device training artifacts for ``learner`` with ``backend``; return the folder.
 
     ``backend`` is ``"onnxruntime"``, ``"executorch"``, ``"onnx_engine"`` (standard-ONNX graphs on
     plain onnxruntime, driven by the engine loop: :mod:`taste_cl.adapters.onnx_engine.learner_export`;
-    it has no parity gate, so ``"auto"`` tries it only when ``order`` names it) or ``"auto"`` (try the
-    backends in ``order``). A single backend's refusal propagates unchanged; under ``"auto"`` an
-    :class:`ExportError` lists every backend's refusal when none passes. ``directory`` is
-    written only on success.
+    it has no parity gate, so ``"auto"`` tries it where the training build is missing or ``order`` names
+    it) or ``"auto"`` (try the backends in ``order``, default :func:`auto_order`). A single backend's
+    refusal propagates unchanged; under ``"auto"`` an :class:`ExportError` lists every backend's refusal
+    when none passes. ``directory`` is written only on success.
     """
     if backend not in (*BACKENDS, "auto"):
         raise ValueError(f"`backend == {backend!r}`, must be one of {[*BACKENDS, 'auto']}")
+    if order is None:
+        order = auto_order()
     if isinstance(order, str) or not order or any(name not in BACKENDS for name in order) or len(set(order)) != len(order):
         raise ValueError(f"`order == {order!r}`, must be a non-empty sequence of distinct names from {list(BACKENDS)}")
     order = tuple(order) if backend == "auto" else (backend,)
@@ -124,7 +142,7 @@ def export(
         for name in order:
             function = exporters[name]
             if function is None:
-                refused[name] = f"not installed (pip install 'taste-cl[{name if name == 'executorch' else 'onnx'}]')"
+                refused[name] = f"not installed (pip install 'taste-cl[{_EXTRAS[name]}]')"
                 continue
             trial = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=stage.parent))
             try:
@@ -148,7 +166,9 @@ def export(
 
 
 def _exporter_or_none(backend: str) -> Callable[..., Path] | None:
-    """The backend's export function, or None when its packages are not installed."""
+    """The backend's export function, or None when its packages (for ``"onnxruntime"``: the training build) are not installed."""
     if any(importlib.util.find_spec(package) is None for package in _PACKAGES[backend]):
+        return None
+    if backend == "onnxruntime" and not training_build_installed():
         return None
     return _exporter(backend)

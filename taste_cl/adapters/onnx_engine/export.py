@@ -2,7 +2,7 @@
 
 :func:`export_engine` captures torch's own forward/backward partition
 (:mod:`~taste_cl.adapters.onnx_engine.capture`), exports each graph with the dynamo ONNX exporter
-(opset 18, IR version 10, so ONNX Runtime 1.19 and every later release read it), writes the
+(opset 18, IR version 10, so ONNX Runtime 1.18 and every later release read it), writes the
 optimizer step as a third graph (:mod:`~taste_cl.adapters.onnx_engine.optimizers`) and saves the
 trainable tensors and the optimizer state beside them. The folder trains on plain ``onnxruntime``
 with :class:`~taste_cl.adapters.onnx_engine.engine.OnnxEngine`; no training build and no torch.

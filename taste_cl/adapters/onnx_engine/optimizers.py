@@ -24,10 +24,14 @@ from onnx import TensorProto, helper
 
 from taste_cl.exceptions import ExportError
 
-__all__ = ["OptimizerSpec", "build_optimizer_graph", "state_names"]
+__all__ = ["IR_VERSION", "MIN_ONNXRUNTIME", "OPSET", "OptimizerSpec", "build_optimizer_graph", "state_names"]
 
 OPSET = 18
-IR_VERSION = 10  # ONNX Runtime 1.19 reads IR <= 10
+IR_VERSION = 10  # ONNX Runtime reads IR 10 from 1.18 on (1.17: IR <= 9)
+# The oldest plain onnxruntime the engine's folders train on, tested (the `[onnx]` extra's floor): 1.18.0 reads
+# these graphs but its wheels are built against numpy 1 while declaring no numpy < 2 (beside numpy 2 it fails at
+# import); 1.18.1 declares numpy < 2; 1.19 and later run on numpy 2. tests/test_onnx_install.py checks it.
+MIN_ONNXRUNTIME = "1.18.1"
 
 
 @dataclass(frozen=True)

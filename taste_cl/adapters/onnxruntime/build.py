@@ -111,7 +111,7 @@ def _ort() -> Any:
         from onnxruntime.training import artifacts  # noqa: F401
     except ImportError as error:
         missing = "onnx" if (error.name or "").split(".")[0] == "onnx" else "onnxruntime-training-cpu"
-        raise MissingDependencyError(missing, "onnx") from error
+        raise MissingDependencyError(missing, "onnx-training") from error
     finally:
         cpp_extension.setLevel(level)
     onnxruntime.set_default_logger_severity(3)  # artifact generation logs every graph pass at INFO

@@ -62,12 +62,12 @@ def ort_bindings() -> Any:
     try:
         from onnxruntime.capi import _pybind_state as C
     except ImportError as error:
-        raise MissingDependencyError("onnxruntime-training-cpu", "onnx") from error
+        raise MissingDependencyError("onnxruntime-training-cpu", "onnx-training") from error
     finally:
         if guard is not None:
             sys.meta_path.remove(guard)
     if not hasattr(C, "CheckpointState"):
-        raise MissingDependencyError("onnxruntime-training-cpu", "onnx")
+        raise MissingDependencyError("onnxruntime-training-cpu", "onnx-training")
     C.set_default_logger_severity(3)
     return C
 

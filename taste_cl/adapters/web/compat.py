@@ -96,7 +96,7 @@ def _imports() -> tuple[Any, Any]:
         import onnxruntime.training.api
     except ImportError as error:
         missing = "onnx" if (error.name or "").split(".")[0] == "onnx" else "onnxruntime-training-cpu"
-        raise MissingDependencyError(missing, "onnx") from error
+        raise MissingDependencyError(missing, "onnx-training") from error
     onnxruntime.set_default_logger_severity(3)
     return onnx, onnxruntime
 
