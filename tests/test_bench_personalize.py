@@ -42,6 +42,7 @@ def _run(tmp_path: Path, *extra: str) -> dict:
     return json.loads((tmp_path / "personalize.json").read_text())
 
 
+@pytest.mark.training_build
 def test_tiny_run_reports_every_number_for_every_method(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = _run(tmp_path, "--backends", "onnxruntime", "--device-methods", "none")  # the device rows: tested below
     out = capsys.readouterr().out
@@ -136,10 +137,10 @@ def test_a_refused_device_export_is_a_cell_and_fails_its_target() -> None:
 def test_device_methods_follow_the_methods_run(monkeypatch: pytest.MonkeyPatch) -> None:
     args = parse_args(["--methods", "full,last_layer", "--device-methods", "full,lora"])
     assert args.device_methods == ["full"] and args.notes == ["no lora device row: lora is not run"]
-    assert parse_args([]).device_methods == ["full", "lora"] and parse_args(["--device-methods", "none"]).device_methods == []
+    assert parse_args([]).device_methods == ["full", "lora", "elastic_0.5"] and parse_args(["--device-methods", "none"]).device_methods == []
     monkeypatch.setattr(personalize, "find_spec", lambda name: None)  # peft not installed: lora left out, saying why
     args = parse_args([])
-    assert "lora" not in args.methods and args.device_methods == ["full"]
+    assert "lora" not in args.methods and args.device_methods == ["full", "elastic_0.5"]
     assert args.notes[0] == "lora left out: peft is not installed: pip install 'taste-cl[peft]'"
 
 
@@ -148,7 +149,7 @@ def test_device_methods_follow_the_methods_run(monkeypatch: pytest.MonkeyPatch) 
     [
         (["--methods", "full,adapters"], "unknown methods"),
         (["--backends", "tflite"], "choose from onnxruntime"),
-        (["--device-methods", "elastic_0.5"], "choose from last_layer, bias_only, lora, elastic_0.5_ort, full or 'none'"),
+        (["--device-methods", "elastic_0.3"], "choose from last_layer, bias_only, lora, elastic_0.5, elastic_0.5_ort, full or 'none'"),
     ],
 )
 def test_bad_options_are_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -26,6 +26,10 @@ pretrained features), no replay):
   (``measure_step_costs``, ``ElasticTrainer.selection_for``), made once on the host at
   export time (importance from the pretrained model's probe on the validation user's first
   batch: the host has no user data) and then fixed, as the exported artifacts train it;
+- ``elastic_0.5_devcost``: ``elastic_0.5`` re-selecting under the standard-ONNX engine's own costs: before the
+  sweep, the ``elastic_0.5`` learner is exported with ``backend="onnx_engine"`` and the device times each of its
+  cuts on the validation user's first batch (:meth:`~taste_cl.engine.elastic.ElasticEngine.measure_cuts`); torch's
+  trainer then selects with those costs (:meth:`ElasticTrainer.use_costs`), as the device does;
 - ``full``: every parameter.
 
 Each method's learning rate comes from ``--lrs`` on a validation user (own shift, as hard
@@ -46,7 +50,7 @@ the folder's files; a refusal is reported in the table, its whole message in the
 Then :func:`criteria` says which of the issue's targets this run meets (computed from the
 table).
 
-Device rows (``--device-methods``, default ``full,lora``): each method's learner as it starts
+Device rows (``--device-methods``, default ``full,lora,elastic_0.5``): each method's learner as it starts
 the stream (the pretrained copy, its chosen rate, momentum and the clipping) is exported once
 with ``backend="onnx_engine"``, which carries ``max_grad_norm``; every user's stream is then
 trained on a fresh :func:`~taste_cl.adapters.device.load_learner` of that folder (numpy and
@@ -54,7 +58,13 @@ plain onnxruntime), its observes alternating with the torch methods'. The device
 each device row's lift and retention beside its torch row's, with the gap in points (device
 minus torch, mean over users, and the largest of one user); an export refused is a cell with
 the error's type, its whole message in the JSON. :func:`device_criteria` judges issue #44's
-target: within 1 point of torch's. Writes ``personalize.json`` and ``personalize.png``.
+target: within 1 point of torch's. The ``elastic_0.5`` device row re-selects on the device from its own measured
+costs and gradients (the export carries the ElasticTrainer); beside its gap to torch's own-costed ``elastic_0.5`` it
+reports its gap to ``elastic_0.5_devcost`` and its step speed over the device's own ``full`` row, which the target
+(within 1 point of ``elastic_0.5_devcost`` at >= 1.5x the device's full speed) judges; it trains at the rate chosen
+for ``elastic_0.5_devcost``, its torch twin (:func:`device_lr`), when that runs, and for each user the twin starts
+from the costs that user's device learner measured on the first batch (the device goes on measuring, the twin not).
+Writes ``personalize.json`` and ``personalize.png``.
 Run: ``taste-cl bench personalize [--quick]``.
 """
 
@@ -88,17 +98,18 @@ from taste_cl.report import format_number, format_table
 
 __all__ = [
     "DEVICE_BACKEND", "DEVICE_METHODS", "METHODS", "SHIFTS", "User", "build_cnn", "choose_lr", "criteria", "device_criteria",
-    "device_table", "export_devices", "main", "make_users", "parse_args", "prepare", "run", "trainable_count",
+    "device_lr", "device_table", "export_devices", "main", "make_users", "parse_args", "prepare", "run", "trainable_count",
 ]  # fmt: skip
 
 BASE_CLASSES = 8  # trained in pretraining; outputs 8 and 9 are reserved for the users' own classes
 OUTPUTS = 10
-METHODS = ("last_layer", "bias_only", "lora", "elastic_0.5", "elastic_0.3", "elastic_0.5_ort", "full")
-BACKENDS = ("onnxruntime", "executorch")
+METHODS = ("last_layer", "bias_only", "lora", "elastic_0.5", "elastic_0.3", "elastic_0.5_ort", "elastic_0.5_devcost", "full")
+GATED_BACKENDS = ("onnxruntime", "executorch")  # parity-gated exports, which take the example rows and refuse clipping
+BACKENDS = (*GATED_BACKENDS, "onnx_engine")
 # the device rows: a method's learner exported with this backend before the stream, then trained on the device on the same
-# stream; the backend carries clipping, so only the methods with a fixed trainable set (no ElasticTrainer re-selecting)
+# stream; the backend carries clipping and the ElasticTrainer (elastic_0.5 re-selects on the device)
 DEVICE_BACKEND = "onnx_engine"
-DEVICE_METHODS = ("last_layer", "bias_only", "lora", "elastic_0.5_ort", "full")
+DEVICE_METHODS = ("last_layer", "bias_only", "lora", "elastic_0.5", "elastic_0.5_ort", "full")
 DEVICE_SUFFIX = "@device"
 MOMENTUM = 0.9
 
@@ -260,14 +271,37 @@ def prepare(
         for name, parameter in model.named_parameters():
             parameter.requires_grad_(name in args.ort_selection["trainable"])
     elif method.startswith("elastic_"):
-        rho = float(method.removeprefix("elastic_"))
+        rho = float(method.removeprefix("elastic_").removesuffix("_devcost"))
         plugins.append(ElasticTrainer(rho=rho, reselect_every=args.reselect_every, cache_dir=cache_dir, clock=args.clock,
                                       optimizer_state=args.elastic_optimizer_state))  # fmt: skip
     elif method != "full":
         raise ValueError(f"`method == {method!r}`, must be one of {list(METHODS)}")
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=MOMENTUM)
     settled: dict[str, Any] = {} if input_shape is None else {"input_shape": input_shape, "num_classes": OUTPUTS}
-    return OnlineLearner(model, optimizer=optimizer, plugins=plugins, max_grad_norm=args.max_grad_norm, **settled)
+    learner = OnlineLearner(model, optimizer=optimizer, plugins=plugins, max_grad_norm=args.max_grad_norm, **settled)
+    if method == "elastic_0.5_devcost":
+        plugins[0].use_costs(args.device_costs)  # select as the device does, with its measured costs
+    return learner
+
+
+def device_costs(pretrained: nn.Module, example: tuple[torch.Tensor, torch.Tensor], args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """The standard-ONNX engine's own costs of ``elastic_0.5``'s units: the learner exported before the stream, its cuts
+    timed on ``example`` by the device (one thread), as a profile :meth:`ElasticTrainer.use_costs` takes."""
+    from taste_cl.adapters.device import load_learner
+
+    learner = prepare("elastic_0.5", pretrained, 0.01, args, None, input_shape=tuple(example[0].shape[1:]))
+    return _measured(load_learner(learner.export(folder, backend=DEVICE_BACKEND, batch_size=example[0].shape[0])), example[0], args)
+
+
+def _measured(device: Any, x: torch.Tensor, args: argparse.Namespace) -> dict[str, Any]:
+    """A device elastic learner's cuts timed on ``x`` (:meth:`~taste_cl.engine.elastic.ElasticEngine.measure_cuts`, which its
+    first training step would do), as the profile :meth:`ElasticTrainer.use_costs` takes and the median seconds per cut."""
+    from taste_cl.elastic import TensorProfile
+
+    device.elastic.measure_cuts(x.numpy())
+    act, fixed = device.elastic.costs()
+    profile = TensorProfile.from_cut_costs(device.elastic.names, act, fixed, clock=args.clock)
+    return {"profile": profile, "cut_seconds": [statistics.median(s) for s in device.elastic.cut_seconds]}
 
 
 def ort_selection(pretrained: nn.Module, validation: User, args: argparse.Namespace) -> dict[str, Any]:
@@ -331,13 +365,13 @@ def _export_size(learner: OnlineLearner, backend: str, example: tuple[torch.Tens
     ``warnings``: what the export warned (e.g. a ``BatchNormModeWarning``). ONNX Runtime and ExecuTorch do not clip (their
     export refuses a clipping learner), so they export it unclipped (sizes are alike); ``onnx_engine`` carries the clipping."""
     clip = learner.max_grad_norm
-    options: dict[str, Any] = {"example": example} if backend in BACKENDS else {"batch_size": example[0].shape[0]}
+    options: dict[str, Any] = {"example": example} if backend in GATED_BACKENDS else {"batch_size": example[0].shape[0]}
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             warnings.simplefilter("ignore", UserWarning)  # ExecuTorch's memory planner warns once per convolution_backward output
             warnings.simplefilter("always", TasteCLWarning)  # ours are kept (e.g. BatchNormModeWarning)
-            if backend in BACKENDS:
+            if backend in GATED_BACKENDS:
                 learner.max_grad_norm = None
             try:
                 path = learner.export(folder / backend, backend=backend, **options)
@@ -361,10 +395,14 @@ def export_devices(
     """Per device method: its learner as it starts the stream (a copy of ``pretrained``, its rate, clipping), exported with
     ``DEVICE_BACKEND`` (graphs batched like ``example``) once for every user (see :func:`_export_size`)."""
     shape = tuple(example[0].shape[1:])
-    return {
-        method: _export_size(prepare(method, pretrained, lrs[method], args, None, input_shape=shape), DEVICE_BACKEND, example, folder / method)
-        for method in args.device_methods
-    }
+    learners = {method: prepare(method, pretrained, device_lr(method, lrs), args, None, input_shape=shape) for method in args.device_methods}
+    return {method: _export_size(learner, DEVICE_BACKEND, example, folder / method) for method, learner in learners.items()}
+
+
+def device_lr(method: str, lrs: Mapping[str, float]) -> float:
+    """The rate a device row trains at: its method's, but for an elastic row the rate chosen for its device-costed torch
+    twin (``<method>_devcost``, which selects as the device does) when that runs."""
+    return lrs.get(f"{method}_devcost", lrs[method])
 
 
 def _device_accuracy(learner: Any, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -383,7 +421,7 @@ def _device_rows(
         after = _device_accuracy(learner, user.test_x, user.test_y)
         retention = _device_accuracy(learner, base["test_x"], base["test_y"])
         rows[method] = {
-            "lr": torch_row["lr"],
+            "lr": learner.lr,
             "accuracy_after": after,
             "lift_points": 100 * (after - torch_row["accuracy_before"]),
             "retention": retention,
@@ -396,6 +434,17 @@ def _device_rows(
             "torch_median_step_s": torch_row["median_step_s"],
             "trainable_params": sum(v.size for v in learner.engine.parameters().values()),
         }
+        if learner.elastic is not None:  # re-selected on the device: its final selection, beside the device-costed torch row
+            sizes = learner.engine.parameters()
+            rows[method]["selected"] = list(learner.elastic.selected)
+            rows[method]["trainable_params"] = sum(sizes[n].size for unit, name in zip(learner.elastic.units, learner.elastic.names)
+                                                   if name in learner.elastic.selected for n in unit)  # fmt: skip
+            if f"{method}_devcost" in torch_rows:
+                devcost = torch_rows[f"{method}_devcost"]
+                rows[method] |= {"devcost_lift_points": devcost["lift_points"], "devcost_gap_points": 100 * (after - devcost["accuracy_after"])}
+    full = rows.get("full")
+    for row in rows.values():
+        row["speedup_vs_device_full"] = None if full is None else full["median_step_s"] / row["median_step_s"]
     return rows
 
 
@@ -421,6 +470,10 @@ def personalize_user(
     candidates = {method: trainable_count(learner) for method, learner in learners.items()}
     on_device = {method: load_learner(entry["path"]) for method, entry in (devices or {}).items() if entry["refused"] is None}
     batches = _batches(user, args, args.seed + 1)
+    for method, device in on_device.items():  # the device's elastic row and its torch twin start from the same measured costs
+        twin = learners.get(f"{method}_devcost")
+        if device.elastic is not None and twin is not None:
+            next(p for p in twin.plugins if isinstance(p, ElasticTrainer)).use_costs(_measured(device, batches[0][0], args)["profile"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         wall, cpu = _personalize({**learners, **{m + DEVICE_SUFFIX: learner for m, learner in on_device.items()}}, batches)
@@ -512,6 +565,7 @@ _DEVICE_MEANS = (
     "lift_points", "retention", "accuracy_after", "torch_lift_points", "torch_retention", "gap_points", "retention_gap_points",
     "median_step_s", "cpu_median_step_s", "torch_median_step_s", "trainable_params",
 )  # fmt: skip
+_DEVICE_OPTIONAL = ("devcost_lift_points", "devcost_gap_points", "speedup_vs_device_full")
 
 
 def summarize_devices(users: list[dict[str, dict[str, Any]]], exports: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -523,6 +577,9 @@ def summarize_devices(users: list[dict[str, dict[str, Any]]], exports: Mapping[s
         summary[method] = {"export": {k: v for k, v in entry.items() if k != "path"}}  # the folder was temporary
         if method in pooled:
             summary[method] |= pooled[method] | {"lr": users[0][method]["lr"], "max_abs_gap_points": max(abs(u[method]["gap_points"]) for u in users)}
+            for key in _DEVICE_OPTIONAL:  # the elastic row's, and the speed ratio once a device full row ran
+                values = [float(u[method][key]) for u in users if u[method].get(key) is not None]
+                summary[method][key] = statistics.fmean(values) if len(values) == len(users) else None
     return summary
 
 
@@ -539,7 +596,7 @@ def device_table(summary: Mapping[str, dict[str, Any]]) -> str:
     """The aligned table of :func:`summarize_devices`'s output: each device row beside its torch row (gaps: device minus torch)."""
     headers = [
         "device row", "lr", "trainable", "torch lift", "device lift", "gap (pts)", "max |gap|", "torch retention", "device retention",
-        "ms/step", "torch ms/step", DEVICE_BACKEND,
+        "ms/step", "torch ms/step", "vs device full", "devcost gap", DEVICE_BACKEND,
     ]  # fmt: skip
     rows = []
     for method, s in summary.items():
@@ -549,6 +606,7 @@ def device_table(summary: Mapping[str, dict[str, Any]]) -> str:
             *(_signed(s.get(k)) for k in ("torch_lift_points", "lift_points", "gap_points")),
             s.get("max_abs_gap_points"), s.get("torch_retention"), s.get("retention"),
             *(1000 * s[k] if ran else None for k in ("median_step_s", "torch_median_step_s")),
+            _times(s.get("speedup_vs_device_full")), _signed(s.get("devcost_gap_points")),
             _artifact_cell({DEVICE_BACKEND: s["export"]}, DEVICE_BACKEND),
         ])  # fmt: skip
     return format_table(headers, rows)
@@ -634,6 +692,13 @@ def device_criteria(summary: Mapping[str, dict[str, Any]], max_grad_norm: float 
         numbers = (f"device {_signed(s['lift_points'])} vs torch {_signed(s['torch_lift_points'])} pts (gap {_signed(s['gap_points'])}; "
                    f"largest of one user {s['max_abs_gap_points']:.1f})")  # fmt: skip
         found.append({"criterion": what, "holds": max_grad_norm is not None and abs(s["gap_points"]) <= 1, "numbers": numbers})
+        if s.get("devcost_gap_points") is not None and s.get("speedup_vs_device_full") is not None:
+            found.append({
+                "criterion": f"{method} re-selecting on the device within 1 point of torch's {method}_devcost, at >= 1.5x the device's full speed",
+                "holds": abs(s["devcost_gap_points"]) <= 1 and s["speedup_vs_device_full"] >= 1.5,
+                "numbers": f"gap {_signed(s['devcost_gap_points'])} pts (to own-costed {method}: {_signed(s['gap_points'])}); "
+                           f"{s['speedup_vs_device_full']:.2f}x the device's full step speed",
+            })  # fmt: skip
     return found
 
 
@@ -692,13 +757,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--elastic-optimizer-state", choices=OPTIMIZER_STATE_POLICIES, default="reset",
                         help="ElasticTrainer: whether a unit leaving the selection keeps its momentum for when it rejoins")  # fmt: skip
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="ElasticTrainer's profiling clock")
-    parser.add_argument("--backends", default="onnxruntime,executorch", help="device backends to export with ('none': no export)")
-    parser.add_argument("--device-methods", default="full,lora",
+    parser.add_argument("--backends", help="device backends to export with ('none': no export; default: the ONNX Runtime training build where "
+                        "it is installed, else onnx_engine, and executorch where installed)")  # fmt: skip
+    parser.add_argument("--device-methods", default="full,lora,elastic_0.5",
                         help=f"methods also trained on the device: exported with {DEVICE_BACKEND} before the stream, from "
                              f"{', '.join(DEVICE_METHODS)} ('none': no device rows)")  # fmt: skip
     args = parse(parser, argv)
     if args.quick:
-        args.users, args.steps, args.lrs, args.backends = min(args.users, 2), min(args.steps, 24), "0.01,0.03", "onnxruntime"
+        args.users, args.steps, args.lrs = min(args.users, 2), min(args.steps, 24), "0.01,0.03"
+        args.backends = args.backends or _default_backends()[0]
         args.pretrain_steps, args.test_samples = min(args.pretrain_steps, 200), min(args.test_samples, 300)
     methods_given = args.methods is not None
     args.methods = [m for m in (args.methods or ",".join(METHODS)).split(",") if m]
@@ -716,10 +783,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.notes += [f"no {m} device row: {m} is not run" for m in requested if m not in args.methods]
     args.lrs = [float(v) for v in args.lrs.split(",")]
     args.max_grad_norm = args.max_grad_norm or None
-    args.backends = [] if args.backends == "none" else args.backends.split(",")
+    args.backends = _default_backends() if args.backends is None else [] if args.backends == "none" else args.backends.split(",")
     if any(b not in BACKENDS for b in args.backends):
         parser.error(f"`--backends {','.join(args.backends)}`: choose from {', '.join(BACKENDS)} or 'none'")
     return args
+
+
+def _default_backends() -> list[str]:
+    """The export backends this venv has: the training build or the standard-ONNX engine, then ExecuTorch."""
+    from taste_cl.adapters.device.loader import training_build_installed
+
+    return ["onnxruntime" if training_build_installed() else "onnx_engine"] + (["executorch"] if find_spec("executorch") else [])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -746,6 +820,12 @@ def run(args: argparse.Namespace) -> int:
             speedup = args.ort_selection["ort_predicted_speedup"]
             print(f"the ORT-costed selection (elastic_0.5_ort) trains {len(chosen)} tensors: {', '.join(chosen)}")
             print(f"  (its ONNX Runtime step predicted {speedup:.2f}x faster than every tensor's)")
+        if "elastic_0.5_devcost" in args.methods:
+            costs = device_costs(pretrained, (validation.train_x[: args.batch_size], validation.train_y[: args.batch_size]), args,
+                                 Path(scratch) / "device_costs")  # fmt: skip
+            args.device_costs = costs["profile"]
+            times = ", ".join(f"{1000 * t:.1f}" for t in costs["cut_seconds"])
+            print(f"the standard-ONNX engine's cut times (ms, elastic_0.5_devcost's costs): {times}")
         if len(args.lrs) > 1:
             sweep = choose_lrs(validation, pretrained, args, cache_dir)
             lrs = {m: choose_lr(scores, validation.test_y.shape[0]) for m, scores in sweep.items()}
@@ -783,7 +863,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"plot written to {_plot(summary, Path(args.out) / 'personalize.png')}")
     else:
         print(f"no plot: {PLOT_HINT}")
-    config = {key: value for key, value in vars(args).items() if key not in ("out", "ort_selection")}
+    config = {key: value for key, value in vars(args).items() if key not in ("out", "ort_selection", "device_costs")}
     users_info = [{"shift": u.shift, "classes": list(u.classes), "own_label": u.own_label} for u in users]
     result = {
         "config": config,
@@ -795,6 +875,7 @@ def run(args: argparse.Namespace) -> int:
         "criteria": targets,
         "device": {"backend": DEVICE_BACKEND, "methods": device_summary, "per_user": list(per_user_device), "criteria": device_targets},
         "ort_selection": getattr(args, "ort_selection", None),
+        "device_costs": getattr(args, "device_costs", None) and args.device_costs.to_dict(),
     }
     save_result(args.out, "personalize", result, summary=headline(summary, len(users)))
     return 0

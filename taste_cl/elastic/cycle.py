@@ -91,6 +91,7 @@ class SelectionCycle:
         self.clock = clock
         self.optimizer_state = optimizer_state
         self.profile_: TensorProfile | None = None
+        self.fixed_costs = False  # use_costs: select with given costs, uncorrected by this learner's step times
         self.timing_: StepTimeModel | None = None
         self.importance_: list[float] | None = None
         self.selected: list[str] = []
@@ -178,6 +179,16 @@ class SelectionCycle:
             )
         ids = {id(p) for i in chosen for p in self._unit_params[i]}
         return [name for name, p in self._attached().model.named_parameters() if id(p) in ids]
+
+    def use_costs(self, costs: TensorProfile) -> None:
+        """Select with ``costs`` from now on, as given: another runtime's measured costs of this trainer's units
+        (:meth:`TensorProfile.from_cut_costs` of a device's :meth:`~taste_cl.engine.elastic.ElasticEngine.costs`), so
+        this learner re-selects as that device would. The closed loop does not correct them with this learner's own
+        step times; :meth:`~taste_cl.elastic.ElasticTrainer.reprofile` goes back to measured costs. ``ValueError``
+        for costs of other units; the next step probes."""
+        self._set_profile(costs)
+        self.fixed_costs = True
+        self.reselect()
 
     def units_holding(self, names: Sequence[str]) -> list[int]:
         """Indices (ascending) of the profile's units that hold any of the parameters ``names``
@@ -295,8 +306,8 @@ class SelectionCycle:
         return [index[n] for n in (self.selected if names is None else names)]
 
     def _record_time(self, seconds: float) -> None:
-        """Feed one measured step time to the closed loop."""
-        if self.timing_ is None:
+        """Feed one measured step time to the closed loop (not with :meth:`use_costs`' fixed costs)."""
+        if self.timing_ is None or self.fixed_costs:
             return
         if self._probe_step:
             self._probe_times = [*self._probe_times[-4:], max(seconds - self._arm_s, 1e-9)]

@@ -110,6 +110,23 @@ class TensorProfile:
         return asdict(self)
 
     @classmethod
+    def from_cut_costs(
+        cls, units: Sequence[str], act_grad_s: Sequence[float], fixed_s: float, *, granularity: str = "tensor", clock: str = "wall"
+    ) -> TensorProfile:
+        """The profile a device's cut costs (:func:`taste_cl.engine.elastic.cut_costs`) amount to: no weight-gradient
+        cost (a cut's graph computes every later tensor's gradient anyway), ``act_grad_s`` between cuts and ``fixed_s``
+        as the forward; memory unknown (0). :meth:`~taste_cl.elastic.ElasticTrainer.use_costs` selects with it as the
+        device does. ``ValueError`` naming a bad field."""
+        n = len(units)
+        zeros = [0.0] * n
+        return parse_profile({
+            "units": list(units), "weight_grad_s": zeros, "act_grad_s": list(act_grad_s), "forward_s": fixed_s,
+            "backward_s": float(sum(act_grad_s)), "weight_grad_ci": zeros, "act_grad_ci": zeros, "forward_ci": 0.0,
+            "param_bytes": [0] * n, "input_bytes": [0] * n, "act_bytes": [0] * n, "granularity": granularity, "rounds": 0,
+            "noisy": False, "clock": clock,
+        })  # fmt: skip
+
+    @classmethod
     def from_dict(cls, state: Any) -> TensorProfile:
         """Parse and validate a :meth:`to_dict` value; raise ``ValueError`` naming the bad field."""
         return parse_profile(state)

@@ -161,7 +161,7 @@ class ElasticTrainer(SelectionCycle, LearnerPlugin):
     def _forward_done(self, module: nn.Module, args: Any, output: Any) -> None:
         seconds = CLOCKS[self.clock]() - self._forward_start
         self._remove_forward_hook()
-        if self.timing_ is not None:
+        if self.timing_ is not None and not self.fixed_costs:
             self.timing_.observe_forward(seconds)
 
     def _remove_forward_hook(self) -> None:
@@ -220,6 +220,7 @@ class ElasticTrainer(SelectionCycle, LearnerPlugin):
                 stacklevel=2,
             )
         self._set_profile(profile)
+        self.fixed_costs = False
         self.reselect()
         return profile
 
@@ -238,6 +239,7 @@ class ElasticTrainer(SelectionCycle, LearnerPlugin):
             "probe_now": self._probe_now,
             "example": self._example,
             "frozen": self.frozen_names() if self._learner is not None else None,
+            "fixed_costs": self.fixed_costs,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -258,6 +260,7 @@ class ElasticTrainer(SelectionCycle, LearnerPlugin):
         self.steps_, self.probes_ = state["steps"], state["probes"]
         self._since_probe, self._drift_left, self._probe_now = state["since_probe"], state["drift_left"], state["probe_now"]
         self._example = state["example"]
+        self.fixed_costs = state.get("fixed_costs", False)  # checkpoints from before use_costs: measured costs
         if parsed.profile is not None and state["selected"]:
             self._apply(state["selected"], drop_state=False)  # the optimizer section brings the state
         else:
@@ -309,6 +312,8 @@ def _parse_state(trainer: ElasticTrainer, state: Any) -> _ParsedState:
             raise CheckpointError(f"elastic state `{key} == {value!r}`, must be an int >= 0")
     if not isinstance(state["probe_now"], bool):
         raise CheckpointError("elastic state `probe_now` must be a bool")
+    if not isinstance(state.get("fixed_costs", False), bool):
+        raise CheckpointError("elastic state `fixed_costs` must be a bool")
     example = state["example"]
     if example is not None and not all(torch.is_tensor(t) for t in pytree.tree_leaves(example)):
         raise CheckpointError("elastic state `example` must be a tensor or a structure of tensors")

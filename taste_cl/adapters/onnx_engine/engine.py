@@ -8,6 +8,9 @@ standard ONNX graphs and the state:
   -> ``grad.<name>`` of each trainable tensor; the activations are computed once, in the forward;
 - ``optimizer.onnx``: one SGD or AdamW step; ``parameters.npz`` and ``optimizer_state.npz``;
 - ``engine.json``: names, shapes and dtypes, all checked on load;
+- with cuts (an elastic learner's export), ``backward.cut<k>.onnx``: the backward pruned to the gradients of the
+  tensors from one module on (``cuts`` of the manifest); :meth:`OnnxEngine.select` trains a subset of the
+  tensors on the latest cut that holds them, reading the same parameters (see :mod:`taste_cl.engine.elastic`);
 - with ``batchnorm="adapt"`` at export, ``forward_batch.onnx`` / ``backward_batch.onnx`` (BatchNorm on
   the batch's statistics) and ``statistics.npz`` (the running statistics, inputs of the graphs):
   :meth:`OnnxEngine.forward_batch_statistics`, :meth:`OnnxEngine.norm_statistics` and
@@ -26,7 +29,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +98,7 @@ class _Graphs:
     backward_inputs: list[str]
     fed: set[str]
     outputs: list[str]
+    grads: tuple[str, ...]
 
 
 def _statistic_shapes(manifest: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -162,6 +166,10 @@ class OnnxEngine:
         self._rows_name = str(manifest["batch"]["rows"]) if "batch" in manifest else ""
         self._layers: dict[str, dict[str, Any]] = dict(manifest.get("batch", {}).get("layers", {}))
         self._check_signatures(manifest)
+        self._cuts = [self._graphs, *self._load_cuts(manifest, ort, options)]
+        self.cuts: tuple[tuple[str, ...], ...] = tuple(graphs.grads for graphs in self._cuts)
+        self._active, self._selected = self._graphs, self.trainable
+        self.cut = 0  # the cut training runs on (select)
         self._batch = self._load_batch_graphs(manifest, ort, options)
         self._statistics = self._load_statistics() if self._batch is not None else {}
         self._parameters = _check_arrays("parameters.npz", _load_npz(self.folder / "parameters.npz"), self._shapes)
@@ -186,8 +194,11 @@ class OnnxEngine:
         self._graphs = self._graph_pair(self._forward, self._backward, manifest, "forward.onnx", "backward.onnx")
         self._forward_inputs, self._backward_inputs, self._fed = self._graphs.forward_inputs, self._graphs.backward_inputs, self._graphs.fed
 
-    def _graph_pair(self, forward: Any, backward: Any, entry: Mapping[str, Any], forward_name: str, backward_name: str) -> _Graphs:
-        """The forward/backward pair checked against the manifest ``entry`` (its ``forward`` and ``backward``)."""
+    def _graph_pair(
+        self, forward: Any, backward: Any, entry: Mapping[str, Any], forward_name: str, backward_name: str, grads: tuple[str, ...] | None = None
+    ) -> _Graphs:
+        """The forward/backward pair checked against the manifest ``entry`` (its ``forward`` and ``backward``); the backward
+        returns the gradients of ``grads`` (default: every trainable tensor) in order."""
         for session, key, file in ((forward, "forward", forward_name), (backward, "backward", backward_name)):
             names = [i.name for i in session.get_inputs()]
             outputs = [o.name for o in session.get_outputs()]
@@ -198,10 +209,47 @@ class OnnxEngine:
         unknown = fed - set(self._shapes) - set(self._inputs) - set(self._statistic_shapes) - {"output", self._rows_name}
         if unknown:
             raise ArtifactError(f"{backward_name} takes inputs the engine cannot feed: {sorted(unknown)}")
-        expected = [f"grad.{name}" for name in self.trainable]
-        if [o.name for o in backward.get_outputs()] != expected:
-            raise ArtifactError(f"{backward_name} does not return the gradients of the trainable tensors in order")
-        return _Graphs(forward, backward, [i.name for i in forward.get_inputs()], backward_inputs, fed, [o.name for o in forward.get_outputs()])
+        grads = self.trainable if grads is None else grads
+        if [o.name for o in backward.get_outputs()] != [f"grad.{name}" for name in grads]:
+            which = "the trainable tensors" if grads == self.trainable else "its cut's tensors"
+            raise ArtifactError(f"{backward_name} does not return the gradients of {which} in order")
+        forward_inputs, outputs = [i.name for i in forward.get_inputs()], [o.name for o in forward.get_outputs()]
+        return _Graphs(forward, backward, forward_inputs, backward_inputs, fed, outputs, grads)
+
+    def _load_cuts(self, manifest: Mapping[str, Any], ort: Any, options: Any) -> list[_Graphs]:
+        """The pruned backward graphs of ``cuts``, each the gradients of a subset of the cut before's (in order)."""
+        cuts, previous = [], self.trainable
+        for k, entry in enumerate(manifest.get("cuts", []), start=1):
+            file = f"backward.cut{k}.onnx"
+            grads = tuple(entry["trainable"]) if isinstance(entry, Mapping) and isinstance(entry.get("trainable"), list) else None
+            ordered = grads is not None and set(grads) < set(previous) and list(grads) == [n for n in previous if n in grads]
+            if not isinstance(entry, Mapping) or entry.get("file") != file or not grads or not ordered:
+                raise ArtifactError(f"{MANIFEST} `cuts[{k - 1}]` must name {file} and fewer of the cut before's tensors, in order")
+            path = self.folder / file
+            if not path.is_file() or path.is_symlink():
+                raise ArtifactError(f"{self.folder} lacks {file} (or it is not a regular file)")
+            backward = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            cuts.append(self._graph_pair(self._forward, backward, {"forward": manifest["forward"], "backward": entry}, "forward.onnx", file, grads))
+            previous = grads
+        return cuts
+
+    @property
+    def graph_files(self) -> tuple[str, ...]:
+        """The graph files of the folder (the batch-statistics graphs left out)."""
+        return (*GRAPHS, *(f"backward.cut{k}.onnx" for k in range(1, len(self._cuts))))
+
+    def select(self, names: Sequence[str]) -> int:
+        """Train only the tensors ``names`` from now on, on the latest cut holding them all (returned): :meth:`backward`
+        returns and :meth:`step` takes their gradients only, and the other tensors and their optimizer state stay as they
+        are (as torch's optimizers skip a parameter without a gradient). ``ValueError`` for a name that is not trainable."""
+        chosen = set(names)
+        unknown = sorted(chosen - set(self.trainable))
+        if unknown or not chosen:
+            raise ValueError(f"select names tensors the engine does not train: {unknown}" if unknown else "select needs one tensor or more")
+        cut = max(k for k, graphs in enumerate(self._cuts) if chosen <= set(graphs.grads))
+        self._active, self._selected = self._cuts[cut], tuple(name for name in self.trainable if name in chosen)
+        self.cut = cut
+        return cut
 
     def _optimizer_state_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes: dict[str, tuple[int, ...]] = {"step": ()}
@@ -241,7 +289,7 @@ class OnnxEngine:
     def forward(self, x: np.ndarray | Mapping[str, np.ndarray], *, train: bool) -> np.ndarray:
         """The model's output for ``x``; with ``train=True`` the activations for one :meth:`backward` are kept."""
         arrays, rows = self._as_inputs(x)
-        return self._run_forward(self._graphs, self._chunks(arrays, rows), train)[0]
+        return self._run_forward(self._active if train else self._graphs, self._chunks(arrays, rows), train)[0]
 
     def _value(self, name: str, chunk: Mapping[str, np.ndarray]) -> np.ndarray:
         """What the graphs' input ``name`` is fed: the batch's, a trainable tensor's or a running statistic's value."""
@@ -286,13 +334,17 @@ class OnnxEngine:
                 part = np.concatenate([part, np.zeros((self.batch_size - taken, *grad.shape[1:]), np.float32)])
             start += taken
             feed = {name: part if name == "grad_output" else self._value(name, kept) for name in graphs.backward_inputs}
-            for name, value in zip(self.trainable, graphs.backward.run(None, feed)):
-                total[name] = value if name not in total else total[name] + value
+            for name, value in zip(graphs.grads, graphs.backward.run(None, feed)):
+                if name in self._selected:
+                    total[name] = value if name not in total else total[name] + value
         return total
 
     def step(self, gradients: Mapping[str, np.ndarray], lr: float) -> None:
-        """One optimizer step with ``gradients`` (one per trainable tensor) at learning rate ``lr``."""
-        checked = _check_arrays("gradients", gradients, self._shapes)
+        """One optimizer step with ``gradients`` (one per selected tensor: every trainable one unless :meth:`select`
+        chose fewer) at learning rate ``lr``; the others, and their optimizer state, are left as they are."""
+        checked = _check_arrays("gradients", gradients, {name: self._shapes[name] for name in self._selected})
+        skipped = [name for name in self.trainable if name not in checked]
+        checked |= {name: np.zeros(self._shapes[name], np.float32) for name in skipped}
         if not np.isfinite(lr) or lr < 0:
             raise InvalidBatchError(f"`lr == {lr}`, must be finite and >= 0")
         feed = {"lr": np.asarray(lr, np.float32), **self._state}
@@ -301,6 +353,8 @@ class OnnxEngine:
         outputs = self._optimizer.get_outputs()
         for item, value in zip(outputs, self._optimizer.run(None, feed)):
             key = item.name[len("new.") :]
+            if key.partition(".")[2] in skipped:
+                continue
             if key.startswith("param."):
                 self._parameters[key[len("param.") :]] = value
             else:
@@ -323,7 +377,7 @@ class OnnxEngine:
         target = Path(folder)
         target.mkdir(parents=True, exist_ok=True)
         if target.resolve() != self.folder.resolve():
-            for name in (*GRAPHS, MANIFEST):
+            for name in (*self.graph_files, MANIFEST):
                 atomic_write_bytes(target / name, (self.folder / name).read_bytes())
         atomic_write_bytes(target / "parameters.npz", _npz_bytes(self._parameters))
         atomic_write_bytes(target / "optimizer_state.npz", _npz_bytes(self._state))

@@ -14,7 +14,11 @@ its SHA-256 in ``manifest.json`` (:mod:`taste_cl.adapters.device.artifacts`):
   sizes, clipping, strategy weights, seed, and ``monitor``: the
   :class:`~taste_cl.engine.monitor.LoopMonitor`'s settings, defaults when absent), ``loop`` (the plain part of
   :meth:`~taste_cl.engine.loop.EngineLearner.state`: counters, generator, replay counts, guard
-  history, the monitor's state), ``counters`` and what the export recorded (``export``).
+  history, the monitor's state), ``counters`` and what the export recorded (``export``);
+- for an elastic learner (an :class:`~taste_cl.elastic.ElasticTrainer` exported with it), the pruned backward graphs
+  ``backward.cut<k>.onnx``, ``settings.elastic`` (its settings and units) and ``elastic`` (the cycle's state: the
+  selection, the importance, each cut's measured seconds and the counters): the device re-selects with its own
+  costs and gradients (:class:`~taste_cl.engine.elastic.ElasticEngine`), and a saved folder resumes that too.
 
 Loading checks everything before it builds anything: the manifest and every hash, each setting
 against its bounds, the engine's shapes, and every array's dtype and shape from its ``.npy``
@@ -44,6 +48,8 @@ from taste_cl.adapters.onnx_engine.engine import MANIFEST as ENGINE_MANIFEST
 from taste_cl.adapters.onnxruntime.manifest import MAX_CAPACITY, MAX_CLASSES, MAX_ITERATIONS, MAX_REPLAY_BATCH, manifest_error, manifest_int
 from taste_cl.adapters.onnxruntime.replay import MAX_REPLAY_BYTES, npz_headers
 from taste_cl.engine.adapt import ArrayCollapseGuard, EngineAdapter
+from taste_cl.engine.elastic import SETTINGS as ELASTIC_SETTINGS
+from taste_cl.engine.elastic import ElasticEngine
 from taste_cl.engine.loop import BUFFERS, STRATEGIES, EngineLearner, EngineStats
 from taste_cl.engine.monitor import LoopMonitor
 from taste_cl.engine.probe_guard import LoopProbeGuard
@@ -81,7 +87,7 @@ def _number(settings: Mapping[str, Any], key: str, *, low: float, high: float = 
 def parse_settings(settings: Any, guard: DeviceUpdateGuard) -> dict[str, Any]:
     """The manifest's ``settings`` checked against their bounds (``ArtifactError`` naming the first bad one),
     as the keyword arguments of :class:`~taste_cl.engine.loop.EngineLearner`."""
-    if not isinstance(settings, Mapping) or set(settings) - {"monitor", "lwf_on_drift", "probe_guard"} != set(_SETTINGS):
+    if not isinstance(settings, Mapping) or set(settings) - {"monitor", "lwf_on_drift", "probe_guard", "elastic"} != set(_SETTINGS):
         given = sorted(settings) if isinstance(settings, Mapping) else type(settings).__name__
         raise ArtifactError(f"manifest `settings` must be an object with exactly the keys {sorted(_SETTINGS)}; got {given}")
     strategy, replay = settings["strategy"], settings["replay"]
@@ -113,7 +119,32 @@ def parse_settings(settings: Any, guard: DeviceUpdateGuard) -> dict[str, Any]:
         "seed": manifest_int(settings, "seed", 0, 2**63 - 1, "settings."),
         "monitor": _monitor(settings.get("monitor")),
         "probe_guard": _probe_guard(settings.get("probe_guard")),
+        "elastic": _elastic(settings.get("elastic")),
     }
+
+
+def _elastic(settings: Any) -> dict[str, Any] | None:
+    """The manifest's ``settings.elastic`` with its keys and types checked (null or absent: no elastic cycle); the
+    values are checked by :class:`~taste_cl.engine.elastic.ElasticEngine` against the engine when it loads."""
+    if settings is None:
+        return None
+    keys = {*ELASTIC_SETTINGS, "units", "names"}
+    if not isinstance(settings, Mapping) or set(settings) != keys:
+        raise manifest_error(
+            "settings.elastic", settings if not isinstance(settings, Mapping) else sorted(settings), f"an object with the keys {sorted(keys)}"
+        )
+    units, names = settings["units"], settings["names"]
+    if not isinstance(units, list) or not all(isinstance(u, list) and all(isinstance(n, str) for n in u) for u in units):
+        raise manifest_error("settings.elastic.units", units, "a list of lists of tensor names")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise manifest_error("settings.elastic.names", names, "a list of unit names")
+    for key in ("rho", "drift_rho"):
+        value = settings[key]
+        if (value is not None or key == "rho") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise manifest_error(f"settings.elastic.{key}", value, "a number in (0, 1]")
+    for key in ("reselect_every", "drift_steps", "resolution"):
+        manifest_int(settings, key, 1, 2**31, "settings.elastic.")
+    return dict(settings)
 
 
 def _monitor(settings: Any) -> LoopMonitor:
@@ -293,10 +324,16 @@ class OnnxEngineLearner(EngineLearner):
         guard: DeviceUpdateGuard | None = None,
         source: Mapping[str, Any] | None = None,
         info: Mapping[str, Any] | None = None,
+        elastic: Mapping[str, Any] | None = None,
+        timer: Any = None,
         **settings: Any,
     ) -> None:
-        super().__init__(engine, guard=guard, **settings)
-        self.engine: OnnxEngine = engine
+        self.onnx_engine = engine
+        self.elastic = None if elastic is None else ElasticEngine(engine, **elastic, timer=timer)
+        super().__init__(engine if self.elastic is None else self.elastic, guard=guard, **settings)
+        self.engine: OnnxEngine | ElasticEngine  # the loop trains through the elastic cycle when there is one
+        if self.elastic is not None:  # as the torch trainer: a drift raises the budget for a while
+            self.monitor.subscribe(self.elastic.on_drift, "drift_detected")
         self.seed = int(settings.get("seed", 0))
         self.capacity = int(settings.get("capacity", 200))
         (self.input_dtype, self.input_shape), *more = engine.inputs.values()
@@ -314,8 +351,9 @@ class OnnxEngineLearner(EngineLearner):
 
     # ---------------------------------------------------------------- loading
     @classmethod
-    def from_artifacts(cls, directory: str | os.PathLike[str], *, threads: int = 1) -> OnnxEngineLearner:
-        """Load a folder written by the export or :meth:`save`; everything is checked first (``ArtifactError``)."""
+    def from_artifacts(cls, directory: str | os.PathLike[str], *, threads: int = 1, timer: Any = None) -> OnnxEngineLearner:
+        """Load a folder written by the export or :meth:`save`; everything is checked first (``ArtifactError``).
+        ``timer``: the clock the elastic cycle measures its steps with (default its ``clock`` setting's; tests inject one)."""
         folder = Path(directory)
         manifest = read_manifest(folder, required=(*ENGINE_FILES, LOOP_FILE))
         if manifest.get("backend") != BACKEND or manifest.get("format") != FORMAT:
@@ -356,13 +394,28 @@ class OnnxEngineLearner(EngineLearner):
         except (CheckpointError, ValueError, KeyError, TypeError, RuntimeError) as error:
             raise ArtifactError(f"the engine files in {str(folder)!r} do not load: {type(error).__name__}: {error}") from None
         info = manifest.get("export")
-        learner = cls(engine, source=manifest, info=info if isinstance(info, Mapping) else None, guard=guard, **settings)
+        if settings["elastic"] is not None:
+            try:  # its values against this engine's tensors and cuts, before the learner is built
+                ElasticEngine(engine, **settings["elastic"])
+            except (ValueError, TypeError) as error:
+                raise ArtifactError(f"manifest `settings.elastic`: {error}") from None
+        learner = cls(engine, source=manifest, info=info if isinstance(info, Mapping) else None, guard=guard, timer=timer, **settings)
+        elastic_state = None
+        if learner.elastic is not None:
+            try:
+                elastic_state = learner.elastic.check_state(manifest.get("elastic"))
+            except ValueError as error:
+                raise ArtifactError(f"manifest `elastic`: {error}") from None
+        elif "elastic" in manifest:
+            raise ArtifactError("manifest `elastic` must be absent: settings.elastic is null, so there is no elastic cycle to restore")
         state = {**arrays, **{f"param.{k}": v for k, v in engine.parameters().items()}}
         state |= {f"optim.{k}": v for k, v in engine.optimizer_state().items()}
         try:
             learner.load_state(loop, state)  # type: ignore[arg-type]  # a Mapping, checked in _loop_expected
         except ValueError as error:
             raise ArtifactError(f"manifest `loop` does not restore: {error}") from None
+        if learner.elastic is not None and elastic_state is not None:
+            learner.elastic.load_state(elastic_state)
         learner.samples_seen = samples_seen
         return learner
 
@@ -400,7 +453,7 @@ class OnnxEngineLearner(EngineLearner):
             "temperature": self.temperature, "lwf_every": self.lwf_every, "lwf_on_drift": self.lwf_on_drift, "seed": self.seed,
             "monitor": self.monitor.settings(),
             "probe_guard": None if self.probe_guard is None else self.probe_guard.settings(),
-        }  # fmt: skip
+        } | ({} if self.elastic is None else {"elastic": self.elastic.settings()})  # fmt: skip
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write the learner as an artifact folder that :meth:`from_artifacts` resumes bit for bit (staged, then
@@ -409,7 +462,7 @@ class OnnxEngineLearner(EngineLearner):
         with self._lock, staged_folder(directory) as stage:
             self.engine.save(stage)
             if self.source is not None:
-                for name in (*GRAPHS, ENGINE_MANIFEST):
+                for name in (*self.onnx_engine.graph_files, ENGINE_MANIFEST):
                     if _sha256(stage / check_plain_name(name)) != self.source["files"][name]:
                         raise ArtifactError(f"{name} changed on disk since the learner was loaded: SHA-256 mismatch; not saved")
             plain, arrays = self.state()
@@ -425,6 +478,8 @@ class OnnxEngineLearner(EngineLearner):
                 "counters": {"samples_seen": self.samples_seen},
                 "export": self.info,
             }
+            if self.elastic is not None:
+                manifest["elastic"] = self.elastic.state()
             write_manifest(stage, manifest)
         return Path(directory).absolute()
 

@@ -15,6 +15,15 @@ it scores with the eval-mode forward, which is what a torch monitor's ``prequent
 uses for a model whose output depends on the mode). The folder is written by
 :meth:`~taste_cl.adapters.onnx_engine.learner.OnnxEngineLearner.save` (staged and hashed).
 
+An attached :class:`~taste_cl.elastic.ElasticTrainer` travels when ``trainable`` is left None: the
+folder gets one pruned backward graph per cut (:mod:`~taste_cl.adapters.onnx_engine.cuts`) and the
+trainer's settings and units, and the device re-selects every ``reselect_every`` steps from its own
+measured costs and gradients (:class:`~taste_cl.engine.elastic.ElasticEngine`); it starts with a probe
+and times its cuts on its first training step. ``trainable=elastic`` (or names) asks for its current
+selection, fixed, as before. What the device cycle cannot carry is refused, named: a
+``memory_budget_bytes``, two ElasticTrainers, an optimizer other than SGD with ``dampening=0``
+(a unit rejoining must start its momentum as torch's does).
+
 Refused before anything is written, with :class:`~taste_cl.exceptions.ExportError` naming what:
 another optimizer, a custom strategy or buffer, a monitor whose drift detector is not a ``PageHinkley``,
 a loss other than plain mean cross-entropy, a
@@ -50,10 +59,14 @@ from torch.nn import functional as F
 from taste_cl.adapters.device.learner_data import buffered_rows, synthetic_example
 from taste_cl.adapters.device.trainable import freeze_untrained, selected_parameters, selection_record
 from taste_cl.adapters.device.transforms import FrozenBatchNorm
+from taste_cl.adapters.onnx_engine.cuts import cut_groups, write_cuts
 from taste_cl.adapters.onnx_engine.engine import OnnxEngine
 from taste_cl.adapters.onnx_engine.export import export_engine
 from taste_cl.adapters.onnx_engine.learner import OnnxEngineLearner
 from taste_cl.adapters.onnxruntime.manifest import MAX_CAPACITY
+from taste_cl.elastic import ElasticTrainer
+from taste_cl.elastic.profiling import unit_names, unit_parameters
+from taste_cl.engine.elastic import SETTINGS as ELASTIC_SETTINGS
 from taste_cl.engine.monitor import SETTINGS as MONITOR_SETTINGS
 from taste_cl.engine.monitor import LoopMonitor
 from taste_cl.engine.probe_guard import SETTINGS as PROBE_GUARD_SETTINGS
@@ -245,6 +258,37 @@ def _carry_guard(device: OnnxEngineLearner, state: dict[str, Any]) -> None:
         raise ExportError(f"the learner's ProbeGuard state does not fit the device loop: {error}") from None
 
 
+def _elastic(learner: OnlineLearner, trainable: Any, example: Any) -> dict[str, Any] | None:
+    """The device cycle's settings and units for the learner's ElasticTrainer (None: none attached, or ``trainable=``
+    fixes a selection); ``ExportError`` naming what the device cycle cannot carry."""
+    trainers = [plugin for plugin in learner.plugins if isinstance(plugin, ElasticTrainer)]
+    if trainable is not None or not trainers:
+        return None
+    if len(trainers) > 1:
+        raise ExportError(f"the onnx_engine backend runs one elastic cycle; this learner has {len(trainers)} ElasticTrainers")
+    elastic = trainers[0]
+    if elastic.memory_budget_bytes is not None:
+        raise ExportError("the onnx_engine backend's elastic cycle budgets time only; this ElasticTrainer has memory_budget_bytes set")
+    group = learner.optimizer.param_groups[0]
+    if type(learner.optimizer).__name__ != "SGD" or group.get("dampening", 0.0):
+        raise ExportError(
+            "the onnx_engine backend's elastic cycle steps SGD with dampening=0 (a unit rejoining the selection starts its "
+            f"momentum as torch's does); this learner's optimizer is {type(learner.optimizer).__name__}"
+            + (f" with dampening={group['dampening']}" if group.get("dampening") else "")
+        )
+    candidates = elastic.candidates()
+    if elastic.profile_ is not None:
+        units = list(elastic.profile_.units)
+    elif example is not None:
+        units = unit_names(learner.model, example[0][:1], granularity=elastic.granularity, trainable=candidates, call=learner.call)
+    else:
+        raise ExportError("the ElasticTrainer's units are unknown: observe a batch first (its profile orders them)")
+    names = {id(p): name for name, p in learner.model.named_parameters()}
+    tensors = [[names[id(p)] for p in params] for params in unit_parameters(learner.model, units, elastic.granularity, candidates)]
+    settings = {key: getattr(elastic, key) for key in ELASTIC_SETTINGS}
+    return settings | {"units": tensors, "names": units}
+
+
 def _plain(value: Any) -> bool:
     return isinstance(value, (str, int, bool, type(None))) or (isinstance(value, float) and math.isfinite(value))
 
@@ -314,6 +358,7 @@ def export(
         counters = {"samples_seen": learner.samples_seen, "steps": learner.steps}
         monitor, monitor_state = _monitor_settings(learner.monitor), learner.monitor.state_dict()
         probe_guard, guard_state = _probe_guard(learner)
+        elastic = _elastic(learner, trainable, example)
     if batch_size is None:
         batch_size = plan.micro_batch_size if plan is not None else DEFAULT_BATCH
     freeze_untrained(model, chosen)
@@ -338,14 +383,18 @@ def export(
         "lwf_every_source": "lwf_every=" if lwf_every else "LwF.every" if lwf is not None and lwf.every else "default",
         "counters": counters,
     }
+    if elastic is not None:
+        info["elastic"] = "re-selected on the device from its own costs and gradients: a probe and its cuts timed on its first training step"
     parent = Path(directory).absolute().parent
     parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".onnx_engine.", dir=parent))
     try:
         engine_folder = export_engine(model, x, work / "engine", trainable=chosen, optimizer=optimizer, output=output)
+        if elastic is not None:
+            write_cuts(engine_folder, cut_groups(elastic["units"]))
         engine = OnnxEngine(engine_folder)
         settings["num_classes"] = engine.output_shape[-1]
-        device = OnnxEngineLearner(engine, info=info, monitor=monitor, probe_guard=probe_guard, **settings)
+        device = OnnxEngineLearner(engine, info=info, monitor=monitor, probe_guard=probe_guard, elastic=elastic, **settings)
         plain, arrays = device.state()
         plain.pop("probe_guard")  # carried after the rest loads: its snapshot is the loaded state (_carry_guard)
         arrays = {k: v for k, v in arrays.items() if not k.startswith("probe_guard.")}
