@@ -20,7 +20,7 @@ __all__ = ["BENCHMARKS", "COMMANDS", "build_parser", "main"]
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "adapt": ("taste_cl.benchmarks.recorded.adapt", "test-time adaptation on corrupted digits: source, BN-adapt, TENT, EATA, guarded"),
     "batch-size": ("taste_cl.benchmarks.batch_size", "throughput-aware batch size: tuned vs grid oracle vs fixed sizes"),
-    "device": ("taste_cl.benchmarks.device_runtimes", "ONNX Runtime training build and ExecuTorch steps vs torch eager (extras [onnx-training], [executorch])"),
+    "device": ("taste_cl.benchmarks.device_runtimes", "ORT training build and ExecuTorch steps vs torch (extras [onnx-training], [executorch])"),
     "elastic": ("taste_cl.benchmarks.elastic", "elastic trainable-tensor selection vs full and last-layer training"),
     "engines": ("taste_cl.benchmarks.parity.engines", "one loop on torch eager and the standard-ONNX engine: accuracy, replay draws, guard refusals"),
     "federated": ("taste_cl.benchmarks.federated", "simulated Flower fleet vs local-only learning (extra [federated])"),
@@ -40,7 +40,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 # command -> (module with a ``main(argv) -> int``, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("taste_cl.cli.demo", "online class-incremental stream on sklearn digits, with a plot"),
-    "export": ("taste_cl.cli.export", "train the digits learner (or load a checkpoint), export on-device training artifacts (extra [onnx]; --backend onnxruntime: [onnx-training])"),
+    "export": ("taste_cl.cli.export", "train the digits learner (or load a checkpoint), export on-device training artifacts (extra [onnx])"),
     "serve-demo": ("taste_cl.cli.serve_demo", "personalize a digits model in the browser (serves 127.0.0.1 only)"),
     "fleet": ("taste_cl.cli.fleet", "run the digits fleet on Flower's deployment engine: SuperLink + SuperNodes on loopback (extra [federated])"),
 }
