@@ -32,7 +32,6 @@ runtime); it is outside the torch-free device path. It imports nothing from the 
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import warnings
@@ -45,6 +44,7 @@ import torch
 
 from taste_cl.adapters.executorch.optimizer import NumpyOptimizer
 from taste_cl.adapters.executorch.runtime import MIN_BATCH, PARAM_PREFIX, executorch_runtime, load_program
+from taste_cl.engine.arrays import checked_floats, npz_bytes, read_npz
 from taste_cl.engine.base import Inputs
 from taste_cl.exceptions import ArtifactError, CheckpointError, InvalidBatchError
 from taste_cl.state.files import atomic_write_bytes, read_regular_file
@@ -60,36 +60,6 @@ INPUT = "input"  # the one input's name, for a mapping ``x``
 _MAX_MANIFEST = 1 << 20
 _MAX_FILE = 1 << 30
 _DTYPES = ("float32", "float64", "int64", "int32")
-
-
-def _load_npz(path: Path) -> dict[str, np.ndarray]:
-    try:
-        with np.load(io.BytesIO(read_regular_file(path, _MAX_FILE)), allow_pickle=False) as data:
-            return {name: np.asarray(data[name]) for name in data.files}
-    except (OSError, ValueError) as error:
-        raise ArtifactError(f"{path.name} in {path.parent} is unreadable: {error}") from None
-
-
-def _npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)  # type: ignore[arg-type]
-    return buffer.getvalue()
-
-
-def _checked(what: str, values: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], error: type[ValueError]) -> dict[str, np.ndarray]:
-    """``values`` as fresh float32 arrays with exactly ``expected``'s names and shapes, all finite; else ``error`` naming the first."""
-    if not isinstance(values, Mapping) or set(values) != set(expected):
-        given = sorted(values) if isinstance(values, Mapping) else type(values).__name__
-        raise error(f"{what}: names must be exactly {sorted(expected)}; got {given}")
-    checked = {}
-    for name, shape in expected.items():
-        array = np.asarray(values[name])
-        if array.shape != tuple(shape) or array.dtype.kind != "f":
-            raise error(f"{what}: {name!r} must be a float array of shape {tuple(shape)}; got {array.dtype} {array.shape}")
-        if not np.isfinite(array).all():
-            raise error(f"{what}: {name!r} holds NaN or infinite values")
-        checked[name] = np.array(array, dtype=np.float32)
-    return checked
 
 
 def _shape(value: Any, what: str) -> tuple[int, ...]:
@@ -185,7 +155,7 @@ class ExecuTorchEngine:
 
     def _loaded(self, file: str, shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, np.ndarray]:
         try:
-            return _checked(file, _load_npz(self.folder / file), self._shapes if shapes is None else shapes, CheckpointError)
+            return checked_floats(file, read_npz(self.folder / file, _MAX_FILE), self._shapes if shapes is None else shapes, CheckpointError)
         except CheckpointError as error:
             raise ArtifactError(str(error)) from None
 
@@ -253,7 +223,7 @@ class ExecuTorchEngine:
 
     def step(self, gradients: Mapping[str, np.ndarray], lr: float) -> None:
         """One optimizer step with ``gradients`` (one per trainable tensor) at learning rate ``lr``."""
-        checked = _checked("gradients", gradients, self._shapes, InvalidBatchError)
+        checked = checked_floats("gradients", gradients, self._shapes, InvalidBatchError)
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not np.isfinite(lr) or lr < 0:
             raise InvalidBatchError(f"`lr == {lr!r}`, must be a finite number >= 0")
         self.optimizer.step(self._parameters, checked, self._state, float(lr))
@@ -264,7 +234,7 @@ class ExecuTorchEngine:
     def load_parameters(self, values: Mapping[str, np.ndarray]) -> None:
         """Copy ``values`` into the program's tensors (exactly :attr:`trainable`, shaped and finite; ``CheckpointError``
         and nothing changed otherwise)."""
-        checked = _checked("parameters", values, self._shapes, CheckpointError)
+        checked = checked_floats("parameters", values, self._shapes, CheckpointError)
         for name, value in checked.items():
             np.copyto(self._parameters[name], value)
 
@@ -272,7 +242,7 @@ class ExecuTorchEngine:
         return {name: value.copy() for name, value in self._state.items()}
 
     def load_optimizer_state(self, state: Mapping[str, np.ndarray]) -> None:
-        self._state = _checked("optimizer state", state, self.optimizer.state_shapes(self._shapes), CheckpointError)
+        self._state = checked_floats("optimizer state", state, self.optimizer.state_shapes(self._shapes), CheckpointError)
 
     def save(self, folder: str | os.PathLike[str]) -> None:
         """Write the program, the manifest, the parameters and the optimizer state to ``folder``."""
@@ -281,5 +251,5 @@ class ExecuTorchEngine:
         for name, data in self._files.items():
             atomic_write_bytes(target / name, data)
         atomic_write_bytes(target / MANIFEST, json.dumps(self._manifest, indent=1).encode())
-        atomic_write_bytes(target / PARAMETERS, _npz_bytes(self._parameters))
-        atomic_write_bytes(target / OPTIMIZER_STATE, _npz_bytes(self._state))
+        atomic_write_bytes(target / PARAMETERS, npz_bytes(self._parameters))
+        atomic_write_bytes(target / OPTIMIZER_STATE, npz_bytes(self._state))

@@ -26,7 +26,6 @@ deprecated training build's plain ``InferenceSession`` included) with numpy.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -36,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from taste_cl.engine.arrays import checked_floats, npz_bytes, read_npz
 from taste_cl.exceptions import ArtifactError, CheckpointError, InvalidBatchError, MissingDependencyError
 from taste_cl.state.files import atomic_write_bytes, read_regular_file
 
@@ -56,36 +56,6 @@ def _ort() -> Any:
     except ImportError as error:
         raise MissingDependencyError("onnxruntime", command="pip install onnxruntime") from error
     return onnxruntime
-
-
-def _load_npz(path: Path) -> dict[str, np.ndarray]:
-    try:
-        with np.load(io.BytesIO(read_regular_file(path, _MAX_STATE)), allow_pickle=False) as data:
-            return {name: np.asarray(data[name]) for name in data.files}
-    except (OSError, ValueError) as error:
-        raise ArtifactError(f"{path.name} in {path.parent} is unreadable: {error}") from error
-
-
-def _npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)  # type: ignore[arg-type]
-    return buffer.getvalue()
-
-
-def _check_arrays(what: str, values: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    """``values`` as float32 arrays with exactly ``expected``'s names and shapes, all finite; else CheckpointError."""
-    if set(values) != set(expected):
-        missing, extra = sorted(set(expected) - set(values)), sorted(set(values) - set(expected))
-        raise CheckpointError(f"{what}: names differ from the engine's (missing {missing}, unexpected {extra})")
-    checked = {}
-    for name, shape in expected.items():
-        array = np.asarray(values[name])
-        if array.shape != tuple(shape) or array.dtype.kind != "f":
-            raise CheckpointError(f"{what}: {name!r} must be a float array of shape {tuple(shape)}; got {array.dtype} {array.shape}")
-        if not np.all(np.isfinite(array)):
-            raise CheckpointError(f"{what}: {name!r} holds NaN or infinite values")
-        checked[name] = np.array(array, dtype=np.float32, order="C")  # a copy (ascontiguousarray makes 0-d arrays 1-d)
-    return checked
 
 
 @dataclass(frozen=True)
@@ -114,7 +84,7 @@ def _check_statistics(
 ) -> dict[str, np.ndarray]:
     """``values`` checked as running statistics: float32 means and variances (>= 0) and int64 batch counts (>= 0)."""
     counts = {name: shape for name, shape in expected.items() if name.endswith("num_batches_tracked")}
-    floats = _check_arrays(what, {k: v for k, v in values.items() if k not in counts}, {k: s for k, s in expected.items() if k not in counts})
+    floats = checked_floats(what, {k: v for k, v in values.items() if k not in counts}, {k: s for k, s in expected.items() if k not in counts})
     checked = dict(floats)
     for name in counts:
         count = np.asarray(values.get(name))
@@ -172,9 +142,9 @@ class OnnxEngine:
         self.cut = 0  # the cut training runs on (select)
         self._batch = self._load_batch_graphs(manifest, ort, options)
         self._statistics = self._load_statistics() if self._batch is not None else {}
-        self._parameters = _check_arrays("parameters.npz", _load_npz(self.folder / "parameters.npz"), self._shapes)
+        self._parameters = checked_floats("parameters.npz", read_npz(self.folder / "parameters.npz", _MAX_STATE), self._shapes)
         self._state_shapes = self._optimizer_state_shapes()
-        self._state = _check_arrays("optimizer_state.npz", _load_npz(self.folder / "optimizer_state.npz"), self._state_shapes)
+        self._state = checked_floats("optimizer_state.npz", read_npz(self.folder / "optimizer_state.npz", _MAX_STATE), self._state_shapes)
         self._saved: list[tuple[dict[str, np.ndarray], int]] | None = None
         self._saved_by: _Graphs = self._graphs
         self._output_shape: tuple[int, ...] | None = None
@@ -342,7 +312,7 @@ class OnnxEngine:
     def step(self, gradients: Mapping[str, np.ndarray], lr: float) -> None:
         """One optimizer step with ``gradients`` (one per selected tensor: every trainable one unless :meth:`select`
         chose fewer) at learning rate ``lr``; the others, and their optimizer state, are left as they are."""
-        checked = _check_arrays("gradients", gradients, {name: self._shapes[name] for name in self._selected})
+        checked = checked_floats("gradients", gradients, {name: self._shapes[name] for name in self._selected})
         skipped = [name for name in self.trainable if name not in checked]
         checked |= {name: np.zeros(self._shapes[name], np.float32) for name in skipped}
         if not np.isfinite(lr) or lr < 0:
@@ -364,13 +334,13 @@ class OnnxEngine:
         return {name: value.copy() for name, value in self._parameters.items()}
 
     def load_parameters(self, values: Mapping[str, np.ndarray]) -> None:
-        self._parameters = _check_arrays("parameters", values, self._shapes)
+        self._parameters = checked_floats("parameters", values, self._shapes)
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
         return {name: value.copy() for name, value in self._state.items()}
 
     def load_optimizer_state(self, state: Mapping[str, np.ndarray]) -> None:
-        self._state = _check_arrays("optimizer state", state, self._state_shapes)
+        self._state = checked_floats("optimizer state", state, self._state_shapes)
 
     def save(self, folder: str | os.PathLike[str]) -> None:
         """Write the graphs, the manifest, the weights and the optimizer state to ``folder``."""
@@ -379,13 +349,13 @@ class OnnxEngine:
         if target.resolve() != self.folder.resolve():
             for name in (*self.graph_files, MANIFEST):
                 atomic_write_bytes(target / name, (self.folder / name).read_bytes())
-        atomic_write_bytes(target / "parameters.npz", _npz_bytes(self._parameters))
-        atomic_write_bytes(target / "optimizer_state.npz", _npz_bytes(self._state))
+        atomic_write_bytes(target / "parameters.npz", npz_bytes(self._parameters))
+        atomic_write_bytes(target / "optimizer_state.npz", npz_bytes(self._state))
         if self._batch is not None:
             if target.resolve() != self.folder.resolve():
                 for name in BATCH_GRAPHS:
                     atomic_write_bytes(target / name, (self.folder / name).read_bytes())
-            atomic_write_bytes(target / STATISTICS, _npz_bytes(self._statistics))
+            atomic_write_bytes(target / STATISTICS, npz_bytes(self._statistics))
 
     # ------------------------------------------------------------------ test-time adaptation (folders exported with batchnorm="adapt")
     @property
@@ -445,6 +415,6 @@ class OnnxEngine:
 
     def _load_statistics(self) -> dict[str, np.ndarray]:
         try:
-            return _check_statistics(STATISTICS, _load_npz(self.folder / STATISTICS), self._statistic_shapes, self._layers)
+            return _check_statistics(STATISTICS, read_npz(self.folder / STATISTICS, _MAX_STATE), self._statistic_shapes, self._layers)
         except CheckpointError as error:
             raise ArtifactError(str(error)) from None
