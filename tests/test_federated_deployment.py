@@ -367,7 +367,7 @@ def test_superlink_and_three_supernodes_on_loopback() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", ["torch", "artifacts"])
+@pytest.mark.parametrize("device", ["torch", pytest.param("artifacts", marks=pytest.mark.training_build)])  # the device runtime trains ORT training artifacts
 def test_secagg_aggregate_equals_plain_fedavg_on_loopback(device: str) -> None:
     """One round on 3 SuperNodes, plain then SecAgg+: the same shared weights within quantization, the same accuracy.
 
