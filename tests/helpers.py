@@ -177,3 +177,16 @@ def quadrant_images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         x[i, :, row * 4 : row * 4 + 4, col * 4 : col * 4 + 4] += 1.5
     return x, y
 
+
+
+def edit_manifest(folder: Path, path: str, value: Any) -> None:
+    """Set the device folder's manifest value at dotted ``path`` and re-hash, as an attacker who can write the folder would."""
+    from taste_cl.adapters.device.artifacts import MANIFEST_FILE, write_manifest
+
+    manifest = {k: v for k, v in json.loads((folder / MANIFEST_FILE).read_text()).items() if k != "files"}
+    *parents, key = path.split(".")
+    node = manifest
+    for part in parents:
+        node = node[part]
+    node[key] = value
+    write_manifest(folder, manifest)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import run_without_torch
+from helpers import edit_manifest, run_without_torch
 from test_shared_draws import TASKS, mlp
 
 from taste_cl import ClassBalancedReplay, OnlineLearner
@@ -140,19 +139,6 @@ def _guarded_folder(tmp_path: Path) -> Path:
     return device.save(tmp_path / "saved")
 
 
-def _edit(folder: Path, path: str, value: Any) -> None:
-    """Set the manifest value at dotted ``path`` and re-hash, as an attacker who can write the folder would."""
-    from taste_cl.adapters.device.artifacts import MANIFEST_FILE, write_manifest
-
-    manifest = {k: v for k, v in json.loads((folder / MANIFEST_FILE).read_text()).items() if k != "files"}
-    *parents, key = path.split(".")
-    node = manifest
-    for part in parents:
-        node = node[part]
-    node[key] = value
-    write_manifest(folder, manifest)
-
-
 @pytest.mark.parametrize(
     ("path", "value", "match"),
     [
@@ -170,7 +156,7 @@ def test_hostile_guard_folders_are_refused_naming_the_field(tmp_path: Path, path
 
     folder = _guarded_folder(tmp_path)
     assert load_learner(folder).probe_guard is not None
-    _edit(folder, path, value)
+    edit_manifest(folder, path, value)
     with pytest.raises(ArtifactError, match=match):
         load_learner(folder)
 

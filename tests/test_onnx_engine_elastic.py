@@ -17,10 +17,10 @@ from torch import nn
 pytest.importorskip("onnxscript")
 pytest.importorskip("onnxruntime")
 
-from helpers import run_without_torch
+from helpers import edit_manifest, run_without_torch
 
 from taste_cl import ElasticTrainer, OnlineLearner
-from taste_cl.adapters.device.artifacts import MANIFEST_FILE, write_manifest
+from taste_cl.adapters.device.artifacts import MANIFEST_FILE
 from taste_cl.adapters.onnx_engine.cuts import cut_groups, write_cuts
 from taste_cl.adapters.onnx_engine.engine import OnnxEngine
 from taste_cl.adapters.onnx_engine.export import export_engine
@@ -28,7 +28,7 @@ from taste_cl.adapters.onnx_engine.learner import OnnxEngineLearner
 from taste_cl.datasets import split_digits
 from taste_cl.elastic import TensorProfile
 from taste_cl.elastic import select_tensors as torch_select
-from taste_cl.engine.elastic import ElasticEngine, cut_costs, select_tensors
+from taste_cl.engine.elastic import cut_costs, select_tensors
 from taste_cl.exceptions import ArtifactError, ExportError
 
 TASKS = split_digits(5)
@@ -213,16 +213,6 @@ def test_the_device_reselects_without_torch(exported: tuple[OnlineLearner, Elast
     assert done.stdout.split() == ["False", "2", "True"]
 
 
-def _edit(folder: Path, path: str, value: Any) -> None:
-    manifest = {k: v for k, v in json.loads((folder / MANIFEST_FILE).read_text()).items() if k != "files"}
-    *parents, key = path.split(".")
-    node = manifest
-    for part in parents:
-        node = node[part]
-    node[key] = value
-    write_manifest(folder, manifest)
-
-
 @pytest.mark.parametrize(
     "path, value, match",
     [
@@ -242,7 +232,7 @@ def test_hostile_elastic_values_are_refused_naming_the_field(
     exported: tuple[OnlineLearner, ElasticTrainer, Path], tmp_path: Path, path: str, value: Any, match: str
 ) -> None:
     folder = load(exported[2], [3.0, 2.0, 1.0]).save(tmp_path / "copy")
-    _edit(folder, path, value)
+    edit_manifest(folder, path, value)
     with pytest.raises(ArtifactError, match=match):
         OnnxEngineLearner.from_artifacts(folder)
 

@@ -18,7 +18,7 @@ from torch import nn
 pytest.importorskip("onnxscript")
 pytest.importorskip("onnxruntime")
 
-from helpers import run_without_torch
+from helpers import edit_manifest, run_without_torch
 
 from taste_cl import ClassBalancedReplay, OnlineLearner, ReservoirReplay
 from taste_cl.adapters.device import load_learner
@@ -222,17 +222,7 @@ def _manifest(folder: Path) -> dict[str, Any]:
 
 def _set(path: str, value: Any) -> Callable[[Path], None]:
     """Set the manifest value at dotted ``path`` and re-hash, as an attacker who can write the folder would."""
-
-    def apply(folder: Path) -> None:
-        manifest = _manifest(folder)
-        *parents, key = path.split(".")
-        node = manifest
-        for part in parents:
-            node = node[part]
-        node[key] = value
-        write_manifest(folder, manifest)
-
-    return apply
+    return lambda folder: edit_manifest(folder, path, value)
 
 
 def _raw_lr(text: str) -> Callable[[Path], None]:
